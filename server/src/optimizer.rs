@@ -1,0 +1,506 @@
+//! Fused, parallel optimizer update of one parameter shard.
+//!
+//! Each server shard owns a contiguous slice of the flat parameters, the matching
+//! aggregated gradient and a momentum buffer. [`fused_update`] applies SGD with
+//! optional momentum (plain or Nesterov), weight decay and LARS layer-wise learning
+//! rates in one streaming pass over the three arrays, parallel over chunks with
+//! rayon and without full-size temporaries. LARS needs per-tensor norms first; they
+//! come from one parallel reduction pass. [`reference_update`] computes the same
+//! result with separate passes and temporaries, for tests and benchmarks.
+//!
+//! Per element, with `g' = grad_scale * grad + weight_decay * p`:
+//!
+//! ```text
+//! momentum > 0:  m = momentum * m + g';  step = nesterov ? g' + momentum * m : m
+//! otherwise:     step = g'
+//! p -= lr_eff * step,  lr_eff = lr * trust(segment)  (trust = 1 without LARS)
+//! ```
+//!
+//! ```
+//! use ps_server::optimizer::{fused_update, UpdateRule};
+//!
+//! let rule = UpdateRule { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars: None };
+//! let mut params = vec![1.0, 2.0];
+//! fused_update(&mut params, &[2.0, -2.0], &mut [], &[0..2], &rule, 1.0).unwrap();
+//! assert_eq!(params, vec![0.0, 3.0]);
+//! ```
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+/// Elements per parallel work item.
+const UPDATE_CHUNK: usize = 1 << 16;
+
+/// Hyper-parameters of one update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UpdateRule {
+    pub lr: f32,
+    /// Momentum coefficient; momentum is used only when it is above zero.
+    pub momentum: f32,
+    pub nesterov: bool,
+    pub weight_decay: f32,
+    /// LARS trust coefficient eta (e.g. 0.001): per segment
+    /// `lr_eff = lr * eta * ||p|| / ||g'||`, with 1 as the trust when a norm is 0.
+    pub lars: Option<f32>,
+}
+
+impl UpdateRule {
+    fn uses_momentum(&self) -> bool {
+        self.momentum > 0.0
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum UpdateError {
+    #[error("gradient has {grad} entries but the shard holds {params} parameters")]
+    GradLength { params: usize, grad: usize },
+    #[error("momentum buffer has {momentum} entries but the shard holds {params} parameters")]
+    MomentumLength { params: usize, momentum: usize },
+    #[error(
+        "segment {segment} is {start}..{end}, expected it to start at {expected}: \
+         segments must be ascending, contiguous and not reversed"
+    )]
+    SegmentNotContiguous {
+        segment: usize,
+        start: usize,
+        end: usize,
+        expected: usize,
+    },
+    #[error("segments cover 0..{covered} but the shard holds {params} parameters")]
+    SegmentsDoNotCover { covered: usize, params: usize },
+}
+
+/// Checks lengths (and, with LARS, that `segments` tile `0..params.len()`).
+fn check_inputs(
+    params: &[f32],
+    grad: &[f32],
+    momentum_buf: &[f32],
+    segments: &[Range<usize>],
+    rule: &UpdateRule,
+) -> Result<(), UpdateError> {
+    if grad.len() != params.len() {
+        return Err(UpdateError::GradLength {
+            params: params.len(),
+            grad: grad.len(),
+        });
+    }
+    if rule.uses_momentum() && momentum_buf.len() != params.len() {
+        return Err(UpdateError::MomentumLength {
+            params: params.len(),
+            momentum: momentum_buf.len(),
+        });
+    }
+    if rule.lars.is_some() {
+        let mut expected = 0;
+        for (segment, range) in segments.iter().enumerate() {
+            if range.start != expected || range.end < range.start {
+                return Err(UpdateError::SegmentNotContiguous {
+                    segment,
+                    start: range.start,
+                    end: range.end,
+                    expected,
+                });
+            }
+            expected = range.end;
+        }
+        if expected != params.len() {
+            return Err(UpdateError::SegmentsDoNotCover {
+                covered: expected,
+                params: params.len(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// LARS trust ratio from squared norms; 1 when either norm is zero.
+fn trust_ratio(eta: f32, param_sq: f64, grad_sq: f64) -> f32 {
+    if param_sq == 0.0 || grad_sq == 0.0 {
+        1.0
+    } else {
+        (f64::from(eta) * param_sq.sqrt() / grad_sq.sqrt()) as f32
+    }
+}
+
+/// One fused pass over the shard, parallel over chunks, no full-size temporaries.
+/// With LARS, a parallel reduction pass computes per-segment norms first. Without
+/// LARS `segments` is not used. `momentum_buf` may be empty when momentum is off.
+pub fn fused_update(
+    params: &mut [f32],
+    grad: &[f32],
+    momentum_buf: &mut [f32],
+    segments: &[Range<usize>],
+    rule: &UpdateRule,
+    grad_scale: f32,
+) -> Result<(), UpdateError> {
+    check_inputs(params, grad, momentum_buf, segments, rule)?;
+    let whole = [0..params.len()];
+    let segments: &[Range<usize>] = if rule.lars.is_some() {
+        segments
+    } else {
+        &whole
+    };
+    // Work items: (segment, range) pieces of at most UPDATE_CHUNK elements, in order.
+    let pieces: Vec<(usize, Range<usize>)> = segments
+        .iter()
+        .enumerate()
+        .flat_map(|(segment, range)| {
+            range
+                .clone()
+                .step_by(UPDATE_CHUNK)
+                .map(move |start| (segment, start..(start + UPDATE_CHUNK).min(range.end)))
+        })
+        .collect();
+
+    let segment_lrs: Vec<f32> = match rule.lars {
+        None => vec![rule.lr],
+        Some(eta) => {
+            let params_view: &[f32] = params;
+            let partial: Vec<(usize, f64, f64)> = pieces
+                .par_iter()
+                .map(|(segment, range)| {
+                    let (param_sq, grad_sq) = piece_norms(
+                        &params_view[range.clone()],
+                        &grad[range.clone()],
+                        rule,
+                        grad_scale,
+                    );
+                    (*segment, param_sq, grad_sq)
+                })
+                .collect();
+            let mut sums = vec![(0.0f64, 0.0f64); segments.len()];
+            for (segment, param_sq, grad_sq) in partial {
+                sums[segment].0 += param_sq;
+                sums[segment].1 += grad_sq;
+            }
+            sums.iter()
+                .map(|&(param_sq, grad_sq)| rule.lr * trust_ratio(eta, param_sq, grad_sq))
+                .collect()
+        }
+    };
+
+    // Cut the mutable arrays into the disjoint pieces, then update them in parallel.
+    let mut work = Vec::with_capacity(pieces.len());
+    let mut params_rest: &mut [f32] = params;
+    let mut momentum_rest: &mut [f32] = if rule.uses_momentum() {
+        momentum_buf
+    } else {
+        &mut []
+    };
+    let mut grad_rest = grad;
+    for (segment, range) in &pieces {
+        let len = range.len();
+        let (params_piece, params_tail) = std::mem::take(&mut params_rest).split_at_mut(len);
+        params_rest = params_tail;
+        let momentum_len = len.min(momentum_rest.len());
+        let (momentum_piece, momentum_tail) =
+            std::mem::take(&mut momentum_rest).split_at_mut(momentum_len);
+        momentum_rest = momentum_tail;
+        let (grad_piece, grad_tail) = grad_rest.split_at(len);
+        grad_rest = grad_tail;
+        work.push((
+            params_piece,
+            grad_piece,
+            momentum_piece,
+            segment_lrs[*segment],
+        ));
+    }
+    work.into_par_iter()
+        .for_each(|(params, grad, momentum, lr)| {
+            update_piece(params, grad, momentum, lr, rule, grad_scale)
+        });
+    Ok(())
+}
+
+/// Squared norms of `p` and of `g' = grad_scale * g + weight_decay * p`.
+fn piece_norms(params: &[f32], grad: &[f32], rule: &UpdateRule, grad_scale: f32) -> (f64, f64) {
+    let weight_decay = rule.weight_decay;
+    // f32 lanes per block of 8, summed into f64 per block: vectorises and keeps
+    // the rounding error small.
+    let mut param_sq = 0.0f64;
+    let mut grad_sq = 0.0f64;
+    let param_blocks = params.chunks(256);
+    for (p_block, g_block) in param_blocks.zip(grad.chunks(256)) {
+        let mut p_lanes = [0.0f32; 8];
+        let mut g_lanes = [0.0f32; 8];
+        for (p8, g8) in p_block.chunks(8).zip(g_block.chunks(8)) {
+            for ((lane, (&p, &g)), g_lane) in p_lanes
+                .iter_mut()
+                .zip(p8.iter().zip(g8))
+                .zip(g_lanes.iter_mut())
+            {
+                let shaped = grad_scale * g + weight_decay * p;
+                *lane += p * p;
+                *g_lane += shaped * shaped;
+            }
+        }
+        param_sq += p_lanes.iter().map(|&v| f64::from(v)).sum::<f64>();
+        grad_sq += g_lanes.iter().map(|&v| f64::from(v)).sum::<f64>();
+    }
+    (param_sq, grad_sq)
+}
+
+#[inline(always)]
+fn update_piece(
+    params: &mut [f32],
+    grad: &[f32],
+    momentum: &mut [f32],
+    lr: f32,
+    rule: &UpdateRule,
+    grad_scale: f32,
+) {
+    let weight_decay = rule.weight_decay;
+    let mu = rule.momentum;
+    if rule.uses_momentum() {
+        let triples = params.iter_mut().zip(grad).zip(momentum.iter_mut());
+        if rule.nesterov {
+            for ((p, &g), m) in triples {
+                let shaped = grad_scale * g + weight_decay * *p;
+                let velocity = mu * *m + shaped;
+                *m = velocity;
+                *p -= lr * (shaped + mu * velocity);
+            }
+        } else {
+            for ((p, &g), m) in triples {
+                let shaped = grad_scale * g + weight_decay * *p;
+                let velocity = mu * *m + shaped;
+                *m = velocity;
+                *p -= lr * velocity;
+            }
+        }
+    } else {
+        for (p, &g) in params.iter_mut().zip(grad) {
+            let shaped = grad_scale * g + weight_decay * *p;
+            *p -= lr * shaped;
+        }
+    }
+}
+
+/// Same result as [`fused_update`] from separate, sequential passes with
+/// full-size temporaries (shaped gradient, per-element learning rate, step).
+pub fn reference_update(
+    params: &mut [f32],
+    grad: &[f32],
+    momentum_buf: &mut [f32],
+    segments: &[Range<usize>],
+    rule: &UpdateRule,
+    grad_scale: f32,
+) -> Result<(), UpdateError> {
+    check_inputs(params, grad, momentum_buf, segments, rule)?;
+    let shaped: Vec<f32> = grad
+        .iter()
+        .zip(params.iter())
+        .map(|(&g, &p)| grad_scale * g + rule.weight_decay * p)
+        .collect();
+
+    let mut lrs = vec![rule.lr; params.len()];
+    if let Some(eta) = rule.lars {
+        for range in segments {
+            let param_sq: f64 = params[range.clone()]
+                .iter()
+                .map(|&p| f64::from(p * p))
+                .sum();
+            let grad_sq: f64 = shaped[range.clone()]
+                .iter()
+                .map(|&g| f64::from(g * g))
+                .sum();
+            let lr = rule.lr * trust_ratio(eta, param_sq, grad_sq);
+            lrs[range.clone()].fill(lr);
+        }
+    }
+
+    let step: Vec<f32> = if rule.uses_momentum() {
+        for (m, &g) in momentum_buf.iter_mut().zip(&shaped) {
+            *m = rule.momentum * *m + g;
+        }
+        if rule.nesterov {
+            shaped
+                .iter()
+                .zip(momentum_buf.iter())
+                .map(|(&g, &m)| g + rule.momentum * m)
+                .collect()
+        } else {
+            momentum_buf.to_vec()
+        }
+    } else {
+        shaped
+    };
+
+    for ((p, &s), &lr) in params.iter_mut().zip(&step).zip(&lrs) {
+        *p -= lr * s;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn rule(momentum: f32, nesterov: bool, weight_decay: f32, lars: Option<f32>) -> UpdateRule {
+        UpdateRule {
+            lr: 0.1,
+            momentum,
+            nesterov,
+            weight_decay,
+            lars,
+        }
+    }
+
+    fn close(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(&x, &y)| (x - y).abs() <= 1e-5 * (1.0 + x.abs().max(y.abs())))
+    }
+
+    /// Segment boundaries from sorted cut points.
+    fn segments_from_cuts(len: usize, mut cuts: Vec<usize>) -> Vec<Range<usize>> {
+        cuts.retain(|&c| c < len);
+        cuts.sort_unstable();
+        let mut out = Vec::new();
+        let mut start = 0;
+        for cut in cuts.into_iter().chain([len]) {
+            out.push(start..cut);
+            start = cut;
+        }
+        out
+    }
+
+    #[test]
+    fn plain_sgd_example() {
+        let mut params = vec![1.0, 2.0];
+        let plain = rule(0.0, false, 0.0, None);
+        fused_update(&mut params, &[2.0, -2.0], &mut [], &[0..2], &plain, 0.5).unwrap();
+        assert_eq!(params, vec![0.9, 2.1]);
+    }
+
+    #[test]
+    fn momentum_and_nesterov_by_hand() {
+        let mut params = vec![1.0f32];
+        let mut momentum = vec![1.0f32];
+        // g' = 1 + 0.5*1 = 1.5; m = 0.9 + 1.5 = 2.4; p = 1 - 0.1*2.4
+        fused_update(
+            &mut params,
+            &[1.0],
+            &mut momentum,
+            &[0..1],
+            &rule(0.9, false, 0.5, None),
+            1.0,
+        )
+        .unwrap();
+        assert!((momentum[0] - 2.4).abs() < 1e-6);
+        assert!((params[0] - 0.76).abs() < 1e-6);
+        let mut params = vec![1.0f32];
+        let mut momentum = vec![1.0f32];
+        // step = 1.5 + 0.9*2.4 = 3.66
+        fused_update(
+            &mut params,
+            &[1.0],
+            &mut momentum,
+            &[0..1],
+            &rule(0.9, true, 0.5, None),
+            1.0,
+        )
+        .unwrap();
+        assert!((params[0] - (1.0 - 0.366)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn lars_trust_per_segment_and_zero_norm_guard() {
+        // Segment 0: ||p|| = 5, ||g|| = 2 -> trust = 0.01*5/2 = 0.025.
+        // Segment 1: p = 0 -> trust 1.
+        let mut params = vec![3.0, 4.0, 0.0];
+        let grad = [2.0, 0.0, 1.0];
+        let lars = rule(0.0, false, 0.0, Some(0.01));
+        fused_update(&mut params, &grad, &mut [], &[0..2, 2..3], &lars, 1.0).unwrap();
+        assert!((params[0] - (3.0 - 0.1 * 0.025 * 2.0)).abs() < 1e-6);
+        assert_eq!(params[1], 4.0);
+        assert!((params[2] + 0.1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn length_and_segment_errors() {
+        let sgd = rule(0.9, false, 0.0, None);
+        let mut params = vec![0.0; 4];
+        assert_eq!(
+            fused_update(&mut params, &[0.0; 3], &mut [0.0; 4], &[0..4], &sgd, 1.0),
+            Err(UpdateError::GradLength { params: 4, grad: 3 })
+        );
+        assert_eq!(
+            reference_update(&mut params, &[0.0; 4], &mut [], &[0..4], &sgd, 1.0),
+            Err(UpdateError::MomentumLength {
+                params: 4,
+                momentum: 0
+            })
+        );
+        let lars = rule(0.0, false, 0.0, Some(0.001));
+        assert!(matches!(
+            fused_update(&mut params, &[0.0; 4], &mut [], &[0..2, 3..4], &lars, 1.0),
+            Err(UpdateError::SegmentNotContiguous { segment: 1, .. })
+        ));
+        assert_eq!(
+            fused_update(&mut params, &[0.0; 4], &mut [], &[0..3], &lars, 1.0),
+            Err(UpdateError::SegmentsDoNotCover {
+                covered: 3,
+                params: 4
+            })
+        );
+        // Without momentum an empty buffer is fine; without LARS segments are unused.
+        let plain = rule(0.0, false, 0.0, None);
+        assert!(fused_update(&mut params, &[0.0; 4], &mut [], &[], &plain, 1.0).is_ok());
+    }
+
+    #[test]
+    fn large_shard_matches_reference_across_chunks() {
+        let len = 3 * UPDATE_CHUNK + 123;
+        let params: Vec<f32> = (0..len)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
+            .collect();
+        let grad: Vec<f32> = (0..len)
+            .map(|i| ((i * 104_729) % 997) as f32 * 1e-3 - 0.4)
+            .collect();
+        let momentum: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 1e-2).collect();
+        let segments = vec![0..1000, 1000..UPDATE_CHUNK + 5, UPDATE_CHUNK + 5..len];
+        for r in [
+            rule(0.9, false, 1e-4, None),
+            rule(0.9, true, 1e-4, None),
+            rule(0.9, false, 1e-4, Some(0.001)),
+        ] {
+            let (mut p_fused, mut m_fused) = (params.clone(), momentum.clone());
+            let (mut p_ref, mut m_ref) = (params.clone(), momentum.clone());
+            fused_update(&mut p_fused, &grad, &mut m_fused, &segments, &r, 0.25).unwrap();
+            reference_update(&mut p_ref, &grad, &mut m_ref, &segments, &r, 0.25).unwrap();
+            assert!(close(&p_fused, &p_ref));
+            assert!(close(&m_fused, &m_ref));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn fused_equals_reference(
+            data in prop::collection::vec((-2.0f32..2.0, -2.0f32..2.0, -1.0f32..1.0), 0..200),
+            cuts in prop::collection::vec(0usize..200, 0..6),
+            momentum in prop_oneof![Just(0.0f32), 0.1f32..0.99],
+            nesterov in any::<bool>(),
+            weight_decay in prop_oneof![Just(0.0f32), 0.0f32..0.01],
+            lars in prop_oneof![Just(None), (0.0001f32..0.1).prop_map(Some)],
+            grad_scale in 0.01f32..2.0,
+        ) {
+            let params: Vec<f32> = data.iter().map(|d| d.0).collect();
+            let grad: Vec<f32> = data.iter().map(|d| d.1).collect();
+            let momentum_init: Vec<f32> = data.iter().map(|d| d.2).collect();
+            let segments = segments_from_cuts(params.len(), cuts);
+            let r = UpdateRule { lr: 0.05, momentum, nesterov, weight_decay, lars };
+            let (mut p_fused, mut m_fused) = (params.clone(), momentum_init.clone());
+            let (mut p_ref, mut m_ref) = (params.clone(), momentum_init.clone());
+            fused_update(&mut p_fused, &grad, &mut m_fused, &segments, &r, grad_scale).unwrap();
+            reference_update(&mut p_ref, &grad, &mut m_ref, &segments, &r, grad_scale).unwrap();
+            prop_assert!(close(&p_fused, &p_ref), "params {:?} vs {:?}", p_fused, p_ref);
+            prop_assert!(close(&m_fused, &m_ref));
+        }
+    }
+}

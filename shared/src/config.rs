@@ -1,0 +1,631 @@
+//! Cluster configuration: one TOML file read by both `ps-server` and `ps-worker`.
+//!
+//! Every field has a default, so a file only names what it changes; unknown
+//! fields are rejected (a typo must not silently fall back to a default), and
+//! [`ClusterConfig::validate`] checks every value with a message that names the
+//! field. The embedded default is `configs/local.toml`.
+//!
+//! ```
+//! use ps_shared::config::ClusterConfig;
+//! let cfg = ClusterConfig::from_toml_str("[training]\nepochs = 3\n").unwrap();
+//! assert_eq!(cfg.training.epochs, 3);
+//! assert!(ClusterConfig::from_toml_str("[optimizer]\nlr = -1.0\n").is_err());
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::sparse::{CompressorConfig, TopKMethod};
+
+/// The configuration shipped with the binaries (`configs/local.toml`).
+pub const DEFAULT_CONFIG: &str = include_str!("../../configs/local.toml");
+
+/// Environment variable that overrides `cluster.token`.
+pub const TOKEN_ENV: &str = "STRATUS_TOKEN";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config {origin} is not valid TOML for Stratus: {message}")]
+    Parse { origin: String, message: String },
+    #[error("invalid config value {field}: {message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+}
+
+fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        message: message.into(),
+    }
+}
+
+/// The whole cluster's configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    pub cluster: ClusterSection,
+    pub tls: TlsSection,
+    pub model: ModelSection,
+    pub data: DataSection,
+    pub training: TrainingSection,
+    pub compression: CompressionSection,
+    pub optimizer: OptimizerSection,
+    pub server: ServerSection,
+}
+
+/// Who is in the cluster and how the parameter space is split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSection {
+    /// One `host:port` per ps-server process, in order; server `i` owns the
+    /// `shards_per_server` shards that follow those of servers `0..i`.
+    pub servers: Vec<String>,
+    /// Parameter shards (one actor each) per server process.
+    pub shards_per_server: usize,
+    /// Number of workers; ranks are `0..workers`. BSP waits for all of them.
+    pub workers: usize,
+    /// Shared secret workers present when they connect (overridden by `STRATUS_TOKEN`).
+    pub token: String,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        Self {
+            servers: vec!["127.0.0.1:7400".into()],
+            shards_per_server: 2,
+            workers: 2,
+            token: "stratus-dev-token".into(),
+        }
+    }
+}
+
+/// TLS material. QUIC always runs TLS 1.3; there is no plaintext mode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsSection {
+    /// Server certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Server private key (PEM).
+    pub key: PathBuf,
+    /// Certificate workers trust (PEM); for self-signed dev certificates this is `cert`.
+    pub ca: PathBuf,
+    /// Name the workers expect in the server certificate.
+    pub server_name: String,
+    /// Generate a self-signed certificate at `cert`/`key` on first start when missing.
+    pub generate_if_missing: bool,
+}
+
+impl Default for TlsSection {
+    fn default() -> Self {
+        Self {
+            cert: "certs/server.pem".into(),
+            key: "certs/server.key".into(),
+            ca: "certs/server.pem".into(),
+            server_name: "localhost".into(),
+            generate_if_missing: true,
+        }
+    }
+}
+
+/// Model architecture kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// Fully connected layers with ReLU.
+    Mlp,
+}
+
+/// The model both sides agree on: it fixes the flat parameter space.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    pub kind: ModelKind,
+    /// Input features; must match the dataset.
+    pub input: usize,
+    /// Hidden layer widths.
+    pub hidden: Vec<usize>,
+    /// Output classes; must match the dataset.
+    pub classes: usize,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            kind: ModelKind::Mlp,
+            input: 64,
+            hidden: vec![128],
+            classes: 10,
+        }
+    }
+}
+
+/// One named tensor of the model, in flat-space order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+impl ModelSection {
+    /// The model's tensors in the fixed order of the flat parameter space.
+    pub fn layout(&self) -> Vec<TensorSpec> {
+        let mut dims = vec![self.input];
+        dims.extend(&self.hidden);
+        dims.push(self.classes);
+        let mut out = Vec::new();
+        for (i, pair) in dims.windows(2).enumerate() {
+            out.push(TensorSpec {
+                name: format!("fc{i}.weight"),
+                shape: vec![pair[1], pair[0]],
+            });
+            out.push(TensorSpec {
+                name: format!("fc{i}.bias"),
+                shape: vec![pair[1]],
+            });
+        }
+        out
+    }
+
+    /// Size P of the flat parameter space.
+    pub fn num_params(&self) -> usize {
+        self.layout().iter().map(TensorSpec::numel).sum()
+    }
+
+    /// Global ranges of each tensor in the flat space.
+    pub fn tensor_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        let mut start = 0;
+        self.layout()
+            .iter()
+            .map(|t| {
+                let r = start..start + t.numel();
+                start = r.end;
+                r
+            })
+            .collect()
+    }
+
+    /// A fingerprint of the layout, exchanged at connect time so a worker and
+    /// a server built from different model configs refuse each other.
+    pub fn layout_hash(&self) -> u64 {
+        // FNV-1a over the tensor names and shapes: stable across builds.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |bytes: &[u8]| {
+            for b in bytes {
+                h ^= u64::from(*b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for t in self.layout() {
+            eat(t.name.as_bytes());
+            for d in &t.shape {
+                eat(&(*d as u64).to_le_bytes());
+            }
+        }
+        h
+    }
+}
+
+/// Where the training data lives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    /// Bucket URL of the dataset: `file://dir` (relative to the working directory
+    /// or absolute), `memory://`, `s3://bucket/prefix` (credentials from AWS_* variables).
+    pub url: String,
+    /// Samples per step on each worker.
+    pub batch_size: usize,
+    /// Seed of the per-epoch sample order.
+    pub seed: u64,
+    /// Batches the loader keeps fetched ahead of the trainer.
+    pub prefetch_batches: usize,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self {
+            url: "file://data/synthetic".into(),
+            batch_size: 64,
+            seed: 42,
+            prefetch_batches: 4,
+        }
+    }
+}
+
+/// Training loop settings (worker side).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingSection {
+    pub epochs: u64,
+    /// `cpu`, or `cuda` / `cuda:N` when built with the `cuda` feature.
+    pub device: String,
+    /// Seed of the initial weights (the first worker's initial weights win).
+    pub init_seed: u64,
+    /// Directory for per-epoch metrics (JSON lines); empty disables.
+    pub metrics_dir: String,
+}
+
+impl Default for TrainingSection {
+    fn default() -> Self {
+        Self {
+            epochs: 5,
+            device: "cpu".into(),
+            init_seed: 1,
+            metrics_dir: "runs".into(),
+        }
+    }
+}
+
+/// Gradient compression kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CompressionKind {
+    /// Dense gradients (the baseline).
+    None,
+    /// Top-k sparsification with error feedback.
+    Topk,
+}
+
+/// Worker-side gradient compression.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CompressionSection {
+    pub kind: CompressionKind,
+    /// Fraction of entries sent per step, in (0, 1].
+    pub density: f64,
+    /// `exact` (introselect) or `approx` (sampled threshold).
+    pub method: TopKMethod,
+    pub error_feedback: bool,
+    /// DGC momentum correction factor (0 disables); use with server momentum 0.
+    pub momentum_correction: f32,
+    pub momentum_masking: bool,
+    /// Steps of exponential density warm-up (0 disables).
+    pub warmup_steps: u64,
+    pub warmup_start_density: f64,
+    /// Send values as f16 on the wire.
+    pub f16_values: bool,
+}
+
+impl Default for CompressionSection {
+    fn default() -> Self {
+        Self {
+            kind: CompressionKind::Topk,
+            density: 0.01,
+            method: TopKMethod::Exact,
+            error_feedback: true,
+            momentum_correction: 0.9,
+            momentum_masking: true,
+            warmup_steps: 0,
+            warmup_start_density: 0.25,
+            f16_values: false,
+        }
+    }
+}
+
+impl CompressionSection {
+    /// The compressor settings; `kind = "none"` means density 1 (dense).
+    pub fn compressor(&self) -> CompressorConfig {
+        let dense = self.kind == CompressionKind::None;
+        CompressorConfig {
+            density: if dense { 1.0 } else { self.density },
+            method: self.method,
+            error_feedback: self.error_feedback,
+            momentum_correction: if dense { 0.0 } else { self.momentum_correction },
+            momentum_masking: self.momentum_masking,
+            warmup_steps: if dense { 0 } else { self.warmup_steps },
+            warmup_start_density: if dense {
+                1.0
+            } else {
+                self.warmup_start_density
+            },
+        }
+    }
+}
+
+/// Server-side optimizer, applied once per step to the aggregated gradient.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerSection {
+    pub lr: f32,
+    pub momentum: f32,
+    pub nesterov: bool,
+    pub weight_decay: f32,
+    /// LARS trust coefficient (0 disables LARS).
+    pub lars_eta: f32,
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        Self {
+            lr: 0.05,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+            lars_eta: 0.0,
+        }
+    }
+}
+
+impl OptimizerSection {
+    /// Whether an update can move a parameter whose aggregated gradient is zero
+    /// (then pulls must be dense).
+    pub fn moves_untouched(&self) -> bool {
+        self.momentum > 0.0 || self.weight_decay > 0.0
+    }
+}
+
+/// Synchronisation modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncMode {
+    /// Bulk synchronous: every live worker's push for step t before the update.
+    Bsp,
+}
+
+/// Server-process settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    pub mode: SyncMode,
+    /// Stop the server once every worker has said goodbye.
+    pub exit_when_done: bool,
+    /// Largest frame accepted on the wire, in bytes.
+    pub max_frame_bytes: usize,
+    /// Seconds a worker waits for the first connection before giving up.
+    pub connect_timeout_secs: u64,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            mode: SyncMode::Bsp,
+            exit_when_done: true,
+            max_frame_bytes: 256 << 20,
+            connect_timeout_secs: 30,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// The embedded default (`configs/local.toml`).
+    pub fn embedded_default() -> Result<Self, ConfigError> {
+        Self::parse(DEFAULT_CONFIG, "configs/local.toml (embedded)")
+    }
+
+    /// Parse and validate TOML text.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        Self::parse(text, "text")
+    }
+
+    /// Read, parse and validate a TOML file; `STRATUS_TOKEN` overrides the token.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// `--config` when given, else the embedded default.
+    pub fn load_or_default(path: Option<&Path>) -> Result<Self, ConfigError> {
+        match path {
+            Some(p) => Self::load(p),
+            None => Self::embedded_default(),
+        }
+    }
+
+    fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let mut cfg: ClusterConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        if let Ok(token) = std::env::var(TOKEN_ENV) {
+            if !token.is_empty() {
+                cfg.cluster.token = token;
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Check every value; the error names the field and the rule.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let c = &self.cluster;
+        if c.servers.is_empty() {
+            return Err(invalid(
+                "cluster.servers",
+                "list at least one server host:port",
+            ));
+        }
+        for s in &c.servers {
+            validate_host_port(s)?;
+        }
+        if c.shards_per_server == 0 || c.shards_per_server > 1024 {
+            return Err(invalid("cluster.shards_per_server", "must be in 1..=1024"));
+        }
+        if c.workers == 0 || c.workers > 4096 {
+            return Err(invalid("cluster.workers", "must be in 1..=4096"));
+        }
+        if c.token.len() < 8 {
+            return Err(invalid(
+                "cluster.token",
+                "must be at least 8 characters (or set STRATUS_TOKEN)",
+            ));
+        }
+        if self.tls.server_name.is_empty() {
+            return Err(invalid("tls.server_name", "must not be empty"));
+        }
+        let m = &self.model;
+        if m.input == 0 || m.classes < 2 || m.hidden.contains(&0) {
+            return Err(invalid(
+                "model",
+                "input must be >= 1, classes >= 2 and every hidden width >= 1",
+            ));
+        }
+        let shards = c.servers.len() * c.shards_per_server;
+        if shards > m.num_params() {
+            return Err(invalid(
+                "cluster.shards_per_server",
+                format!(
+                    "{shards} shards for a model of only {} parameters",
+                    m.num_params()
+                ),
+            ));
+        }
+        let d = &self.data;
+        if d.url.trim().is_empty() {
+            return Err(invalid("data.url", "must name a bucket URL"));
+        }
+        if d.batch_size == 0 {
+            return Err(invalid("data.batch_size", "must be >= 1"));
+        }
+        if d.prefetch_batches == 0 {
+            return Err(invalid("data.prefetch_batches", "must be >= 1"));
+        }
+        let t = &self.training;
+        if t.epochs == 0 {
+            return Err(invalid("training.epochs", "must be >= 1"));
+        }
+        if !(t.device == "cpu" || t.device == "cuda" || t.device.starts_with("cuda:")) {
+            return Err(invalid(
+                "training.device",
+                format!("`{}`: use cpu, cuda or cuda:N", t.device),
+            ));
+        }
+        let z = &self.compression;
+        if !(z.density > 0.0 && z.density <= 1.0) {
+            return Err(invalid("compression.density", "must be in (0, 1]"));
+        }
+        self.compression
+            .compressor()
+            .validate()
+            .map_err(|m| invalid("compression", m))?;
+        let o = &self.optimizer;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return Err(invalid("optimizer.lr", "must be a positive finite number"));
+        }
+        if !(0.0..1.0).contains(&o.momentum) {
+            return Err(invalid("optimizer.momentum", "must be in [0, 1)"));
+        }
+        if o.nesterov && o.momentum == 0.0 {
+            return Err(invalid(
+                "optimizer.nesterov",
+                "needs optimizer.momentum > 0",
+            ));
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return Err(invalid("optimizer.weight_decay", "must be >= 0"));
+        }
+        if !(o.lars_eta.is_finite() && o.lars_eta >= 0.0) {
+            return Err(invalid("optimizer.lars_eta", "must be >= 0"));
+        }
+        let s = &self.server;
+        if s.max_frame_bytes < 4096 {
+            return Err(invalid("server.max_frame_bytes", "must be >= 4096"));
+        }
+        let dense_frame = 64 + 4 * m.num_params().div_ceil(shards);
+        if s.max_frame_bytes < dense_frame {
+            return Err(invalid(
+                "server.max_frame_bytes",
+                format!(
+                    "{} is smaller than one dense shard ({dense_frame} bytes)",
+                    s.max_frame_bytes
+                ),
+            ));
+        }
+        if s.connect_timeout_secs == 0 {
+            return Err(invalid("server.connect_timeout_secs", "must be >= 1"));
+        }
+        Ok(())
+    }
+
+    /// Total number of parameter shards.
+    pub fn total_shards(&self) -> usize {
+        self.cluster.servers.len() * self.cluster.shards_per_server
+    }
+
+    /// Global shard ids owned by server process `index`.
+    pub fn shards_of_server(&self, index: usize) -> std::ops::Range<usize> {
+        let n = self.cluster.shards_per_server;
+        index * n..(index + 1) * n
+    }
+}
+
+fn validate_host_port(s: &str) -> Result<(), ConfigError> {
+    if s.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    match s.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(invalid(
+            "cluster.servers",
+            format!("`{s}` is not host:port (e.g. 10.0.0.5:7400 or ps-0:7400)"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_is_valid() {
+        let cfg = ClusterConfig::embedded_default().unwrap();
+        assert_eq!(cfg.total_shards(), 2);
+        assert_eq!(cfg.cluster.workers, 2);
+    }
+
+    #[test]
+    fn unknown_field_is_rejected() {
+        let e = ClusterConfig::from_toml_str("[optimizer]\nlearning_rate = 0.1\n").unwrap_err();
+        assert!(e.to_string().contains("learning_rate"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        for (text, field) in [
+            ("[optimizer]\nlr = 0.0\n", "optimizer.lr"),
+            ("[optimizer]\nmomentum = 1.5\n", "optimizer.momentum"),
+            ("[cluster]\nservers = []\n", "cluster.servers"),
+            ("[cluster]\nservers = [\"nohost\"]\n", "cluster.servers"),
+            ("[cluster]\nworkers = 0\n", "cluster.workers"),
+            ("[cluster]\ntoken = \"short\"\n", "cluster.token"),
+            ("[data]\nbatch_size = 0\n", "data.batch_size"),
+            ("[compression]\ndensity = 0.0\n", "compression.density"),
+            ("[training]\ndevice = \"tpu\"\n", "training.device"),
+            ("[model]\nhidden = [0]\n", "model"),
+        ] {
+            let e = ClusterConfig::from_toml_str(text).unwrap_err().to_string();
+            assert!(e.contains(field), "{text:?} gave {e}");
+        }
+    }
+
+    #[test]
+    fn layout_counts_params() {
+        let m = ModelSection {
+            kind: ModelKind::Mlp,
+            input: 4,
+            hidden: vec![3],
+            classes: 2,
+        };
+        assert_eq!(m.num_params(), 4 * 3 + 3 + 3 * 2 + 2);
+        assert_eq!(m.tensor_ranges().last().unwrap().end, m.num_params());
+        let mut other = m.clone();
+        other.hidden = vec![5];
+        assert_ne!(m.layout_hash(), other.layout_hash());
+    }
+}

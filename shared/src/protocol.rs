@@ -1,0 +1,402 @@
+//! The wire protocol between workers and parameter servers.
+//!
+//! Every exchange is one request and one response on its own QUIC
+//! bidirectional stream. A message travels as a frame: a 4-byte little-endian
+//! length followed by an rkyv archive of [`Request`] or [`Response`]. Receivers
+//! copy the payload into an aligned buffer and validate it with bytecheck before
+//! anything reads it, so a malformed frame is a typed [`ProtocolError`], never a
+//! panic or undefined behaviour.
+//!
+//! ```
+//! use ps_shared::protocol::{decode_request, encode_request, Request};
+//! let req = Request::Bye { worker_rank: 3 };
+//! let frame = encode_request(&req).unwrap();
+//! assert_eq!(decode_request(&frame[4..]).unwrap(), req);
+//! assert!(decode_request(&[1, 2, 3]).is_err());
+//! ```
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::sparse::{values_from_f16, values_to_f16, SparseGrad};
+
+/// Bumped on every incompatible change; a mismatching Hello is refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Bytes of the length prefix in front of each frame.
+pub const FRAME_HEADER_BYTES: usize = 4;
+
+/// Values of a sparse or dense payload, optionally as f16 bits.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum WireValues {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+impl WireValues {
+    pub fn encode(values: Vec<f32>, f16: bool) -> Self {
+        if f16 {
+            WireValues::F16(values_to_f16(&values))
+        } else {
+            WireValues::F32(values)
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            WireValues::F32(v) => v.len(),
+            WireValues::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            WireValues::F32(v) => v,
+            WireValues::F16(v) => values_from_f16(&v),
+        }
+    }
+}
+
+/// A gradient for one shard, indices local to the shard.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum WireGrad {
+    /// Every entry of the shard, in order.
+    Dense(WireValues),
+    /// Strictly ascending local indices with their values.
+    Sparse {
+        indices: Vec<u32>,
+        values: WireValues,
+    },
+}
+
+impl WireGrad {
+    /// Encode a shard-local sparse gradient.
+    pub fn from_sparse(grad: SparseGrad, f16: bool) -> Self {
+        WireGrad::Sparse {
+            indices: grad.indices,
+            values: WireValues::encode(grad.values, f16),
+        }
+    }
+
+    /// Entries carried.
+    pub fn len(&self) -> usize {
+        match self {
+            WireGrad::Dense(v) => v.len(),
+            WireGrad::Sparse { indices, .. } => indices.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// New parameter values for one shard after a pull.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum ParamUpdate {
+    /// The whole shard.
+    Dense(Vec<f32>),
+    /// Only the entries that changed since the version the worker holds.
+    Sparse { indices: Vec<u32>, values: Vec<f32> },
+}
+
+/// A worker's request.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Request {
+    /// First message on a connection: authenticates the worker.
+    Hello {
+        protocol_version: u32,
+        token: String,
+        worker_rank: u32,
+        num_params: u64,
+        layout_hash: u64,
+    },
+    /// Offer initial values for a shard; the first offer wins.
+    Init { shard: u32, values: Vec<f32> },
+    /// The worker's gradient for `step` on `shard`.
+    Push {
+        shard: u32,
+        step: u64,
+        worker_rank: u32,
+        grad: WireGrad,
+    },
+    /// Parameters of `shard` once its version reaches `min_version`; the
+    /// worker holds `have_version` (sparse replies are relative to it).
+    Pull {
+        shard: u32,
+        have_version: Option<u64>,
+        min_version: u64,
+    },
+    /// The worker is done; it leaves the barrier.
+    Bye { worker_rank: u32 },
+}
+
+/// One contiguous shard a server owns.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardRange {
+    pub shard: u32,
+    pub lo: u64,
+    pub hi: u64,
+}
+
+/// Kinds of refusal, so clients can react without parsing text.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    Unauthorized,
+    VersionMismatch,
+    LayoutMismatch,
+    BadFrame,
+    UnknownShard,
+    UnknownWorker,
+    OutOfRange,
+    WrongLength,
+    NonFinite,
+    WrongStep,
+    DuplicatePush,
+    NotInitialized,
+    ShuttingDown,
+    Internal,
+}
+
+/// A server's response.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Response {
+    Welcome {
+        server_index: u32,
+        shards: Vec<ShardRange>,
+        workers: u32,
+    },
+    InitAck {
+        shard: u32,
+        accepted: bool,
+    },
+    PushAck {
+        shard: u32,
+        step: u64,
+    },
+    Params {
+        shard: u32,
+        version: u64,
+        update: ParamUpdate,
+    },
+    ByeAck,
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+impl Response {
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Self {
+        Response::Error {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("frame of {size} bytes exceeds the limit of {limit} bytes")]
+    FrameTooLarge { size: usize, limit: usize },
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    #[error("cannot encode message: {0}")]
+    Encode(String),
+}
+
+fn encode<T>(msg: &T) -> Result<Vec<u8>, ProtocolError>
+where
+    T: for<'a> Serialize<
+        rkyv::api::high::HighSerializer<
+            AlignedVec,
+            rkyv::ser::allocator::ArenaHandle<'a>,
+            rancor::Error,
+        >,
+    >,
+{
+    let payload =
+        rkyv::to_bytes::<rancor::Error>(msg).map_err(|e| ProtocolError::Encode(e.to_string()))?;
+    let len = u32::try_from(payload.len()).map_err(|_| {
+        ProtocolError::Encode(format!("{} bytes do not fit a frame", payload.len()))
+    })?;
+    let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.extend_from_slice(&payload);
+    Ok(frame)
+}
+
+/// Copy into a 16-byte aligned buffer: rkyv validation needs aligned input and
+/// network buffers carry no alignment guarantee.
+fn aligned(payload: &[u8]) -> AlignedVec {
+    let mut buf = AlignedVec::with_capacity(payload.len());
+    buf.extend_from_slice(payload);
+    buf
+}
+
+/// A whole frame (length prefix + archive) for a request.
+pub fn encode_request(req: &Request) -> Result<Vec<u8>, ProtocolError> {
+    encode(req)
+}
+
+/// A whole frame (length prefix + archive) for a response.
+pub fn encode_response(resp: &Response) -> Result<Vec<u8>, ProtocolError> {
+    encode(resp)
+}
+
+/// Validate and decode a request payload (the bytes after the length prefix).
+pub fn decode_request(payload: &[u8]) -> Result<Request, ProtocolError> {
+    rkyv::from_bytes::<Request, rancor::Error>(&aligned(payload))
+        .map_err(|e| ProtocolError::Malformed(e.to_string()))
+}
+
+/// Validate and decode a response payload (the bytes after the length prefix).
+pub fn decode_response(payload: &[u8]) -> Result<Response, ProtocolError> {
+    rkyv::from_bytes::<Response, rancor::Error>(&aligned(payload))
+        .map_err(|e| ProtocolError::Malformed(e.to_string()))
+}
+
+/// Parse the length prefix and check it against `limit`.
+pub fn frame_len(header: [u8; FRAME_HEADER_BYTES], limit: usize) -> Result<usize, ProtocolError> {
+    let size = u32::from_le_bytes(header) as usize;
+    if size > limit {
+        return Err(ProtocolError::FrameTooLarge { size, limit });
+    }
+    Ok(size)
+}
+
+/// Encoded size of a request frame (for byte accounting).
+pub fn request_wire_bytes(req: &Request) -> usize {
+    encode_request(req).map(|f| f.len()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip_req(req: Request) {
+        let frame = encode_request(&req).unwrap();
+        let len = frame_len(frame[..4].try_into().unwrap(), 1 << 20).unwrap();
+        assert_eq!(len, frame.len() - 4);
+        assert_eq!(decode_request(&frame[4..]).unwrap(), req);
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        round_trip_req(Request::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            token: "secret-token".into(),
+            worker_rank: 1,
+            num_params: 1234,
+            layout_hash: 99,
+        });
+        round_trip_req(Request::Init {
+            shard: 0,
+            values: vec![1.0, -2.0, 3.5],
+        });
+        round_trip_req(Request::Push {
+            shard: 1,
+            step: 7,
+            worker_rank: 0,
+            grad: WireGrad::Sparse {
+                indices: vec![0, 5, 9],
+                values: WireValues::F32(vec![0.5, -0.25, 1.0]),
+            },
+        });
+        round_trip_req(Request::Push {
+            shard: 1,
+            step: 7,
+            worker_rank: 0,
+            grad: WireGrad::Dense(WireValues::F16(vec![0x3c00, 0xbc00])),
+        });
+        round_trip_req(Request::Pull {
+            shard: 3,
+            have_version: Some(4),
+            min_version: 5,
+        });
+        round_trip_req(Request::Bye { worker_rank: 2 });
+    }
+
+    #[test]
+    fn responses_round_trip() {
+        for resp in [
+            Response::Welcome {
+                server_index: 0,
+                shards: vec![ShardRange {
+                    shard: 0,
+                    lo: 0,
+                    hi: 10,
+                }],
+                workers: 2,
+            },
+            Response::Params {
+                shard: 0,
+                version: 3,
+                update: ParamUpdate::Sparse {
+                    indices: vec![1, 2],
+                    values: vec![0.1, 0.2],
+                },
+            },
+            Response::Params {
+                shard: 0,
+                version: 3,
+                update: ParamUpdate::Dense(vec![0.0; 17]),
+            },
+            Response::error(ErrorCode::WrongStep, "push for step 3, shard is at step 4"),
+            Response::ByeAck,
+        ] {
+            let frame = encode_response(&resp).unwrap();
+            assert_eq!(decode_response(&frame[4..]).unwrap(), resp);
+        }
+    }
+
+    #[test]
+    fn malformed_frames_are_rejected() {
+        let frame = encode_request(&Request::Init {
+            shard: 0,
+            values: vec![1.0; 64],
+        })
+        .unwrap();
+        let payload = &frame[4..];
+        // Truncated archives.
+        for cut in [0, 1, 7, payload.len() / 2, payload.len() - 1] {
+            assert!(decode_request(&payload[..cut]).is_err(), "cut at {cut}");
+        }
+        // A response is not a request (and vice versa) unless bytes happen to agree;
+        // garbage must never panic.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for len in 0..300 {
+            let junk: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            let _ = decode_request(&junk);
+            let _ = decode_response(&junk);
+        }
+        // Corrupting the vector length to point outside the buffer is caught.
+        let mut bad = payload.to_vec();
+        let n = bad.len();
+        bad[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_request(&bad).is_err());
+    }
+
+    #[test]
+    fn oversized_frames_are_rejected() {
+        assert!(matches!(
+            frame_len(1000u32.to_le_bytes(), 999),
+            Err(ProtocolError::FrameTooLarge {
+                size: 1000,
+                limit: 999
+            })
+        ));
+    }
+}

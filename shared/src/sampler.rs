@@ -1,0 +1,270 @@
+//! Per-epoch sample order for data-parallel training.
+//!
+//! Every worker of a synchronous job builds an [`EpochSampler`] with the same
+//! `num_samples`, `world` and `seed` and its own `rank`. For each epoch all
+//! workers derive the same seeded permutation of `0..num_samples`, cut it into
+//! `world` equal parts and take part `rank`, so the parts are disjoint and every
+//! worker runs the same number of steps. The `num_samples % world` samples left
+//! over are dropped for that epoch only; because the permutation changes every
+//! epoch, a different few are dropped each time.
+//!
+//! ```
+//! use ps_shared::sampler::EpochSampler;
+//!
+//! let sampler = EpochSampler::new(10, 3, 1, 42).unwrap();
+//! assert_eq!(sampler.per_rank(), 3);
+//! let order = sampler.epoch_order(0);
+//! assert_eq!(order.len(), 3);
+//! let batches = sampler.batches(0, 2);
+//! assert_eq!(batches.len(), sampler.steps_per_epoch(2));
+//! assert_eq!(batches[0], order[..2].to_vec());
+//! ```
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+/// Why an [`EpochSampler`] could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SamplerError {
+    /// `world` was zero.
+    #[error("world size must be at least 1")]
+    EmptyWorld,
+    /// `rank` was not below `world`.
+    #[error("rank {rank} is out of range for a world of {world} workers")]
+    RankOutOfRange { rank: usize, world: usize },
+    /// Fewer samples than workers: some worker would get nothing.
+    #[error(
+        "{num_samples} samples cannot be split across {world} workers (need at least one each)"
+    )]
+    TooFewSamples { num_samples: usize, world: usize },
+}
+
+/// Seeded per-epoch permutation of `[0, num_samples)` split across `world`
+/// workers by rank.
+///
+/// Every rank gets the same number of samples per epoch
+/// (`num_samples / world`, the remainder dropped that epoch) so synchronous
+/// training has equal step counts. The order is a pure function of
+/// `(seed, epoch, num_samples, world, rank)`; different epochs give different
+/// orders, and the ranks' parts of one epoch are disjoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpochSampler {
+    num_samples: usize,
+    world: usize,
+    rank: usize,
+    seed: u64,
+}
+
+impl EpochSampler {
+    /// Checks `world >= 1`, `rank < world` and `num_samples >= world`.
+    pub fn new(
+        num_samples: usize,
+        world: usize,
+        rank: usize,
+        seed: u64,
+    ) -> Result<Self, SamplerError> {
+        if world == 0 {
+            return Err(SamplerError::EmptyWorld);
+        }
+        if rank >= world {
+            return Err(SamplerError::RankOutOfRange { rank, world });
+        }
+        if num_samples < world {
+            return Err(SamplerError::TooFewSamples { num_samples, world });
+        }
+        Ok(Self {
+            num_samples,
+            world,
+            rank,
+            seed,
+        })
+    }
+
+    /// Size of the whole index space.
+    pub fn num_samples(&self) -> usize {
+        self.num_samples
+    }
+
+    /// Number of workers the samples are split across.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// This worker's part.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The seed shared by all workers of the job.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Samples this rank visits per epoch: `num_samples / world`.
+    pub fn per_rank(&self) -> usize {
+        self.num_samples / self.world
+    }
+
+    /// This rank's sample indices for `epoch`, in visiting order.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut perm: Vec<usize> = (0..self.num_samples).collect();
+        let mut rng = StdRng::seed_from_u64(epoch_seed(self.seed, epoch));
+        perm.shuffle(&mut rng);
+        let per_rank = self.per_rank();
+        let start = self.rank * per_rank;
+        perm.truncate(start + per_rank);
+        perm.drain(..start);
+        perm
+    }
+
+    /// This rank's order for `epoch` cut into batches of `batch_size`; the
+    /// last partial batch is dropped so every rank takes the same steps.
+    /// A `batch_size` of zero gives no batches.
+    pub fn batches(&self, epoch: u64, batch_size: usize) -> Vec<Vec<usize>> {
+        if batch_size == 0 {
+            return Vec::new();
+        }
+        self.epoch_order(epoch)
+            .chunks_exact(batch_size)
+            .map(<[usize]>::to_vec)
+            .collect()
+    }
+
+    /// Full batches per epoch for `batch_size` (zero for a `batch_size` of zero).
+    pub fn steps_per_epoch(&self, batch_size: usize) -> usize {
+        self.per_rank().checked_div(batch_size).unwrap_or(0)
+    }
+}
+
+/// The RNG seed of one epoch: both inputs pass through SplitMix64 so nearby
+/// seeds and epochs give unrelated permutations.
+fn epoch_seed(seed: u64, epoch: u64) -> u64 {
+    splitmix64(seed ^ splitmix64(epoch.wrapping_add(0x5851_f42d_4c95_7f2d)))
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    fn all_ranks(n: usize, world: usize, seed: u64) -> Vec<EpochSampler> {
+        (0..world)
+            .map(|r| EpochSampler::new(n, world, r, seed).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn rejects_bad_arguments() {
+        assert_eq!(
+            EpochSampler::new(10, 0, 0, 1),
+            Err(SamplerError::EmptyWorld)
+        );
+        assert_eq!(
+            EpochSampler::new(10, 2, 2, 1),
+            Err(SamplerError::RankOutOfRange { rank: 2, world: 2 })
+        );
+        assert_eq!(
+            EpochSampler::new(3, 4, 0, 1),
+            Err(SamplerError::TooFewSamples {
+                num_samples: 3,
+                world: 4
+            })
+        );
+        assert!(EpochSampler::new(4, 4, 3, 1).is_ok());
+    }
+
+    #[test]
+    fn deterministic_for_same_inputs() {
+        let a = EpochSampler::new(1000, 3, 1, 9).unwrap();
+        let b = EpochSampler::new(1000, 3, 1, 9).unwrap();
+        assert_eq!(a.epoch_order(5), b.epoch_order(5));
+        assert_eq!(a.batches(5, 32), b.batches(5, 32));
+        let other_seed = EpochSampler::new(1000, 3, 1, 10).unwrap();
+        assert_ne!(a.epoch_order(5), other_seed.epoch_order(5));
+    }
+
+    #[test]
+    fn ranks_partition_the_epoch_with_equal_counts() {
+        for &(n, world) in &[(10usize, 3usize), (1000, 4), (7, 7), (101, 1), (64, 8)] {
+            let ranks = all_ranks(n, world, 3);
+            for epoch in 0..3 {
+                let mut seen = HashSet::new();
+                for s in &ranks {
+                    let order = s.epoch_order(epoch);
+                    assert_eq!(order.len(), n / world);
+                    assert_eq!(order.len(), s.per_rank());
+                    for i in order {
+                        assert!(i < n);
+                        assert!(seen.insert(i), "index {i} given to two ranks");
+                    }
+                }
+                assert_eq!(seen.len(), (n / world) * world);
+            }
+        }
+    }
+
+    #[test]
+    fn single_rank_covers_everything() {
+        let s = EpochSampler::new(257, 1, 0, 0).unwrap();
+        let mut order = s.epoch_order(4);
+        order.sort_unstable();
+        assert_eq!(order, (0..257).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn epochs_differ() {
+        let s = EpochSampler::new(500, 2, 0, 7).unwrap();
+        let orders: Vec<_> = (0..5).map(|e| s.epoch_order(e)).collect();
+        for i in 0..orders.len() {
+            for j in i + 1..orders.len() {
+                assert_ne!(orders[i], orders[j], "epochs {i} and {j} share an order");
+            }
+        }
+        // The dropped remainder also moves between epochs.
+        let s = EpochSampler::new(11, 2, 0, 7).unwrap();
+        let dropped = |epoch| {
+            let used: HashSet<usize> = all_ranks(11, 2, 7)
+                .iter()
+                .flat_map(|r| r.epoch_order(epoch))
+                .collect();
+            (0..11).find(|i| !used.contains(i))
+        };
+        let first = dropped(0);
+        assert!((1..20).any(|e| dropped(e) != first));
+        assert_eq!(s.per_rank(), 5);
+    }
+
+    #[test]
+    fn batches_drop_partial_tail() {
+        let s = EpochSampler::new(103, 2, 1, 11).unwrap();
+        assert_eq!(s.per_rank(), 51);
+        let order = s.epoch_order(2);
+        let batches = s.batches(2, 10);
+        assert_eq!(batches.len(), 5);
+        assert_eq!(s.steps_per_epoch(10), 5);
+        assert!(batches.iter().all(|b| b.len() == 10));
+        let flat: Vec<usize> = batches.concat();
+        assert_eq!(flat, order[..50].to_vec());
+        assert_eq!(s.steps_per_epoch(51), 1);
+        assert_eq!(s.steps_per_epoch(52), 0);
+        assert!(s.batches(2, 52).is_empty());
+        assert_eq!(s.steps_per_epoch(0), 0);
+        assert!(s.batches(2, 0).is_empty());
+    }
+
+    #[test]
+    fn all_ranks_take_equal_steps() {
+        let ranks = all_ranks(1001, 3, 5);
+        let steps: Vec<usize> = ranks.iter().map(|r| r.batches(0, 16).len()).collect();
+        assert!(steps.iter().all(|&s| s == steps[0]));
+        assert_eq!(steps[0], ranks[0].steps_per_epoch(16));
+    }
+}

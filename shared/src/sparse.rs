@@ -1,0 +1,1081 @@
+//! Sparse gradients and the kernels that produce them.
+//!
+//! Workers do not send whole gradients: a [`Compressor`] keeps an error-feedback
+//! residual, selects the largest-magnitude entries of it with a top-k kernel and
+//! sends those as a [`SparseGrad`] (parallel arrays of ascending `u32` indices and
+//! `f32` values). The unsent remainder stays in the residual and is sent later.
+//!
+//! Two top-k kernels are provided:
+//!
+//! * [`topk_exact`] returns exactly `k` entries, the `k` largest magnitudes, with
+//!   ties broken towards the lower index.
+//! * [`topk_approx`] returns the entries above an estimated magnitude threshold;
+//!   its count is within 10% of `k`, and every returned magnitude is at least every
+//!   magnitude left behind.
+//!
+//! Both avoid full-size temporaries on large inputs: a seeded random sample gives
+//! a conservative magnitude threshold, one parallel pass gathers the few entries
+//! above it, and the final choice is made among those candidates only (introselect
+//! for the exact kernel, counting rounds for the approximate one). Inputs where the
+//! sample cannot give a useful threshold (tiny inputs, large `k`, many ties) fall
+//! back to an introselect over the whole array.
+//!
+//! NaN rule: a NaN has the smallest magnitude of all, below zero. NaNs are
+//! therefore only selected when `k` exceeds the number of non-NaN entries.
+//!
+//! ```
+//! use ps_shared::sparse::{topk_exact, Compressor, CompressorConfig};
+//!
+//! let top = topk_exact(&[0.5, -3.0, 0.1, 2.0], 2);
+//! assert_eq!(top.indices, vec![1, 3]);
+//! assert_eq!(top.values, vec![-3.0, 2.0]);
+//!
+//! let config = CompressorConfig { density: 0.5, ..CompressorConfig::default() };
+//! let mut compressor = Compressor::new(4, config);
+//! let sent = compressor.compress(&[0.5, -3.0, 0.1, 2.0]).unwrap();
+//! assert_eq!(sent.indices, vec![1, 3]);
+//! assert_eq!(compressor.residual(), &[0.5, 0.0, 0.1, 0.0]);
+//! ```
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+/// Largest number of entries a top-k input may have: indices are `u32`.
+/// Entries past this length are ignored by the kernels.
+pub const MAX_INDEXABLE_LEN: usize = (u32::MAX as usize).saturating_add(1);
+
+/// Elements per parallel work item in the streaming passes.
+const PASS_CHUNK: usize = 1 << 16;
+/// Entries per block in the gather pass; a block is only scanned entry by entry
+/// when one of its magnitudes may reach the threshold.
+const GATHER_BLOCK: usize = 16;
+/// Inputs shorter than this always use the whole-array introselect.
+const MIN_SAMPLED_LEN: usize = 1 << 16;
+/// The sampled path is used only while `k * MAX_SAMPLED_FRACTION_INV <= len`.
+const MAX_SAMPLED_FRACTION_INV: usize = 16;
+/// Expected number of sampled entries above the true k-th magnitude.
+const SAMPLE_HITS: f64 = 64.0;
+/// Bounds on the number of sampled positions.
+const MIN_SAMPLE: usize = 4096;
+const MAX_SAMPLE: usize = 1 << 17;
+/// Fixed sample seed of the exact kernel (its result does not depend on it).
+const EXACT_SAMPLE_SEED: u64 = 0x5eed_70b1_c0de_0001;
+/// Below this k the approximate kernel uses the exact one.
+const APPROX_MIN_K: usize = 100;
+
+/// A sparse slice of the flat parameter space: parallel arrays, indices strictly
+/// ascending.
+#[derive(
+    Debug,
+    Clone,
+    Default,
+    PartialEq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+pub struct SparseGrad {
+    pub indices: Vec<u32>,
+    pub values: Vec<f32>,
+}
+
+impl SparseGrad {
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.indices.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.indices.is_empty()
+    }
+
+    /// Every entry of `dense`, for the dense baseline. Entries past
+    /// [`MAX_INDEXABLE_LEN`] are dropped.
+    pub fn from_dense(dense: &[f32]) -> SparseGrad {
+        let dense = indexable(dense);
+        SparseGrad {
+            indices: (0..dense.len()).map(|i| i as u32).collect(),
+            values: dense.to_vec(),
+        }
+    }
+
+    /// `dense[i] += scale * v` for every entry. The caller guarantees that every
+    /// index is in range (checked by a debug assertion); out-of-range entries are
+    /// skipped in release builds.
+    pub fn add_into(&self, dense: &mut [f32], scale: f32) {
+        for (&index, &value) in self.indices.iter().zip(&self.values) {
+            debug_assert!(
+                (index as usize) < dense.len(),
+                "index {index} out of range for {} entries",
+                dense.len()
+            );
+            if let Some(slot) = dense.get_mut(index as usize) {
+                *slot += scale * value;
+            }
+        }
+    }
+
+    /// Bytes on the wire: 4 per index plus 4 per value.
+    pub fn wire_bytes(&self) -> usize {
+        4 * self.indices.len() + 4 * self.values.len()
+    }
+
+    /// Checks what the type promises, for data received from the network: equal
+    /// array lengths, strictly ascending indices, every index below `dim`.
+    pub fn validate(&self, dim: usize) -> Result<(), SparseError> {
+        if self.indices.len() != self.values.len() {
+            return Err(SparseError::ArrayLengths {
+                indices: self.indices.len(),
+                values: self.values.len(),
+            });
+        }
+        for (position, pair) in self.indices.windows(2).enumerate() {
+            if pair[0] >= pair[1] {
+                return Err(SparseError::NotAscending {
+                    position: position + 1,
+                });
+            }
+        }
+        if let Some(&last) = self.indices.last() {
+            if last as usize >= dim {
+                return Err(SparseError::IndexOutOfRange { index: last, dim });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How the top-k entries are chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TopKMethod {
+    /// Exactly the k largest magnitudes ([`topk_exact`]).
+    #[default]
+    Exact,
+    /// Within 10% of k entries above an estimated threshold ([`topk_approx`]).
+    Approx,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SparseError {
+    #[error("gradient has {got} entries, expected {expected}")]
+    LengthMismatch { expected: usize, got: usize },
+    #[error("sparse gradient has {indices} indices but {values} values")]
+    ArrayLengths { indices: usize, values: usize },
+    #[error("sparse gradient indices are not strictly ascending at position {position}")]
+    NotAscending { position: usize },
+    #[error("sparse gradient index {index} is out of range for {dim} parameters")]
+    IndexOutOfRange { index: u32, dim: usize },
+}
+
+/// Sort key of a value's magnitude: NaN is 0, below every number; otherwise the
+/// bits of `|v|` plus one, which order like the magnitudes.
+#[inline(always)]
+fn magnitude_key(value: f32) -> u32 {
+    let raw = value.to_bits() & 0x7fff_ffff;
+    if raw > 0x7f80_0000 {
+        0
+    } else {
+        raw + 1
+    }
+}
+
+/// Key and index in one integer: larger magnitude first, then lower index first.
+/// All packed values of one array are distinct.
+#[inline(always)]
+fn pack(key: u32, index: u32) -> u64 {
+    (u64::from(key) << 32) | u64::from(!index)
+}
+
+#[inline(always)]
+fn packed_index(packed: u64) -> u32 {
+    !(packed as u32)
+}
+
+#[inline(always)]
+fn packed_key(packed: u64) -> u32 {
+    (packed >> 32) as u32
+}
+
+fn indexable(values: &[f32]) -> &[f32] {
+    &values[..values.len().min(MAX_INDEXABLE_LEN)]
+}
+
+/// k for a density in (0,1]: `max(1, round(density * len))`, never more than
+/// `len`. A density above 1 gives `len`; NaN or a density at or below 0 gives 1.
+pub fn k_for_density(len: usize, density: f64) -> usize {
+    if len == 0 {
+        return 0;
+    }
+    let wanted = if density.is_nan() || density <= 0.0 {
+        1.0
+    } else {
+        (density.min(1.0) * len as f64).round()
+    };
+    (wanted as usize).clamp(1, len)
+}
+
+/// Top-k by the given method.
+pub fn topk(values: &[f32], k: usize, method: TopKMethod, seed: u64) -> SparseGrad {
+    match method {
+        TopKMethod::Exact => topk_exact(values, k),
+        TopKMethod::Approx => topk_approx(values, k, seed),
+    }
+}
+
+/// Exact top-k by magnitude, indices ascending. `k` is clamped to the length;
+/// `k == 0` gives an empty result. Equal magnitudes are broken towards the lower
+/// index; NaN counts as the smallest magnitude.
+///
+/// Large inputs with small `k` are filtered first: a sampled threshold that at
+/// least `k` entries reach is applied in one parallel gather pass, and the k-th
+/// largest is found by introselect (`select_nth_unstable`) among the gathered
+/// candidates. Every entry below that threshold has `k` larger entries, so the
+/// result is the same as an introselect over the whole array, which is the path
+/// taken otherwise.
+pub fn topk_exact(values: &[f32], k: usize) -> SparseGrad {
+    let values = indexable(values);
+    let k = k.min(values.len());
+    if k == 0 {
+        return SparseGrad::default();
+    }
+    if k == values.len() {
+        return SparseGrad::from_dense(values);
+    }
+    match sampled_candidates(values, k, EXACT_SAMPLE_SEED) {
+        Some(candidates) => exact_from_candidates(values, &candidates, k),
+        None => exact_whole_array(values, k),
+    }
+}
+
+/// Approximate top-k in the spirit of MSTopK, indices ascending.
+///
+/// A random sample (seeded by `seed`) gives a magnitude threshold that somewhat
+/// more than `k` entries reach; one parallel pass gathers those candidates; then
+/// counting rounds (a binary search over magnitude thresholds, run on the
+/// candidates only) pick the threshold whose count is within 10% of `k`. The
+/// result is every entry at or above that threshold, so each selected magnitude
+/// is at least every unselected one. When no threshold lands in the window
+/// (heavy ties), when `k < 100`, or when the input is small, the exact kernel is
+/// used. NaN counts as the smallest magnitude.
+pub fn topk_approx(values: &[f32], k: usize, seed: u64) -> SparseGrad {
+    let values = indexable(values);
+    let k = k.min(values.len());
+    if k < APPROX_MIN_K || k == values.len() {
+        return topk_exact(values, k);
+    }
+    let Some(candidates) = sampled_candidates(values, k, seed) else {
+        return exact_whole_array(values, k);
+    };
+    let slack = k / 10;
+    let (lowest_count, highest_count) = (k - slack, k + slack);
+    if candidates.len() <= highest_count {
+        return sparse_from_packed(values, &candidates, 0);
+    }
+    let keys: Vec<u32> = candidates.iter().map(|&p| packed_key(p)).collect();
+    let count_at_or_above = |threshold: u32| keys.iter().filter(|&&key| key >= threshold).count();
+    // Invariant: count(low) > highest_count, count(high) < lowest_count.
+    let mut low = keys.iter().copied().min().unwrap_or(0);
+    let mut high = keys.iter().copied().max().unwrap_or(0).saturating_add(1);
+    while high - low > 1 {
+        let middle = low + (high - low) / 2;
+        let count = count_at_or_above(middle);
+        if count > highest_count {
+            low = middle;
+        } else if count < lowest_count {
+            high = middle;
+        } else {
+            let threshold = pack(middle, u32::MAX);
+            return sparse_from_packed(values, &candidates, threshold);
+        }
+    }
+    exact_from_candidates(values, &candidates, k)
+}
+
+/// Reference top-k by a full sort of every entry (same ordering and tie rule as
+/// [`topk_exact`]). Slow; for tests and benchmarks.
+pub fn topk_by_full_sort(values: &[f32], k: usize) -> SparseGrad {
+    let values = indexable(values);
+    let k = k.min(values.len());
+    let mut packed: Vec<u64> = values
+        .par_iter()
+        .enumerate()
+        .map(|(i, &v)| pack(magnitude_key(v), i as u32))
+        .collect();
+    packed.par_sort_unstable_by(|a, b| b.cmp(a));
+    let mut indices: Vec<u32> = packed[..k].iter().map(|&p| packed_index(p)).collect();
+    indices.sort_unstable();
+    let values = indices.iter().map(|&i| values[i as usize]).collect();
+    SparseGrad { indices, values }
+}
+
+/// Candidates (packed, ascending index) of a sampled threshold reached by at least
+/// `k` entries, or `None` when the sampled path does not apply or the threshold
+/// turns out useless (too few or far too many entries reach it).
+fn sampled_candidates(values: &[f32], k: usize, seed: u64) -> Option<Vec<u64>> {
+    let len = values.len();
+    if len < MIN_SAMPLED_LEN || k.saturating_mul(MAX_SAMPLED_FRACTION_INV) > len {
+        return None;
+    }
+    let density = k as f64 / len as f64;
+    let sample_len = ((SAMPLE_HITS / density).ceil() as usize)
+        .clamp(MIN_SAMPLE, MAX_SAMPLE)
+        .min(len / 8);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut sample: Vec<u32> = (0..sample_len)
+        .map(|_| magnitude_key(values[rng.random_range(0..len)]))
+        .collect();
+    // Rank (1-based, largest first) well past the expected number of sampled
+    // entries above the k-th magnitude, so that fewer than k entries reaching the
+    // threshold needs a deviation of many standard deviations.
+    let expected_hits = sample_len as f64 * density;
+    let rank = (2.0 * expected_hits + 4.0 * (2.0 * expected_hits).sqrt()).ceil() as usize + 1;
+    if rank >= sample_len {
+        return None;
+    }
+    let (_, &mut threshold, _) = sample.select_nth_unstable_by(rank - 1, |a, b| b.cmp(a));
+    if threshold == 0 {
+        return None;
+    }
+    let expected_candidates = (rank as f64 / sample_len as f64 * len as f64) as usize;
+    let cap = 4 * expected_candidates.max(k) + 4096;
+    let candidates = gather_at_or_above(values, threshold, cap)?;
+    (candidates.len() >= k).then_some(candidates)
+}
+
+/// Every entry with magnitude key `>= threshold` (which must be at least 1), packed,
+/// in ascending index order; `None` once more than `cap` entries were found.
+fn gather_at_or_above(values: &[f32], threshold: u32, cap: usize) -> Option<Vec<u64>> {
+    debug_assert!(threshold >= 1);
+    let found = AtomicUsize::new(0);
+    let overflow = AtomicBool::new(false);
+    let parts: Vec<Vec<u64>> = values
+        .par_chunks(PASS_CHUNK)
+        .enumerate()
+        .map(|(chunk_index, chunk)| {
+            if overflow.load(Ordering::Relaxed) {
+                return Vec::new();
+            }
+            let part = gather_chunk(chunk, chunk_index * PASS_CHUNK, threshold);
+            let total = found.fetch_add(part.len(), Ordering::Relaxed) + part.len();
+            if total > cap {
+                overflow.store(true, Ordering::Relaxed);
+            }
+            part
+        })
+        .collect();
+    if overflow.load(Ordering::Relaxed) {
+        return None;
+    }
+    let mut candidates = Vec::with_capacity(parts.iter().map(Vec::len).sum());
+    for part in parts {
+        candidates.extend_from_slice(&part);
+    }
+    Some(candidates)
+}
+
+fn gather_chunk(chunk: &[f32], base: usize, threshold: u32) -> Vec<u64> {
+    // key >= threshold  <=>  not NaN and raw magnitude bits >= threshold - 1.
+    // The block test compares raw bits only (NaN bits pass it and are rejected
+    // by the exact test); raw bits are below 2^31, so a signed compare is exact.
+    let raw_threshold = (threshold - 1) as i32;
+    let mut out = Vec::new();
+    let mut scan = |block: &[f32], block_base: usize| {
+        for (offset, &value) in block.iter().enumerate() {
+            let key = magnitude_key(value);
+            if key >= threshold {
+                out.push(pack(key, (block_base + offset) as u32));
+            }
+        }
+    };
+    let blocks = chunk.chunks_exact(GATHER_BLOCK);
+    let tail = blocks.remainder();
+    for (block_index, block) in blocks.enumerate() {
+        let mut any = false;
+        for &value in block {
+            any |= ((value.to_bits() & 0x7fff_ffff) as i32) >= raw_threshold;
+        }
+        if any {
+            scan(block, base + block_index * GATHER_BLOCK);
+        }
+    }
+    scan(tail, base + chunk.len() - tail.len());
+    out
+}
+
+/// Exactly the `k` largest of `candidates` (packed, ascending index, at least `k`).
+fn exact_from_candidates(values: &[f32], candidates: &[u64], k: usize) -> SparseGrad {
+    let mut scratch = candidates.to_vec();
+    let (_, &mut kth, _) = scratch.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+    sparse_from_packed(values, candidates, kth)
+}
+
+/// Entries of `candidates` (ascending index) whose packed value is `>= threshold`.
+fn sparse_from_packed(values: &[f32], candidates: &[u64], threshold: u64) -> SparseGrad {
+    let mut out = SparseGrad::default();
+    for &packed in candidates.iter().filter(|&&p| p >= threshold) {
+        let index = packed_index(packed);
+        out.indices.push(index);
+        out.values.push(values[index as usize]);
+    }
+    out
+}
+
+/// Introselect over every entry, then one ordered pass collecting the winners.
+fn exact_whole_array(values: &[f32], k: usize) -> SparseGrad {
+    let mut packed: Vec<u64> = values
+        .par_iter()
+        .enumerate()
+        .map(|(i, &v)| pack(magnitude_key(v), i as u32))
+        .collect();
+    let (_, &mut kth, _) = packed.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+    drop(packed);
+    let parts: Vec<SparseGrad> = values
+        .par_chunks(PASS_CHUNK)
+        .enumerate()
+        .map(|(chunk_index, chunk)| {
+            let base = chunk_index * PASS_CHUNK;
+            let mut part = SparseGrad::default();
+            for (offset, &value) in chunk.iter().enumerate() {
+                let index = (base + offset) as u32;
+                if pack(magnitude_key(value), index) >= kth {
+                    part.indices.push(index);
+                    part.values.push(value);
+                }
+            }
+            part
+        })
+        .collect();
+    let mut out = SparseGrad {
+        indices: Vec::with_capacity(k),
+        values: Vec::with_capacity(k),
+    };
+    for part in parts {
+        out.indices.extend_from_slice(&part.indices);
+        out.values.extend_from_slice(&part.values);
+    }
+    out
+}
+
+/// Worker-side compressor settings: error feedback and DGC-style momentum
+/// correction, masking and density warm-up.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
+pub struct CompressorConfig {
+    /// Final density, e.g. 0.01; 1.0 means dense (send everything).
+    pub density: f64,
+    pub method: TopKMethod,
+    /// Keep the unsent residual and add it to later gradients.
+    pub error_feedback: bool,
+    /// DGC momentum correction factor m (0 = off): `u = m*u + g; v += u`.
+    pub momentum_correction: f32,
+    /// DGC momentum factor masking: zero `u` at the sent indices.
+    pub momentum_masking: bool,
+    /// Density warm-up length: exponential from `warmup_start_density` down to
+    /// `density` over these steps (0 = off).
+    pub warmup_steps: u64,
+    pub warmup_start_density: f64,
+}
+
+impl Default for CompressorConfig {
+    fn default() -> Self {
+        CompressorConfig {
+            density: 0.01,
+            method: TopKMethod::Exact,
+            error_feedback: true,
+            momentum_correction: 0.0,
+            momentum_masking: true,
+            warmup_steps: 0,
+            warmup_start_density: 0.25,
+        }
+    }
+}
+
+impl CompressorConfig {
+    /// Density in (0,1]; momentum correction in [0,1); with warm-up on, a start
+    /// density in [density, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.density > 0.0 && self.density <= 1.0) {
+            return Err(format!(
+                "compressor density must be in (0, 1], got {}",
+                self.density
+            ));
+        }
+        if !(self.momentum_correction >= 0.0 && self.momentum_correction < 1.0) {
+            return Err(format!(
+                "compressor momentum_correction must be in [0, 1), got {}",
+                self.momentum_correction
+            ));
+        }
+        if self.warmup_steps > 0
+            && !(self.warmup_start_density >= self.density && self.warmup_start_density <= 1.0)
+        {
+            return Err(format!(
+                "compressor warmup_start_density must be in [density, 1] = [{}, 1], got {}",
+                self.density, self.warmup_start_density
+            ));
+        }
+        Ok(())
+    }
+
+    /// Density used at `step` (0-based): during warm-up
+    /// `start * (density / start)^(step / warmup_steps)`, afterwards `density`.
+    /// Never increases with `step`; out-of-range settings are clamped.
+    pub fn density_at(&self, step: u64) -> f64 {
+        let density = if self.density.is_nan() {
+            1.0
+        } else {
+            self.density.clamp(f64::MIN_POSITIVE, 1.0)
+        };
+        if self.warmup_steps == 0 || step >= self.warmup_steps {
+            return density;
+        }
+        let start = if self.warmup_start_density.is_nan() {
+            density
+        } else {
+            self.warmup_start_density.clamp(density, 1.0)
+        };
+        let progress = step as f64 / self.warmup_steps as f64;
+        (start * (density / start).powf(progress)).clamp(density, start)
+    }
+}
+
+/// Error-feedback top-k compressor of one worker's flat gradient.
+#[derive(Debug, Clone)]
+pub struct Compressor {
+    config: CompressorConfig,
+    /// Accumulated unsent gradient (DGC's `v`).
+    residual: Vec<f32>,
+    /// Corrected momentum (DGC's `u`); empty while momentum correction is off.
+    momentum: Vec<f32>,
+    step: u64,
+}
+
+impl Compressor {
+    /// A compressor for `num_params` parameters. The config should have passed
+    /// [`CompressorConfig::validate`]; out-of-range values are clamped.
+    pub fn new(num_params: usize, config: CompressorConfig) -> Self {
+        let momentum = if config.momentum_correction > 0.0 {
+            vec![0.0; num_params]
+        } else {
+            Vec::new()
+        };
+        Compressor {
+            config,
+            residual: vec![0.0; num_params],
+            momentum,
+            step: 0,
+        }
+    }
+
+    /// Accumulates `grad` (with momentum correction when on), selects the top-k of
+    /// the accumulator for this step's density, zeroes the accumulator (and the
+    /// momentum when masking) at the sent indices and returns the sent entries.
+    /// Without error feedback the whole accumulator is cleared after selection. At
+    /// density 1 every entry is sent.
+    pub fn compress(&mut self, grad: &[f32]) -> Result<SparseGrad, SparseError> {
+        if grad.len() != self.residual.len() {
+            return Err(SparseError::LengthMismatch {
+                expected: self.residual.len(),
+                got: grad.len(),
+            });
+        }
+        let correction = self.config.momentum_correction;
+        let correcting = correction > 0.0 && self.momentum.len() == grad.len();
+        self.accumulate(grad, correcting.then_some(correction));
+
+        let density = self.config.density_at(self.step);
+        let masking = correcting && self.config.momentum_masking;
+        let sent = if density >= 1.0 {
+            let sent = SparseGrad::from_dense(&self.residual);
+            self.residual.fill(0.0);
+            if masking {
+                self.momentum.fill(0.0);
+            }
+            sent
+        } else {
+            let k = k_for_density(self.residual.len(), density);
+            let seed = mix_seed(self.step);
+            let sent = topk(&self.residual, k, self.config.method, seed);
+            for &index in &sent.indices {
+                if let Some(slot) = self.residual.get_mut(index as usize) {
+                    *slot = 0.0;
+                }
+                if masking {
+                    if let Some(slot) = self.momentum.get_mut(index as usize) {
+                        *slot = 0.0;
+                    }
+                }
+            }
+            if !self.config.error_feedback {
+                self.residual.fill(0.0);
+            }
+            sent
+        };
+        self.step = self.step.saturating_add(1);
+        Ok(sent)
+    }
+
+    /// `v += g`, or with correction `u = m*u + g; v += u`, in parallel chunks.
+    fn accumulate(&mut self, grad: &[f32], correction: Option<f32>) {
+        match correction {
+            Some(factor) => self
+                .residual
+                .par_chunks_mut(PASS_CHUNK)
+                .zip(self.momentum.par_chunks_mut(PASS_CHUNK))
+                .zip(grad.par_chunks(PASS_CHUNK))
+                .for_each(|((residual, momentum), grad)| {
+                    for ((v, u), &g) in residual.iter_mut().zip(momentum.iter_mut()).zip(grad) {
+                        *u = factor * *u + g;
+                        *v += *u;
+                    }
+                }),
+            None => self
+                .residual
+                .par_chunks_mut(PASS_CHUNK)
+                .zip(grad.par_chunks(PASS_CHUNK))
+                .for_each(|(residual, grad)| {
+                    for (v, &g) in residual.iter_mut().zip(grad) {
+                        *v += g;
+                    }
+                }),
+        }
+    }
+
+    /// The unsent accumulator.
+    pub fn residual(&self) -> &[f32] {
+        &self.residual
+    }
+
+    /// Number of `compress` calls so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    pub fn config(&self) -> &CompressorConfig {
+        &self.config
+    }
+}
+
+/// Per-step sample seed for the approximate kernel (splitmix64 finaliser).
+fn mix_seed(step: u64) -> u64 {
+    let mut z = step.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// f16 wire encoding of values: round to nearest even; overflow becomes infinity,
+/// infinities and NaN stay infinities and NaN.
+pub fn values_to_f16(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_bits())
+        .collect()
+}
+
+/// Decodes [`values_to_f16`] output.
+pub fn values_from_f16(bits: &[u16]) -> Vec<f32> {
+    bits.iter()
+        .map(|&b| half::f16::from_bits(b).to_f32())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::Rng;
+
+    fn gaussian(len: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..len)
+            .map(|_| {
+                // Sum of uniforms: close enough to Gaussian for these tests.
+                let s: f32 = (0..4).map(|_| rng.random_range(-1.0f32..1.0)).sum();
+                s
+            })
+            .collect()
+    }
+
+    fn bits(values: &[f32]) -> Vec<u32> {
+        values.iter().map(|v| v.to_bits()).collect()
+    }
+
+    fn sorted_keys(values: impl Iterator<Item = f32>) -> Vec<u32> {
+        let mut keys: Vec<u32> = values.map(magnitude_key).collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    fn assert_same_topk(got: &SparseGrad, want: &SparseGrad) {
+        assert_eq!(got.indices, want.indices);
+        assert_eq!(bits(&got.values), bits(&want.values));
+    }
+
+    /// Selected set is a true top set: every selected magnitude key is at least
+    /// every unselected one, indices ascending, values match.
+    fn assert_top_set(values: &[f32], selected: &SparseGrad) {
+        assert!(selected.indices.windows(2).all(|w| w[0] < w[1]));
+        let mut chosen = vec![false; values.len()];
+        for (&i, &v) in selected.indices.iter().zip(&selected.values) {
+            assert_eq!(values[i as usize].to_bits(), v.to_bits());
+            chosen[i as usize] = true;
+        }
+        let min_selected = selected.values.iter().map(|&v| magnitude_key(v)).min();
+        let max_unselected = values
+            .iter()
+            .zip(&chosen)
+            .filter(|(_, &c)| !c)
+            .map(|(&v, _)| magnitude_key(v))
+            .max();
+        if let (Some(lo), Some(hi)) = (min_selected, max_unselected) {
+            assert!(lo >= hi, "selected min key {lo} below unselected max {hi}");
+        }
+    }
+
+    #[test]
+    fn exact_small_examples() {
+        let top = topk_exact(&[0.5, -3.0, 0.1, 2.0], 2);
+        assert_eq!(top.indices, vec![1, 3]);
+        assert_eq!(top.values, vec![-3.0, 2.0]);
+        assert!(topk_exact(&[1.0, 2.0], 0).is_empty());
+        assert!(topk_exact(&[], 3).is_empty());
+        assert_eq!(topk_exact(&[1.0, 2.0], 9).len(), 2);
+        // Ties go to the lower index.
+        let ties = topk_exact(&[1.0, -1.0, 1.0, 1.0], 2);
+        assert_eq!(ties.indices, vec![0, 1]);
+    }
+
+    #[test]
+    fn nan_is_smallest_and_never_panics() {
+        let values = [f32::NAN, 0.0, -2.0, f32::INFINITY, f32::NAN, 1.0];
+        let top = topk_exact(&values, 3);
+        assert_eq!(top.indices, vec![2, 3, 5]);
+        let top = topk_exact(&values, 5);
+        assert_eq!(top.indices, vec![0, 1, 2, 3, 5]);
+        let mut big = gaussian(1 << 17, 3);
+        for i in (0..big.len()).step_by(97) {
+            big[i] = f32::NAN;
+        }
+        let exact = topk_exact(&big, 500);
+        assert_same_topk(&exact, &topk_by_full_sort(&big, 500));
+        assert!(exact.values.iter().all(|v| !v.is_nan()));
+        let approx = topk_approx(&big, 500, 1);
+        assert!(approx.values.iter().all(|v| !v.is_nan()));
+        assert_top_set(&big, &approx);
+    }
+
+    #[test]
+    fn exact_matches_sort_on_large_input() {
+        let values = gaussian(1 << 20, 11);
+        for k in [1, 50, 1049, 10_000, 70_000, 300_000] {
+            assert_same_topk(&topk_exact(&values, k), &topk_by_full_sort(&values, k));
+        }
+    }
+
+    #[test]
+    fn exact_handles_heavy_ties_and_zeros() {
+        let mut values = vec![0.0f32; 1 << 17];
+        for i in (0..values.len()).step_by(1000) {
+            values[i] = 1.0;
+        }
+        // Fewer non-zeros than k: zeros fill up by lowest index.
+        let k = 500;
+        assert_same_topk(&topk_exact(&values, k), &topk_by_full_sort(&values, k));
+        assert_same_topk(&topk_approx(&values, k, 5), &topk_by_full_sort(&values, k));
+        let constant = vec![0.25f32; 1 << 17];
+        assert_same_topk(
+            &topk_exact(&constant, 1000),
+            &topk_by_full_sort(&constant, 1000),
+        );
+        let approx = topk_approx(&constant, 1000, 2);
+        assert!(approx.len().abs_diff(1000) <= 100);
+    }
+
+    #[test]
+    fn approx_count_within_ten_percent_on_large_inputs() {
+        let values = gaussian(1 << 20, 21);
+        for (k, seed) in [(100, 1), (1049, 2), (5000, 3), (20_000, 4), (60_000, 5)] {
+            let approx = topk_approx(&values, k, seed);
+            assert!(
+                approx.len().abs_diff(k) <= k / 10,
+                "k {k}: got {}",
+                approx.len()
+            );
+            assert_top_set(&values, &approx);
+        }
+    }
+
+    #[test]
+    fn approx_small_k_is_exact() {
+        let values = gaussian(5000, 8);
+        assert_same_topk(&topk_approx(&values, 40, 1), &topk_exact(&values, 40));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn exact_equals_sort_reference(
+            values in prop::collection::vec(
+                prop_oneof![
+                    -100.0f32..100.0,
+                    Just(0.0f32),
+                    Just(-1.5f32),
+                    Just(f32::NAN),
+                    Just(f32::NEG_INFINITY),
+                ],
+                0..300,
+            ),
+            k in 0usize..320,
+        ) {
+            let got = topk_exact(&values, k);
+            let want = topk_by_full_sort(&values, k);
+            prop_assert_eq!(
+                sorted_keys(got.values.iter().copied()),
+                sorted_keys(want.values.iter().copied())
+            );
+            prop_assert_eq!(&got.indices, &want.indices);
+            prop_assert_eq!(got.len(), k.min(values.len()));
+        }
+
+        #[test]
+        fn approx_is_a_top_set_within_window(seed in any::<u64>(), k in 100usize..4000) {
+            let values = gaussian(1 << 16, seed);
+            let approx = topk_approx(&values, k, seed);
+            prop_assert!(approx.len().abs_diff(k) <= k / 10);
+            assert_top_set(&values, &approx);
+        }
+
+        #[test]
+        fn compressor_conserves_gradient_mass(
+            len in 1usize..200,
+            steps in 1usize..8,
+            density in 0.01f64..1.0,
+            approx in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let config = CompressorConfig {
+                density,
+                method: if approx { TopKMethod::Approx } else { TopKMethod::Exact },
+                ..CompressorConfig::default()
+            };
+            let mut compressor = Compressor::new(len, config);
+            let mut fed = vec![0.0f64; len];
+            let mut sent_total = vec![0.0f64; len];
+            for step in 0..steps {
+                let grad = gaussian(len, seed.wrapping_add(step as u64));
+                for (f, &g) in fed.iter_mut().zip(&grad) {
+                    *f += f64::from(g);
+                }
+                let sent = compressor.compress(&grad).unwrap();
+                prop_assert!(sent.validate(len).is_ok());
+                prop_assert_eq!(sent.len(), k_for_density(len, density));
+                for (&i, &v) in sent.indices.iter().zip(&sent.values) {
+                    sent_total[i as usize] += f64::from(v);
+                }
+            }
+            for i in 0..len {
+                let total = sent_total[i] + f64::from(compressor.residual()[i]);
+                prop_assert!((total - fed[i]).abs() <= 1e-4 * (1.0 + fed[i].abs()));
+            }
+            prop_assert_eq!(compressor.step(), steps as u64);
+        }
+
+        #[test]
+        fn f16_round_trip_is_within_half_precision(values in prop::collection::vec(-6.0e4f32..6.0e4, 0..64)) {
+            let back = values_from_f16(&values_to_f16(&values));
+            for (&v, &b) in values.iter().zip(&back) {
+                prop_assert!((v - b).abs() <= v.abs() * 1e-3 + 1e-7);
+            }
+        }
+    }
+
+    #[test]
+    fn f16_special_values() {
+        let values = [0.5, -2.0, 1.0e6, f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+        let back = values_from_f16(&values_to_f16(&values));
+        assert_eq!(&back[..2], &[0.5, -2.0]);
+        assert_eq!(back[2], f32::INFINITY);
+        assert_eq!(back[3], f32::INFINITY);
+        assert_eq!(back[4], f32::NEG_INFINITY);
+        assert!(back[5].is_nan());
+        let exact = [1.0f32, 0.25, -1024.0, 65504.0];
+        assert_eq!(values_from_f16(&values_to_f16(&exact)), exact);
+    }
+
+    #[test]
+    fn dense_density_sends_everything() {
+        let config = CompressorConfig {
+            density: 1.0,
+            ..CompressorConfig::default()
+        };
+        assert!(config.validate().is_ok());
+        let mut compressor = Compressor::new(3, config);
+        let sent = compressor.compress(&[1.0, 0.0, -2.0]).unwrap();
+        assert_eq!(sent, SparseGrad::from_dense(&[1.0, 0.0, -2.0]));
+        assert_eq!(compressor.residual(), &[0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn compressor_rejects_wrong_length() {
+        let mut compressor = Compressor::new(4, CompressorConfig::default());
+        assert_eq!(
+            compressor.compress(&[1.0; 3]).unwrap_err(),
+            SparseError::LengthMismatch {
+                expected: 4,
+                got: 3
+            }
+        );
+        assert_eq!(compressor.step(), 0);
+    }
+
+    #[test]
+    fn no_error_feedback_clears_residual() {
+        let config = CompressorConfig {
+            density: 0.5,
+            error_feedback: false,
+            ..CompressorConfig::default()
+        };
+        let mut compressor = Compressor::new(4, config);
+        let sent = compressor.compress(&[4.0, 1.0, -3.0, 0.5]).unwrap();
+        assert_eq!(sent.indices, vec![0, 2]);
+        assert!(compressor.residual().iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn momentum_correction_and_masking() {
+        let config = CompressorConfig {
+            density: 0.5,
+            momentum_correction: 0.5,
+            momentum_masking: true,
+            ..CompressorConfig::default()
+        };
+        let mut compressor = Compressor::new(2, config);
+        // u = [1, 0.5]; v = [1, 0.5]; send index 0, zero u[0].
+        let sent = compressor.compress(&[1.0, 0.5]).unwrap();
+        assert_eq!(sent.indices, vec![0]);
+        assert_eq!(compressor.residual(), &[0.0, 0.5]);
+        // u = [0 + 0.1, 0.25 + 0.1] = [0.1, 0.35]; v = [0.1, 0.85]; send index 1.
+        let sent = compressor.compress(&[0.1, 0.1]).unwrap();
+        assert_eq!(sent.indices, vec![1]);
+        assert!((sent.values[0] - 0.85).abs() < 1e-6);
+        assert!((compressor.residual()[0] - 0.1).abs() < 1e-6);
+    }
+
+    #[test]
+    fn warmup_schedule_is_monotone_and_ends_at_density() {
+        let config = CompressorConfig {
+            density: 0.001,
+            warmup_steps: 40,
+            warmup_start_density: 0.25,
+            ..CompressorConfig::default()
+        };
+        assert!(config.validate().is_ok());
+        assert!((config.density_at(0) - 0.25).abs() < 1e-12);
+        let schedule: Vec<f64> = (0..60).map(|s| config.density_at(s)).collect();
+        assert!(schedule.windows(2).all(|w| w[1] <= w[0]));
+        assert!(schedule.iter().all(|&d| (0.001..=0.25).contains(&d)));
+        assert_eq!(config.density_at(40), 0.001);
+        assert_eq!(config.density_at(1000), 0.001);
+        // Exponential: halfway is the geometric mean.
+        assert!((config.density_at(20) - (0.25f64 * 0.001).sqrt()).abs() < 1e-9);
+        let off = CompressorConfig::default();
+        assert_eq!(off.density_at(0), 0.01);
+    }
+
+    #[test]
+    fn config_validation_messages() {
+        let bad_density = CompressorConfig {
+            density: 0.0,
+            ..CompressorConfig::default()
+        };
+        assert!(bad_density.validate().unwrap_err().contains("density"));
+        let bad_correction = CompressorConfig {
+            momentum_correction: 1.0,
+            ..CompressorConfig::default()
+        };
+        assert!(bad_correction
+            .validate()
+            .unwrap_err()
+            .contains("momentum_correction"));
+        let bad_start = CompressorConfig {
+            density: 0.5,
+            warmup_steps: 10,
+            warmup_start_density: 0.25,
+            ..CompressorConfig::default()
+        };
+        assert!(bad_start
+            .validate()
+            .unwrap_err()
+            .contains("warmup_start_density"));
+        assert!(CompressorConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn k_for_density_rounds_and_clamps() {
+        assert_eq!(k_for_density(1000, 0.01), 10);
+        assert_eq!(k_for_density(1000, 0.0001), 1);
+        assert_eq!(k_for_density(1000, 1.0), 1000);
+        assert_eq!(k_for_density(1000, 2.0), 1000);
+        assert_eq!(k_for_density(1000, f64::NAN), 1);
+        assert_eq!(k_for_density(0, 0.5), 0);
+        assert_eq!(k_for_density(25_000_000, 0.001), 25_000);
+    }
+
+    #[test]
+    fn sparse_grad_helpers_and_validation() {
+        let grad = SparseGrad {
+            indices: vec![1, 3],
+            values: vec![2.0, -1.0],
+        };
+        let mut dense = vec![1.0f32; 4];
+        grad.add_into(&mut dense, 0.5);
+        assert_eq!(dense, vec![1.0, 2.0, 1.0, 0.5]);
+        assert_eq!(grad.wire_bytes(), 16);
+        assert!(grad.validate(4).is_ok());
+        assert_eq!(
+            grad.validate(3),
+            Err(SparseError::IndexOutOfRange { index: 3, dim: 3 })
+        );
+        let unordered = SparseGrad {
+            indices: vec![3, 3],
+            values: vec![1.0, 1.0],
+        };
+        assert_eq!(
+            unordered.validate(4),
+            Err(SparseError::NotAscending { position: 1 })
+        );
+        let ragged = SparseGrad {
+            indices: vec![0],
+            values: vec![],
+        };
+        assert!(matches!(
+            ragged.validate(4),
+            Err(SparseError::ArrayLengths { .. })
+        ));
+        assert_eq!(SparseGrad::from_dense(&[1.0, 2.0]).indices, vec![0, 1]);
+    }
+
+    #[test]
+    fn sparse_grad_rkyv_and_serde_round_trip() {
+        let grad = SparseGrad {
+            indices: vec![0, 7, 9],
+            values: vec![1.5, -2.0, 0.25],
+        };
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&grad).unwrap();
+        let back = rkyv::from_bytes::<SparseGrad, rkyv::rancor::Error>(&bytes).unwrap();
+        assert_eq!(back, grad);
+        let json = serde_json::to_string(&TopKMethod::Approx).unwrap();
+        assert_eq!(json, "\"approx\"");
+        let config: CompressorConfig = serde_json::from_str(r#"{"density": 0.1}"#).unwrap();
+        assert_eq!(config.density, 0.1);
+        assert!(config.error_feedback);
+    }
+}

@@ -1,0 +1,104 @@
+//! Helpers for the Stratus integration tests: whole clusters in one process.
+
+use std::sync::Arc;
+
+use object_store::{memory::InMemory, path::Path, ObjectStore};
+use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::dataset::{synthetic, write_dataset, SyntheticSpec};
+use ps_shared::transport::DevCert;
+use ps_worker::run::{run_worker, WorkerOptions, WorkerReport};
+
+/// A synthetic dataset written to an in-memory bucket.
+pub async fn synthetic_bucket(spec: &SyntheticSpec) -> (Arc<dyn ObjectStore>, Path) {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let prefix = Path::from("synthetic");
+    let (train, test) = synthetic(spec);
+    write_dataset(
+        store.as_ref(),
+        &prefix,
+        "synthetic",
+        spec.features,
+        spec.classes,
+        &train,
+        &test,
+        512,
+    )
+    .await
+    .expect("write synthetic dataset");
+    (store, prefix)
+}
+
+/// The embedded config adjusted for an in-process test cluster.
+pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterConfig {
+    let mut cfg = ClusterConfig::embedded_default().expect("embedded config");
+    cfg.cluster.servers = vec!["127.0.0.1:0".into()];
+    cfg.cluster.shards_per_server = 2;
+    cfg.cluster.workers = 2;
+    cfg.training.epochs = epochs;
+    cfg.training.metrics_dir = String::new();
+    cfg.compression.kind = kind;
+    cfg.compression.density = density;
+    if kind == CompressionKind::None {
+        cfg.optimizer.momentum = 0.9;
+    }
+    cfg.validate().expect("valid test config");
+    cfg
+}
+
+/// Upper bound on a whole in-process cluster run.
+pub const CLUSTER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Run one server process (all shards) and every worker in this process;
+/// returns the workers' reports in rank order.
+pub fn run_cluster(
+    mut cfg: ClusterConfig,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+) -> anyhow::Result<Vec<WorkerReport>> {
+    let cert = DevCert::generate(&["localhost".into()])?;
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = ps_server::net::start(
+            &cfg,
+            0,
+            "127.0.0.1:0".parse()?,
+            &cert.cert_pem,
+            &cert.key_pem,
+        )?;
+        cfg.cluster.servers = vec![server.local_addr().to_string()];
+        let workers = (0..cfg.cluster.workers as u32).map(|rank| {
+            let opts = WorkerOptions {
+                rank,
+                ca_pem: cert.cert_pem.clone(),
+                progress: false,
+                epoch_lines: true,
+            };
+            run_worker(&cfg, opts, store.clone(), prefix.clone())
+        });
+        let reports = tokio::time::timeout(CLUSTER_TIMEOUT, futures::future::join_all(workers))
+            .await
+            .map_err(|_| anyhow::anyhow!("cluster did not finish within {CLUSTER_TIMEOUT:?}"));
+        let reports = match reports {
+            Ok(r) => r,
+            Err(e) => {
+                server.shutdown().await;
+                return Err(e);
+            }
+        };
+        let mut out = Vec::new();
+        for r in reports {
+            match r {
+                Ok(r) => out.push(r),
+                Err(e) => {
+                    server.shutdown().await;
+                    return Err(e.into());
+                }
+            }
+        }
+        // Every worker said goodbye, so the server stops by itself.
+        tokio::time::timeout(std::time::Duration::from_secs(30), server.wait())
+            .await
+            .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))?;
+        Ok(out)
+    })
+}

@@ -1,0 +1,74 @@
+//! A whole cluster in one process: 1 server process with 2 shards, 2 workers,
+//! trained on the synthetic set, dense and top-k.
+
+use ps_shared::config::CompressionKind;
+use ps_shared::dataset::SyntheticSpec;
+use ps_tests::{run_cluster, synthetic_bucket, test_config};
+
+/// Test accuracy both runs must exceed. Chance is 10%; a linear model on this
+/// set stays well below it.
+const ACCURACY_BAR: f32 = 0.90;
+
+fn spec() -> SyntheticSpec {
+    SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    }
+}
+
+fn train(kind: CompressionKind, density: f64) -> Vec<ps_worker::run::WorkerReport> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let cfg = test_config(kind, density, 6);
+    run_cluster(cfg, store, prefix).expect("cluster run")
+}
+
+fn summarize(name: &str, reports: &[ps_worker::run::WorkerReport]) {
+    for r in reports {
+        println!(
+            "{name}: worker {} steps {} accuracy {:.2}% pushed {:.0} B/step pulled {:.0} B/step (P = {})",
+            r.rank,
+            r.steps,
+            100.0 * r.final_accuracy,
+            r.bytes_pushed_per_step,
+            r.bytes_pulled_per_step,
+            r.num_params
+        );
+    }
+}
+
+#[test]
+fn dense_and_topk_clusters_learn() {
+    let dense = train(CompressionKind::None, 1.0);
+    let topk = train(CompressionKind::Topk, 0.01);
+    summarize("dense", &dense);
+    summarize("topk 1%", &topk);
+    for (name, reports) in [("dense", &dense), ("topk", &topk)] {
+        assert_eq!(reports.len(), 2);
+        // BSP: both workers ran the same number of steps.
+        assert_eq!(reports[0].steps, reports[1].steps, "{name}");
+        assert!(reports[0].steps > 0);
+        for r in reports.iter() {
+            assert!(
+                r.final_accuracy > ACCURACY_BAR,
+                "{name} worker {} reached only {:.3}",
+                r.rank,
+                r.final_accuracy
+            );
+        }
+        // Workers hold the same parameters after every pull, so they agree on accuracy.
+        assert!(
+            (reports[0].final_accuracy - reports[1].final_accuracy).abs() < 1e-6,
+            "{name}"
+        );
+    }
+    // Top-k at 1% pushes a small fraction of the dense bytes (index + value per entry).
+    let ratio = topk[0].bytes_pushed_per_step / dense[0].bytes_pushed_per_step;
+    println!("push bytes top-k / dense = {ratio:.4}");
+    assert!(ratio < 0.05, "top-k pushed {ratio:.3} of the dense bytes");
+    // With server momentum off, pulls are sparse too.
+    assert!(topk[0].bytes_pulled_per_step < dense[0].bytes_pulled_per_step);
+}

@@ -1,0 +1,356 @@
+//! Talking to the parameter servers: `Comm` (plain async) and `CommActor`.
+//!
+//! A worker holds one QUIC connection per server process. A step's gradient is
+//! split by shard range and every shard gets its push and then its pull on
+//! streams of their own, all shards concurrently; the pull names the version
+//! the worker already holds so the server can answer with a sparse delta.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use futures::future::try_join_all;
+use quinn::Connection;
+
+use ps_shared::config::ClusterConfig;
+use ps_shared::protocol::{
+    ErrorCode, ParamUpdate, Request, Response, ShardRange, WireGrad, WireValues, PROTOCOL_VERSION,
+};
+use ps_shared::shard::ShardMap;
+use ps_shared::sparse::SparseGrad;
+use ps_shared::transport::{self, TransportError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error("server refused {what}: {code:?}: {message}")]
+    Refused {
+        what: &'static str,
+        code: ErrorCode,
+        message: String,
+    },
+    #[error("unexpected reply to {what}: {reply}")]
+    Unexpected { what: &'static str, reply: String },
+    #[error("cluster layout disagrees: {0}")]
+    Layout(String),
+    #[error("could not reach server {addr} within {secs} s: {last}")]
+    Unreachable {
+        addr: String,
+        secs: u64,
+        last: String,
+    },
+}
+
+fn refused(what: &'static str, resp: Response) -> CommError {
+    match resp {
+        Response::Error { code, message } => CommError::Refused {
+            what,
+            code,
+            message,
+        },
+        other => CommError::Unexpected {
+            what,
+            reply: format!("{other:?}"),
+        },
+    }
+}
+
+/// A gradient ready to push: sparse (global indices) or dense.
+#[derive(Debug, Clone)]
+pub enum Outgoing {
+    Sparse(SparseGrad),
+    Dense(Vec<f32>),
+}
+
+/// New values for one shard, with the shard's first global index.
+#[derive(Debug, Clone)]
+pub struct ShardUpdate {
+    pub offset: usize,
+    pub update: ParamUpdate,
+}
+
+/// Bytes moved by one exchange.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Traffic {
+    pub pushed: u64,
+    pub pulled: u64,
+}
+
+struct Link {
+    conn: Connection,
+}
+
+/// Connections to every server process and the shard routing.
+pub struct Comm {
+    rank: u32,
+    links: Vec<Link>,
+    map: ShardMap,
+    /// Which link serves each shard.
+    route: Vec<usize>,
+    versions: RefCell<Vec<Option<u64>>>,
+    max_frame: usize,
+    f16: bool,
+}
+
+fn update_bytes(u: &ParamUpdate) -> u64 {
+    match u {
+        ParamUpdate::Dense(v) => 4 * v.len() as u64,
+        ParamUpdate::Sparse { indices, values } => 4 * (indices.len() + values.len()) as u64,
+    }
+}
+
+impl Comm {
+    /// Connect to every server (retrying until `server.connect_timeout_secs`),
+    /// authenticate, and check that the servers' shards tile the parameter space.
+    pub async fn connect(cfg: &ClusterConfig, rank: u32, ca_pem: &str) -> Result<Self, CommError> {
+        let num_params = cfg.model.num_params();
+        let map = ShardMap::balanced(num_params, cfg.total_shards())
+            .map_err(|e| CommError::Layout(e.to_string()))?;
+        let mut links = Vec::new();
+        let mut route = vec![usize::MAX; map.num_shards()];
+        let hello = Request::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            token: cfg.cluster.token.clone(),
+            worker_rank: rank,
+            num_params: num_params as u64,
+            layout_hash: cfg.model.layout_hash(),
+        };
+        let timeout = Duration::from_secs(cfg.server.connect_timeout_secs);
+        for (i, server) in cfg.cluster.servers.iter().enumerate() {
+            let conn = connect_with_retry(server, &cfg.tls.server_name, ca_pem, timeout).await?;
+            let (resp, _) = transport::call(&conn, &hello, cfg.server.max_frame_bytes).await?;
+            let shards: Vec<ShardRange> = match resp {
+                Response::Welcome { shards, .. } => shards,
+                other => return Err(refused("hello", other)),
+            };
+            for s in shards {
+                let expected = map.range(s.shard as usize);
+                if expected != Some(s.lo as usize..s.hi as usize) {
+                    return Err(CommError::Layout(format!(
+                        "server {server} serves shard {} as {}..{}, expected {expected:?}",
+                        s.shard, s.lo, s.hi
+                    )));
+                }
+                route[s.shard as usize] = i;
+            }
+            links.push(Link { conn });
+        }
+        if let Some(missing) = route.iter().position(|&r| r == usize::MAX) {
+            return Err(CommError::Layout(format!(
+                "no server serves shard {missing}"
+            )));
+        }
+        Ok(Self {
+            rank,
+            links,
+            versions: RefCell::new(vec![None; map.num_shards()]),
+            map,
+            route,
+            max_frame: cfg.server.max_frame_bytes,
+            f16: cfg.compression.f16_values,
+        })
+    }
+
+    fn conn(&self, shard: usize) -> &Connection {
+        &self.links[self.route[shard]].conn
+    }
+
+    async fn pull_shard(
+        &self,
+        shard: usize,
+        min_version: u64,
+    ) -> Result<(ShardUpdate, u64), CommError> {
+        let have = self.versions.borrow()[shard];
+        let req = Request::Pull {
+            shard: shard as u32,
+            have_version: have,
+            min_version,
+        };
+        let (resp, _) = transport::call(self.conn(shard), &req, self.max_frame).await?;
+        match resp {
+            Response::Params {
+                version, update, ..
+            } => {
+                self.versions.borrow_mut()[shard] = Some(version);
+                let bytes = update_bytes(&update);
+                let offset = self.map.ranges()[shard].start;
+                Ok((ShardUpdate { offset, update }, bytes))
+            }
+            other => Err(refused("pull", other)),
+        }
+    }
+
+    /// Offer `initial` as the starting point (the first worker's offer wins) and
+    /// pull the parameters every worker starts from.
+    pub async fn init_and_pull(&self, initial: &[f32]) -> Result<Vec<ShardUpdate>, CommError> {
+        let parts = self.map.split_dense(initial);
+        let jobs = parts.iter().enumerate().map(|(shard, part)| async move {
+            let req = Request::Init {
+                shard: shard as u32,
+                values: part.to_vec(),
+            };
+            let (resp, _) = transport::call(self.conn(shard), &req, self.max_frame).await?;
+            match resp {
+                Response::InitAck { .. } => {}
+                other => return Err(refused("init", other)),
+            }
+            self.versions.borrow_mut()[shard] = None;
+            Ok(self.pull_shard(shard, 0).await?.0)
+        });
+        try_join_all(jobs).await
+    }
+
+    /// Push this worker's gradient for `step` and pull the parameters after it.
+    pub async fn push_pull(
+        &self,
+        step: u64,
+        grad: Outgoing,
+    ) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
+        let per_shard: Vec<WireGrad> = match grad {
+            Outgoing::Sparse(g) => self
+                .map
+                .split(&g)
+                .into_iter()
+                .map(|g| WireGrad::from_sparse(g, self.f16))
+                .collect(),
+            Outgoing::Dense(d) => self
+                .map
+                .split_dense(&d)
+                .into_iter()
+                .map(|part| WireGrad::Dense(WireValues::encode(part.to_vec(), self.f16)))
+                .collect(),
+        };
+        let jobs = per_shard
+            .into_iter()
+            .enumerate()
+            .map(|(shard, grad)| async move {
+                let req = Request::Push {
+                    shard: shard as u32,
+                    step,
+                    worker_rank: self.rank,
+                    grad,
+                };
+                let (resp, sent) = transport::call(self.conn(shard), &req, self.max_frame).await?;
+                match resp {
+                    Response::PushAck { .. } => {}
+                    other => return Err(refused("push", other)),
+                }
+                let (update, pulled) = self.pull_shard(shard, step + 1).await?;
+                Ok::<_, CommError>((update, sent as u64, pulled))
+            });
+        let results = try_join_all(jobs).await?;
+        let mut traffic = Traffic::default();
+        let mut updates = Vec::with_capacity(results.len());
+        for (u, sent, pulled) in results {
+            traffic.pushed += sent;
+            traffic.pulled += pulled;
+            updates.push(u);
+        }
+        Ok((updates, traffic))
+    }
+
+    /// Leave the cluster and close the connections.
+    pub async fn bye(&self) -> Result<(), CommError> {
+        for link in &self.links {
+            let req = Request::Bye {
+                worker_rank: self.rank,
+            };
+            match transport::call(&link.conn, &req, self.max_frame).await? {
+                (Response::ByeAck, _) => {}
+                (other, _) => return Err(refused("bye", other)),
+            }
+            link.conn.close(0u32.into(), b"bye");
+        }
+        Ok(())
+    }
+}
+
+async fn connect_with_retry(
+    server: &str,
+    server_name: &str,
+    ca_pem: &str,
+    timeout: Duration,
+) -> Result<Connection, CommError> {
+    let start = Instant::now();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let attempt = async {
+            let addr = transport::resolve(server).await?;
+            let endpoint = transport::client_endpoint(ca_pem, addr.is_ipv6())?;
+            transport::connect(&endpoint, addr, server_name).await
+        };
+        match attempt.await {
+            Ok(conn) => return Ok(conn),
+            Err(e) => {
+                if start.elapsed() + backoff > timeout {
+                    return Err(CommError::Unreachable {
+                        addr: server.to_string(),
+                        secs: timeout.as_secs(),
+                        last: e.to_string(),
+                    });
+                }
+                tracing::debug!(server, "connect failed, retrying: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// The actor face of [`Comm`].
+pub struct CommActor {
+    comm: Rc<Comm>,
+}
+
+impl CommActor {
+    pub fn new(comm: Comm) -> Self {
+        Self {
+            comm: Rc::new(comm),
+        }
+    }
+}
+
+impl Actor for CommActor {
+    type Context = Context<Self>;
+}
+
+#[derive(Message)]
+#[rtype(result = "Result<Vec<ShardUpdate>, CommError>")]
+pub struct InitParams(pub Vec<f32>);
+
+impl Handler<InitParams> for CommActor {
+    type Result = ResponseFuture<Result<Vec<ShardUpdate>, CommError>>;
+    fn handle(&mut self, msg: InitParams, _: &mut Context<Self>) -> Self::Result {
+        let comm = self.comm.clone();
+        Box::pin(async move { comm.init_and_pull(&msg.0).await })
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "Result<(Vec<ShardUpdate>, Traffic), CommError>")]
+pub struct PushPull {
+    pub step: u64,
+    pub grad: Outgoing,
+}
+
+impl Handler<PushPull> for CommActor {
+    type Result = ResponseFuture<Result<(Vec<ShardUpdate>, Traffic), CommError>>;
+    fn handle(&mut self, msg: PushPull, _: &mut Context<Self>) -> Self::Result {
+        let comm = self.comm.clone();
+        Box::pin(async move { comm.push_pull(msg.step, msg.grad).await })
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "Result<(), CommError>")]
+pub struct Leave;
+
+impl Handler<Leave> for CommActor {
+    type Result = ResponseFuture<Result<(), CommError>>;
+    fn handle(&mut self, _: Leave, _: &mut Context<Self>) -> Self::Result {
+        let comm = self.comm.clone();
+        Box::pin(async move { comm.bye().await })
+    }
+}

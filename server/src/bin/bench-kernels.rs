@@ -1,0 +1,315 @@
+//! Benchmark of the hot kernels against memory-bandwidth baselines.
+//!
+//! Times, on one random Gaussian gradient: a plain read pass (parallel and
+//! single-thread), approximate, exact and full-sort top-k, and the fused optimizer
+//! update (SGD + momentum + weight decay, Nesterov, LARS) against the unfused
+//! reference and a read pass over params + grads + momentum. Prints a table and
+//! the ratios measured in this run with their targets (PASS/MISS); timings are
+//! reported, never asserted.
+//!
+//! ```text
+//! cargo run --release -p ps-server --bin bench-kernels -- --elements 25000000 --density 0.001
+//! ```
+
+use std::hint::black_box;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use ps_server::optimizer::{fused_update, reference_update, UpdateRule};
+use ps_shared::sparse::{k_for_density, topk_approx, topk_by_full_sort, topk_exact};
+use rayon::prelude::*;
+
+const CHUNK: usize = 1 << 16;
+
+#[derive(Debug, Parser)]
+#[command(about = "Benchmark top-k and fused-update kernels against read passes")]
+struct Args {
+    /// Number of f32 elements in the gradient and parameter arrays.
+    #[arg(long, default_value_t = 25_000_000)]
+    elements: usize,
+    /// Top-k density (k = density * elements).
+    #[arg(long, default_value_t = 0.001)]
+    density: f64,
+    /// Timed repetitions per kernel; the minimum and median are reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+}
+
+/// Timings of one kernel over the repetitions.
+struct Timing {
+    name: &'static str,
+    min: Duration,
+    median: Duration,
+}
+
+fn time<R>(name: &'static str, repeats: usize, mut run: impl FnMut(usize) -> R) -> Timing {
+    let mut samples: Vec<Duration> = (0..repeats.max(1))
+        .map(|repeat| {
+            let start = Instant::now();
+            black_box(run(repeat));
+            start.elapsed()
+        })
+        .collect();
+    samples.sort_unstable();
+    Timing {
+        name,
+        min: samples[0],
+        median: samples[samples.len() / 2],
+    }
+}
+
+/// splitmix64 step: a small, fast generator for the benchmark data.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Standard normal values (Box-Muller), generated in parallel chunks.
+fn gaussian(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut out = vec![0.0f32; len];
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(chunk_index, chunk)| {
+            let mut state = seed ^ (chunk_index as u64).wrapping_mul(0xa076_1d64_78bd_642f);
+            for pair in chunk.chunks_mut(2) {
+                let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+                let radius = (-2.0 * u1.ln()).sqrt();
+                let angle = std::f64::consts::TAU * u2;
+                pair[0] = (radius * angle.cos()) as f32 * scale;
+                if let Some(second) = pair.get_mut(1) {
+                    *second = (radius * angle.sin()) as f32 * scale;
+                }
+            }
+        });
+    out
+}
+
+/// Wrapping sum of the bit patterns: touches every element, vectorises, and is
+/// bound by memory bandwidth rather than by floating-point latency.
+fn sum_bits(values: &[f32]) -> u32 {
+    values
+        .iter()
+        .fold(0u32, |acc, v| acc.wrapping_add(v.to_bits()))
+}
+
+fn read_parallel(values: &[f32]) -> u32 {
+    values
+        .par_chunks(CHUNK)
+        .map(sum_bits)
+        .reduce(|| 0, u32::wrapping_add)
+}
+
+fn read_three_parallel(a: &[f32], b: &[f32], c: &[f32]) -> u32 {
+    a.par_chunks(CHUNK)
+        .zip(b.par_chunks(CHUNK))
+        .zip(c.par_chunks(CHUNK))
+        .map(|((a, b), c)| {
+            sum_bits(a)
+                .wrapping_add(sum_bits(b))
+                .wrapping_add(sum_bits(c))
+        })
+        .reduce(|| 0, u32::wrapping_add)
+}
+
+/// Tensor-like segment boundaries: a repeating pattern of weight and bias sizes.
+fn tensor_segments(len: usize) -> Vec<Range<usize>> {
+    let pattern = [1 << 20, 512, 3 << 18, 256, 1 << 16, 64];
+    let mut segments = Vec::new();
+    let mut start = 0;
+    for size in pattern.iter().cycle() {
+        if start >= len {
+            break;
+        }
+        let end = (start + size).min(len);
+        segments.push(start..end);
+        start = end;
+    }
+    segments
+}
+
+fn ms(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e3
+}
+
+fn ratio(numerator: Duration, denominator: Duration) -> f64 {
+    numerator.as_secs_f64() / denominator.as_secs_f64().max(1e-12)
+}
+
+fn verdict(pass: bool) -> &'static str {
+    if pass {
+        "PASS"
+    } else {
+        "MISS"
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(args.elements > 0, "--elements must be positive");
+    anyhow::ensure!(
+        args.elements <= u32::MAX as usize,
+        "--elements must fit u32 indices"
+    );
+    anyhow::ensure!(
+        args.density > 0.0 && args.density <= 1.0,
+        "--density must be in (0, 1]"
+    );
+    let len = args.elements;
+    let k = k_for_density(len, args.density);
+    let repeats = args.repeats.max(1);
+    println!(
+        "bench-kernels: {len} elements ({:.1} MB per array), density {}, k {k}, {repeats} repeats, {} threads",
+        len as f64 * 4.0 / 1e6,
+        args.density,
+        rayon::current_num_threads()
+    );
+
+    let grad = gaussian(len, 1, 1.0);
+    let mut params = gaussian(len, 2, 0.05);
+    let mut momentum = vec![0.0f32; len];
+    let segments = tensor_segments(len);
+    // Warm the pages and caches once.
+    black_box(read_three_parallel(&grad, &params, &momentum));
+
+    let mut timings = Vec::new();
+    let read = time("read pass (parallel)", repeats, |_| read_parallel(&grad));
+    let read_single = time("read pass (1 thread)", repeats, |_| sum_bits(&grad));
+    let mut approx_count = 0;
+    let approx = time("top-k approx", repeats, |repeat| {
+        let selected = topk_approx(&grad, k, repeat as u64);
+        approx_count = selected.len();
+        selected
+    });
+    let exact = time("top-k exact", repeats, |_| topk_exact(&grad, k));
+    let sort = time("top-k full sort", repeats.min(3), |_| {
+        topk_by_full_sort(&grad, k)
+    });
+
+    let read3 = time("read params+grad+momentum", repeats, |_| {
+        read_three_parallel(&params, &grad, &momentum)
+    });
+    let sgd = UpdateRule {
+        lr: 1e-4,
+        momentum: 0.9,
+        nesterov: false,
+        weight_decay: 1e-4,
+        lars: None,
+    };
+    let nesterov = UpdateRule {
+        nesterov: true,
+        ..sgd
+    };
+    let lars = UpdateRule {
+        lars: Some(0.001),
+        ..sgd
+    };
+    let whole = [0..len];
+    let mut update_error = None;
+    let mut run_update = |rule: &UpdateRule, fused: bool, segments: &[Range<usize>]| {
+        let kernel = if fused {
+            fused_update
+        } else {
+            reference_update
+        };
+        if let Err(error) = kernel(&mut params, &grad, &mut momentum, segments, rule, 1.0) {
+            update_error = Some(error);
+        }
+    };
+    let fused = time("fused SGD+momentum+WD", repeats, |_| {
+        run_update(&sgd, true, &whole)
+    });
+    let fused_nesterov = time("fused Nesterov+WD", repeats, |_| {
+        run_update(&nesterov, true, &whole)
+    });
+    let fused_lars = time("fused LARS+momentum+WD", repeats, |_| {
+        run_update(&lars, true, &segments)
+    });
+    let unfused = time("unfused reference SGD+mom+WD", repeats, |_| {
+        run_update(&sgd, false, &whole)
+    });
+    let unfused_lars = time("unfused reference LARS", repeats, |_| {
+        run_update(&lars, false, &segments)
+    });
+    if let Some(error) = update_error {
+        anyhow::bail!("update failed: {error}");
+    }
+    timings.extend([
+        &read,
+        &read_single,
+        &approx,
+        &exact,
+        &sort,
+        &read3,
+        &fused,
+        &fused_nesterov,
+        &fused_lars,
+        &unfused,
+        &unfused_lars,
+    ]);
+
+    println!();
+    println!("{:<32} {:>10} {:>10}", "kernel", "min ms", "median ms");
+    for timing in &timings {
+        println!(
+            "{:<32} {:>10.2} {:>10.2}",
+            timing.name,
+            ms(timing.min),
+            ms(timing.median)
+        );
+    }
+    let bytes = len as f64 * 4.0;
+    println!(
+        "read bandwidth: {:.1} GB/s parallel, {:.1} GB/s single thread, {:.1} GB/s over three arrays",
+        bytes / read.min.as_secs_f64() / 1e9,
+        bytes / read_single.min.as_secs_f64() / 1e9,
+        3.0 * bytes / read3.min.as_secs_f64() / 1e9
+    );
+
+    println!();
+    println!("ratios (min times, this run):");
+    let approx_ratio = ratio(approx.min, read.min);
+    let exact_ratio = ratio(exact.min, read.min);
+    let fused_ratio = ratio(fused.min, read3.min);
+    let count_error = approx_count.abs_diff(k) as f64 / k as f64;
+    println!(
+        "  approx / read          {:>7.2}  target <= 2.0   {}",
+        approx_ratio,
+        verdict(approx_ratio <= 2.0)
+    );
+    println!(
+        "  exact / read           {:>7.2}  target <= 6     {}",
+        exact_ratio,
+        verdict(exact_ratio <= 6.0)
+    );
+    println!(
+        "  fused / read3          {:>7.2}  target <= 1.5   {}",
+        fused_ratio,
+        verdict(fused_ratio <= 1.5)
+    );
+    println!(
+        "  approx count vs k      {approx_count} vs {k} ({:+.2}%)  target within 10%   {}",
+        (approx_count as f64 - k as f64) / k as f64 * 100.0,
+        verdict(count_error <= 0.10)
+    );
+    println!(
+        "  exact vs sort speedup  {:>7.1}x",
+        ratio(sort.min, exact.min)
+    );
+    println!(
+        "  fused vs unfused       {:>7.1}x (LARS {:.1}x)",
+        ratio(unfused.min, fused.min),
+        ratio(unfused_lars.min, fused_lars.min)
+    );
+    println!(
+        "  nesterov / read3       {:>7.2}, LARS / read3 {:.2}, single-thread read / parallel read {:.2}",
+        ratio(fused_nesterov.min, read3.min),
+        ratio(fused_lars.min, read3.min),
+        ratio(read_single.min, read.min)
+    );
+    Ok(())
+}

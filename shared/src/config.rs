@@ -17,6 +17,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::dataplane::{LoaderSection, SimBucketSection};
+use crate::link::LinkSection;
 use crate::sparse::{CompressorConfig, TopKMethod};
 
 /// The configuration shipped with the binaries (`configs/local.toml`).
@@ -60,6 +62,9 @@ pub struct ClusterConfig {
     pub compression: CompressionSection,
     pub optimizer: OptimizerSection,
     pub server: ServerSection,
+    pub loader: LoaderSection,
+    pub bucket_sim: SimBucketSection,
+    pub link: LinkSection,
 }
 
 /// Who is in the cluster and how the parameter space is split.
@@ -550,6 +555,11 @@ impl ClusterConfig {
         if s.connect_timeout_secs == 0 {
             return Err(invalid("server.connect_timeout_secs", "must be >= 1"));
         }
+        self.loader.validate().map_err(|m| invalid("loader", m))?;
+        self.bucket_sim
+            .validate()
+            .map_err(|m| invalid("bucket_sim", m))?;
+        self.link.validate().map_err(|m| invalid("link", m))?;
         Ok(())
     }
 

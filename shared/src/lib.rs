@@ -6,7 +6,9 @@
 //! only move data between these pieces.
 
 pub mod config;
+pub mod dataplane;
 pub mod dataset;
+pub mod link;
 pub mod protocol;
 pub mod sampler;
 pub mod shard;

@@ -58,7 +58,9 @@ const MIN_SAMPLED_LEN: usize = 1 << 16;
 const MAX_SAMPLED_FRACTION_INV: usize = 16;
 /// Expected number of sampled entries above the true k-th magnitude.
 const SAMPLE_HITS: f64 = 64.0;
-/// Bounds on the number of sampled positions.
+/// Consecutive entries read per sampled position (one cache line).
+const SAMPLE_RUN: usize = 16;
+/// Bounds on the number of sampled entries.
 const MIN_SAMPLE: usize = 4096;
 const MAX_SAMPLE: usize = 1 << 17;
 /// Fixed sample seed of the exact kernel (its result does not depend on it).
@@ -326,10 +328,8 @@ fn sampled_candidates(values: &[f32], k: usize, seed: u64) -> Option<Vec<u64>> {
     let sample_len = ((SAMPLE_HITS / density).ceil() as usize)
         .clamp(MIN_SAMPLE, MAX_SAMPLE)
         .min(len / 8);
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut sample: Vec<u32> = (0..sample_len)
-        .map(|_| magnitude_key(values[rng.random_range(0..len)]))
-        .collect();
+    let mut sample = stratified_sample_keys(values, sample_len, seed);
+    let sample_len = sample.len();
     // Rank (1-based, largest first) well past the expected number of sampled
     // entries above the k-th magnitude, so that fewer than k entries reaching the
     // threshold needs a deviation of many standard deviations.
@@ -346,6 +346,24 @@ fn sampled_candidates(values: &[f32], k: usize, seed: u64) -> Option<Vec<u64>> {
     let cap = 4 * expected_candidates.max(k) + 4096;
     let candidates = gather_at_or_above(values, threshold, cap)?;
     (candidates.len() >= k).then_some(candidates)
+}
+
+/// About `sample_len` magnitude keys: the array is cut into equal strata and a
+/// run of [`SAMPLE_RUN`] consecutive entries at a random (seeded) offset is read
+/// from each. Runs keep the number of cache misses low; strata keep the sample
+/// spread over the whole array. `sample_len` must be at most `len / 8`.
+fn stratified_sample_keys(values: &[f32], sample_len: usize, seed: u64) -> Vec<u32> {
+    let runs = sample_len.div_ceil(SAMPLE_RUN).max(1);
+    let stratum = values.len() / runs;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut sample = Vec::with_capacity(runs * SAMPLE_RUN);
+    for run in 0..runs {
+        let offset = rng.random_range(0..=stratum.saturating_sub(SAMPLE_RUN));
+        let start = run * stratum + offset;
+        let entries = values.get(start..start + SAMPLE_RUN).unwrap_or(&[]);
+        sample.extend(entries.iter().map(|&v| magnitude_key(v)));
+    }
+    sample
 }
 
 /// Every entry with magnitude key `>= threshold` (which must be at least 1), packed,

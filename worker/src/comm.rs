@@ -14,8 +14,10 @@ use futures::future::try_join_all;
 use quinn::Connection;
 
 use ps_shared::config::ClusterConfig;
+use ps_shared::link::LinkLimiter;
 use ps_shared::protocol::{
-    ErrorCode, ParamUpdate, Request, Response, ShardRange, WireGrad, WireValues, PROTOCOL_VERSION,
+    encode_request, ErrorCode, ParamUpdate, Request, Response, ShardRange, WireGrad, WireValues,
+    PROTOCOL_VERSION,
 };
 use ps_shared::shard::ShardMap;
 use ps_shared::sparse::SparseGrad;
@@ -92,6 +94,8 @@ pub struct Comm {
     versions: RefCell<Vec<Option<u64>>>,
     max_frame: usize,
     f16: bool,
+    /// Simulated link limits (`[link]`); a no-op when unlimited.
+    link: LinkLimiter,
 }
 
 fn update_bytes(u: &ParamUpdate) -> u64 {
@@ -150,11 +154,26 @@ impl Comm {
             route,
             max_frame: cfg.server.max_frame_bytes,
             f16: cfg.compression.f16_values,
+            link: LinkLimiter::new(&cfg.link),
         })
     }
 
     fn conn(&self, shard: usize) -> &Connection {
         &self.links[self.route[shard]].conn
+    }
+
+    /// One request to a shard's server through the (simulated) link; returns
+    /// the response and the request's frame size.
+    async fn exchange(&self, shard: usize, req: &Request) -> Result<(Response, usize), CommError> {
+        let frame = encode_request(req).map_err(TransportError::from)?;
+        self.link.send(frame.len() as u64).await;
+        let resp = transport::call_raw(self.conn(shard), &frame, self.max_frame).await?;
+        let received = match &resp {
+            Response::Params { update, .. } => update_bytes(update) + 32,
+            _ => 32,
+        };
+        self.link.receive(received).await;
+        Ok((resp, frame.len()))
     }
 
     async fn pull_shard(
@@ -168,7 +187,7 @@ impl Comm {
             have_version: have,
             min_version,
         };
-        let (resp, _) = transport::call(self.conn(shard), &req, self.max_frame).await?;
+        let (resp, _) = self.exchange(shard, &req).await?;
         match resp {
             Response::Params {
                 version, update, ..
@@ -191,7 +210,7 @@ impl Comm {
                 shard: shard as u32,
                 values: part.to_vec(),
             };
-            let (resp, _) = transport::call(self.conn(shard), &req, self.max_frame).await?;
+            let (resp, _) = self.exchange(shard, &req).await?;
             match resp {
                 Response::InitAck { .. } => {}
                 other => return Err(refused("init", other)),
@@ -232,7 +251,7 @@ impl Comm {
                     worker_rank: self.rank,
                     grad,
                 };
-                let (resp, sent) = transport::call(self.conn(shard), &req, self.max_frame).await?;
+                let (resp, sent) = self.exchange(shard, &req).await?;
                 match resp {
                     Response::PushAck { .. } => {}
                     other => return Err(refused("push", other)),

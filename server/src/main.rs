@@ -54,9 +54,23 @@ enum Command {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("ps-server: error: {e:#}");
+        eprintln!("ps-server: error: {}", describe(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes, skipping causes whose text the message above
+/// already includes.
+fn describe(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
 }
 
 fn run() -> anyhow::Result<()> {

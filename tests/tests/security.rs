@@ -61,26 +61,59 @@ fn server_refuses_bad_clients_and_keeps_serving() {
         } = hello(&cfg)
         {
             bad.push((
-                Request::Hello { protocol_version, token: "wrong-token-123".into(), worker_rank, num_params, layout_hash },
+                Request::Hello {
+                    protocol_version,
+                    token: "wrong-token-123".into(),
+                    worker_rank,
+                    num_params,
+                    layout_hash,
+                },
                 ErrorCode::Unauthorized,
             ));
             bad.push((
-                Request::Hello { protocol_version: protocol_version + 1, token: token.clone(), worker_rank, num_params, layout_hash },
+                Request::Hello {
+                    protocol_version: protocol_version + 1,
+                    token: token.clone(),
+                    worker_rank,
+                    num_params,
+                    layout_hash,
+                },
                 ErrorCode::VersionMismatch,
             ));
             bad.push((
-                Request::Hello { protocol_version, token: token.clone(), worker_rank, num_params: num_params + 1, layout_hash },
+                Request::Hello {
+                    protocol_version,
+                    token: token.clone(),
+                    worker_rank,
+                    num_params: num_params + 1,
+                    layout_hash,
+                },
                 ErrorCode::LayoutMismatch,
             ));
             bad.push((
-                Request::Hello { protocol_version, token: token.clone(), worker_rank: 99, num_params, layout_hash },
+                Request::Hello {
+                    protocol_version,
+                    token: token.clone(),
+                    worker_rank: 99,
+                    num_params,
+                    layout_hash,
+                },
                 ErrorCode::UnknownWorker,
             ));
         }
         // Anything before Hello is refused as unauthenticated.
-        bad.push((Request::Pull { shard: 0, have_version: None, min_version: 0 }, ErrorCode::Unauthorized));
+        bad.push((
+            Request::Pull {
+                shard: 0,
+                have_version: None,
+                min_version: 0,
+            },
+            ErrorCode::Unauthorized,
+        ));
         for (req, code) in bad {
-            let conn = transport::connect(&client, addr, "localhost").await.unwrap();
+            let conn = transport::connect(&client, addr, "localhost")
+                .await
+                .unwrap();
             let (resp, _) = transport::call(&conn, &req, limit).await.unwrap();
             assert_eq!(error_code(&resp), Some(code), "{req:?} got {resp:?}");
             // The connection is closed after a refusal.
@@ -89,36 +122,79 @@ fn server_refuses_bad_clients_and_keeps_serving() {
             tried += 1;
         }
         // Garbage instead of a Hello.
-        let conn = transport::connect(&client, addr, "localhost").await.unwrap();
-        let resp = transport::call_raw(&conn, &[5, 0, 0, 0, 1, 2, 3, 4, 5], limit).await.unwrap();
+        let conn = transport::connect(&client, addr, "localhost")
+            .await
+            .unwrap();
+        let resp = transport::call_raw(&conn, &[5, 0, 0, 0, 1, 2, 3, 4, 5], limit)
+            .await
+            .unwrap();
         assert_eq!(error_code(&resp), Some(ErrorCode::BadFrame));
         tried += 1;
 
         // An authenticated client sending garbage and bad pushes gets typed errors...
-        let conn = transport::connect(&client, addr, "localhost").await.unwrap();
+        let conn = transport::connect(&client, addr, "localhost")
+            .await
+            .unwrap();
         let (resp, _) = transport::call(&conn, &hello(&cfg), limit).await.unwrap();
         assert!(matches!(resp, Response::Welcome { .. }), "{resp:?}");
-        let resp = transport::call_raw(&conn, &[3, 0, 0, 0, 9, 9, 9], limit).await.unwrap();
+        let resp = transport::call_raw(&conn, &[3, 0, 0, 0, 9, 9, 9], limit)
+            .await
+            .unwrap();
         assert_eq!(error_code(&resp), Some(ErrorCode::BadFrame));
         let mut frame = encode_request(&Request::Bye { worker_rank: 0 }).unwrap();
         frame[..4].copy_from_slice(&u32::MAX.to_le_bytes());
         let resp = transport::call_raw(&conn, &frame, limit).await.unwrap();
         assert_eq!(error_code(&resp), Some(ErrorCode::BadFrame));
-        let push = |shard, step, worker_rank, grad| Request::Push { shard, step, worker_rank, grad };
-        let sparse = |i: Vec<u32>, v: Vec<f32>| WireGrad::Sparse { indices: i, values: WireValues::F32(v) };
+        let push = |shard, step, worker_rank, grad| Request::Push {
+            shard,
+            step,
+            worker_rank,
+            grad,
+        };
+        let sparse = |i: Vec<u32>, v: Vec<f32>| WireGrad::Sparse {
+            indices: i,
+            values: WireValues::F32(v),
+        };
         let shard_len = (cfg.model.num_params() / 2) as u32;
         let n = cfg.model.num_params() as usize / 2;
-        let init = Request::Init { shard: 0, values: vec![0.5; n] };
+        let init = Request::Init {
+            shard: 0,
+            values: vec![0.5; n],
+        };
         let (resp, _) = transport::call(&conn, &init, limit).await.unwrap();
-        assert!(matches!(resp, Response::InitAck { accepted: true, .. }), "{resp:?}");
+        assert!(
+            matches!(resp, Response::InitAck { accepted: true, .. }),
+            "{resp:?}"
+        );
         for (req, code) in [
-            (push(7, 0, 0, sparse(vec![1], vec![1.0])), ErrorCode::UnknownShard),
-            (push(0, 0, 1, sparse(vec![1], vec![1.0])), ErrorCode::Unauthorized),
-            (push(0, 0, 0, sparse(vec![shard_len + 5], vec![1.0])), ErrorCode::OutOfRange),
-            (push(0, 0, 0, sparse(vec![1, 2], vec![1.0])), ErrorCode::WrongLength),
-            (push(0, 0, 0, sparse(vec![1], vec![f32::NAN])), ErrorCode::NonFinite),
-            (push(0, 3, 0, sparse(vec![1], vec![1.0])), ErrorCode::WrongStep),
-            (push(0, 0, 0, WireGrad::Dense(WireValues::F32(vec![1.0; 3]))), ErrorCode::WrongLength),
+            (
+                push(7, 0, 0, sparse(vec![1], vec![1.0])),
+                ErrorCode::UnknownShard,
+            ),
+            (
+                push(0, 0, 1, sparse(vec![1], vec![1.0])),
+                ErrorCode::Unauthorized,
+            ),
+            (
+                push(0, 0, 0, sparse(vec![shard_len + 5], vec![1.0])),
+                ErrorCode::OutOfRange,
+            ),
+            (
+                push(0, 0, 0, sparse(vec![1, 2], vec![1.0])),
+                ErrorCode::WrongLength,
+            ),
+            (
+                push(0, 0, 0, sparse(vec![1], vec![f32::NAN])),
+                ErrorCode::NonFinite,
+            ),
+            (
+                push(0, 3, 0, sparse(vec![1], vec![1.0])),
+                ErrorCode::WrongStep,
+            ),
+            (
+                push(0, 0, 0, WireGrad::Dense(WireValues::F32(vec![1.0; 3]))),
+                ErrorCode::WrongLength,
+            ),
         ] {
             let (resp, _) = transport::call(&conn, &req, limit).await.unwrap();
             assert_eq!(error_code(&resp), Some(code), "{resp:?}");

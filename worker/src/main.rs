@@ -46,6 +46,10 @@ enum Command {
         /// Write the final report as JSON to this file.
         #[arg(long)]
         report: Option<PathBuf>,
+        /// Compute device (overrides training.device): cpu, cuda or cuda:N;
+        /// cuda needs a build with `--features cuda`.
+        #[arg(long, env = "STRATUS_DEVICE")]
+        device: Option<String>,
     },
     /// Write a dataset into a bucket.
     #[command(subcommand)]
@@ -103,9 +107,23 @@ enum DatasetCommand {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("ps-worker: error: {e:#}");
+        eprintln!("ps-worker: error: {}", describe(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes, skipping causes whose text the message above
+/// already includes.
+fn describe(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
 }
 
 fn run() -> anyhow::Result<()> {
@@ -121,6 +139,7 @@ fn run() -> anyhow::Result<()> {
         data: None,
         no_progress: false,
         report: None,
+        device: None,
     });
     match command {
         Command::ShowConfig => {
@@ -134,10 +153,15 @@ fn run() -> anyhow::Result<()> {
             data,
             no_progress,
             report,
+            device,
         } => {
             let mut cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
             if let Some(url) = data {
                 cfg.data.url = url;
+            }
+            if let Some(device) = device {
+                cfg.training.device = device;
+                cfg.validate().context("--device")?;
             }
             if rank as usize >= cfg.cluster.workers {
                 bail!(

@@ -1,0 +1,88 @@
+//! Real data: the 5,000-sample MNIST subset (fetched by `scripts/fetch-mnist.sh`).
+//! Top-k at 0.1% density with error feedback must end within 1 percentage
+//! point of dense training after the same number of epochs.
+//!
+//! When the file is absent the test says so and passes, unless
+//! `STRATUS_REQUIRE_MNIST=1` (set by CI), where absence is a failure.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use object_store::{memory::InMemory, path::Path, ObjectStore};
+use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::dataset::{read_mnist_csv, train_test_split, write_dataset};
+use ps_tests::run_cluster;
+
+fn repo_file(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(rel)
+}
+
+#[test]
+fn topk_0_1_percent_matches_dense_on_mnist() {
+    let csv = repo_file("data/mnist_5k.csv.gz");
+    if !csv.exists() {
+        let required = std::env::var("STRATUS_REQUIRE_MNIST").is_ok_and(|v| v == "1");
+        assert!(
+            !required,
+            "{} is missing; run scripts/fetch-mnist.sh",
+            csv.display()
+        );
+        println!(
+            "skipped: {} not found (run scripts/fetch-mnist.sh)",
+            csv.display()
+        );
+        return;
+    }
+    let samples = read_mnist_csv(&csv).expect("parse MNIST CSV");
+    let (train, test) = train_test_split(samples, 1000, 7);
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let prefix = Path::from("mnist");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(write_dataset(
+        store.as_ref(),
+        &prefix,
+        "mnist",
+        784,
+        10,
+        &train,
+        &test,
+        1024,
+    ))
+    .expect("write dataset");
+
+    let base = ClusterConfig::load(&repo_file("configs/mnist.toml")).expect("configs/mnist.toml");
+    let mut run = |kind: CompressionKind, density: f64, momentum: f32| {
+        let mut cfg = base.clone();
+        cfg.cluster.servers = vec!["127.0.0.1:0".into()];
+        cfg.training.metrics_dir = String::new();
+        cfg.compression.kind = kind;
+        cfg.compression.density = density;
+        cfg.optimizer.momentum = momentum;
+        cfg.validate().expect("valid config");
+        let reports = run_cluster(cfg, store.clone(), prefix.clone()).expect("cluster run");
+        (
+            reports[0].final_accuracy,
+            reports[0].bytes_pushed_per_step,
+            reports[0].steps,
+        )
+    };
+    let (dense_acc, dense_bytes, dense_steps) = run(CompressionKind::None, 1.0, 0.9);
+    let (topk_acc, topk_bytes, topk_steps) = run(CompressionKind::Topk, 0.001, 0.0);
+    println!(
+        "mnist 5k, {} epochs: dense {:.2}% ({dense_bytes:.0} B pushed/step), top-k 0.1% {:.2}% ({topk_bytes:.0} B pushed/step)",
+        base.training.epochs,
+        100.0 * dense_acc,
+        100.0 * topk_acc
+    );
+    assert_eq!(dense_steps, topk_steps);
+    assert!(dense_acc > 0.88, "dense reached only {dense_acc}");
+    assert!(
+        topk_acc >= dense_acc - 0.01,
+        "top-k 0.1% {topk_acc} is more than 1 point below dense {dense_acc}"
+    );
+    assert!(topk_bytes * 100.0 < dense_bytes);
+}

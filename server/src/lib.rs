@@ -6,6 +6,7 @@
 //! * [`net`]: the QUIC endpoint of a server process.
 
 pub mod actor;
+pub mod checkpoint;
 pub mod net;
 pub mod optimizer;
 pub mod shard;

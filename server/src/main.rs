@@ -168,7 +168,7 @@ fn serve(cfg: &ClusterConfig, index: usize, listen: Option<SocketAddr>) -> anyho
     let key_pem = read_pem(&cfg.tls.key)?;
     let system = actix::System::new();
     system.block_on(async move {
-        let server = ps_server::net::start(cfg, index, listen, &cert_pem, &key_pem)?;
+        let server = ps_server::net::start(cfg, index, listen, &cert_pem, &key_pem).await?;
         tokio::select! {
             _ = server_wait(server) => {}
             _ = tokio::signal::ctrl_c() => {

@@ -21,12 +21,15 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::rc::Rc;
+use std::time::Duration;
 
 use actix::prelude::*;
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
-use ps_shared::config::ClusterConfig;
+use ps_shared::config::{ClusterConfig, SyncMode};
+use ps_shared::dataset::open_bucket;
 use ps_shared::protocol::{
     decode_request, encode_response, ErrorCode, Request, Response, ShardRange, PROTOCOL_VERSION,
 };
@@ -34,10 +37,12 @@ use ps_shared::shard::ShardMap;
 use ps_shared::transport::{self, read_frame, write_frame, TransportError};
 
 use crate::actor::{
-    GetStatus, InitShard, PullParams, PushGrad, ShardActor, ShardStatus, WorkerLeft,
+    CheckpointTarget, GetStatus, InitShard, PullParams, PushGrad, ShardActor, ShardStatus,
+    WorkerJoined, WorkerLeft,
 };
+use crate::checkpoint::{load_latest, CheckpointError};
 use crate::optimizer::UpdateRule;
-use crate::shard::{ShardSetup, ShardState};
+use crate::shard::{Mode, ShardSetup, ShardState};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -47,6 +52,12 @@ pub enum ServerError {
     Shards(String),
     #[error(transparent)]
     Transport(#[from] TransportError),
+    #[error("cannot open checkpoint store {url}: {message}")]
+    CheckpointStore { url: String, message: String },
+    #[error("cannot restore shard {shard}: {message}")]
+    Restore { shard: usize, message: String },
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     #[error("cannot bind {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -65,7 +76,93 @@ struct ServerCtx {
     shards: HashMap<u32, Addr<ShardActor>>,
     welcome: Vec<ShardRange>,
     finished: RefCell<BTreeSet<u32>>,
+    members: RefCell<Members>,
+    worker_timeout: Duration,
+    max_rps: u32,
     done: watch::Sender<bool>,
+}
+
+/// Liveness of the workers as seen by this server process.
+struct Members {
+    last_seen: HashMap<u32, Instant>,
+    /// The connection each rank uses now (a restarted worker replaces its old one).
+    connection: HashMap<u32, usize>,
+    /// Ranks dropped from the barrier (dead connection or silent too long).
+    dropped: BTreeSet<u32>,
+}
+
+/// Requests per second allowed on one connection (token bucket, burst 1 s).
+struct RequestBudget {
+    rate: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl RequestBudget {
+    fn new(rate: u32) -> Self {
+        Self {
+            rate: f64::from(rate),
+            tokens: f64::from(rate),
+            last: Instant::now(),
+        }
+    }
+
+    fn take(&mut self) -> bool {
+        if self.rate == 0.0 {
+            return true;
+        }
+        let now = Instant::now();
+        self.tokens =
+            (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate).min(self.rate);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+impl ServerCtx {
+    /// Note activity from `rank`; a dropped worker that speaks again is readmitted.
+    async fn seen(&self, rank: u32) {
+        let was_dropped = {
+            let mut m = self.members.borrow_mut();
+            m.last_seen.insert(rank, Instant::now());
+            m.dropped.contains(&rank)
+        };
+        if was_dropped {
+            self.admit(rank).await;
+        }
+    }
+
+    /// Drop a worker from every local barrier (it may rejoin with a new Hello).
+    async fn drop_worker(&self, rank: u32, why: &str) {
+        if self.finished.borrow().contains(&rank) || !self.members.borrow_mut().dropped.insert(rank)
+        {
+            return;
+        }
+        tracing::warn!(rank, "dropping worker from the barrier: {why}");
+        for addr in self.shards.values() {
+            let _ = addr.send(WorkerLeft(rank)).await;
+        }
+    }
+
+    /// Readmit a worker that was dropped.
+    async fn admit(&self, rank: u32) {
+        let readmitted = {
+            let mut m = self.members.borrow_mut();
+            m.last_seen.insert(rank, Instant::now());
+            m.dropped.remove(&rank)
+        };
+        if readmitted {
+            tracing::info!(rank, "worker rejoined");
+            for addr in self.shards.values() {
+                let _ = addr.send(WorkerJoined(rank)).await;
+            }
+        }
+    }
 }
 
 /// A running server process.
@@ -133,9 +230,10 @@ fn segments_within(range: &Range<usize>, tensors: &[Range<usize>]) -> Vec<Range<
         .collect()
 }
 
-/// Start server process `index` of the cluster, listening on `listen`.
-/// Must be called inside a running actix `System`.
-pub fn start(
+/// Start server process `index` of the cluster, listening on `listen`,
+/// restoring each shard from its latest checkpoint when checkpoints are
+/// configured. Must be called inside a running actix `System`.
+pub async fn start(
     cfg: &ClusterConfig,
     index: usize,
     listen: SocketAddr,
@@ -160,6 +258,28 @@ pub fn start(
         weight_decay: o.weight_decay,
         lars: (o.lars_eta > 0.0).then_some(o.lars_eta),
     };
+    let mode = match cfg.server.mode {
+        SyncMode::Bsp => Mode::Bsp,
+        SyncMode::Asp => Mode::Asp,
+        SyncMode::Ssp => Mode::Ssp {
+            staleness: cfg.server.staleness,
+        },
+    };
+    let checkpoints = if cfg.server.checkpoint_url.trim().is_empty() {
+        None
+    } else {
+        let (store, prefix) =
+            open_bucket(&cfg.server.checkpoint_url).map_err(|e| ServerError::CheckpointStore {
+                url: cfg.server.checkpoint_url.clone(),
+                message: e.to_string(),
+            })?;
+        Some(CheckpointTarget {
+            store,
+            prefix,
+            every: cfg.server.checkpoint_every,
+        })
+    };
+    let layout_hash = cfg.model.layout_hash();
     let mut shards = HashMap::new();
     let mut welcome = Vec::new();
     let mut arbiters = Vec::new();
@@ -174,10 +294,22 @@ pub fn start(
             segments: segments_within(&range, &tensors),
             rule,
             workers: cfg.cluster.workers as u32,
+            mode,
         };
+        let mut state = ShardState::new(setup);
+        if let Some(target) = &checkpoints {
+            if let Some(ckpt) = load_latest(&target.store, &target.prefix, shard as u32).await? {
+                let version = ckpt.version;
+                state
+                    .restore(ckpt, layout_hash)
+                    .map_err(|message| ServerError::Restore { shard, message })?;
+                tracing::info!(shard, version, "restored from checkpoint");
+            }
+        }
         let arbiter = Arbiter::new();
+        let target = checkpoints.clone();
         let addr = ShardActor::start_in_arbiter(&arbiter.handle(), move |_| {
-            ShardActor::new(ShardState::new(setup))
+            ShardActor::new(state, target, layout_hash)
         });
         arbiters.push(arbiter);
         shards.insert(shard as u32, addr);
@@ -207,7 +339,41 @@ pub fn start(
         shards,
         welcome,
         finished: RefCell::new(BTreeSet::new()),
+        members: RefCell::new(Members {
+            last_seen: HashMap::new(),
+            connection: HashMap::new(),
+            dropped: BTreeSet::new(),
+        }),
+        worker_timeout: Duration::from_secs_f64(cfg.server.worker_timeout_secs),
+        max_rps: cfg.server.max_requests_per_sec,
         done: done_tx,
+    });
+    // Watchdog: drop workers that went silent (no request and no heartbeat).
+    let watch_ctx = ctx.clone();
+    let tick = Duration::from_secs_f64(cfg.server.heartbeat_secs / 2.0);
+    let started = Instant::now();
+    actix::spawn(async move {
+        let mut interval = tokio::time::interval(tick);
+        loop {
+            interval.tick().await;
+            if *watch_ctx.done.borrow() {
+                return;
+            }
+            let now = Instant::now();
+            let silent: Vec<u32> = (0..watch_ctx.workers)
+                .filter(|rank| {
+                    let members = watch_ctx.members.borrow();
+                    let seen = members.last_seen.get(rank).copied().unwrap_or(started);
+                    !members.dropped.contains(rank)
+                        && now.duration_since(seen) > watch_ctx.worker_timeout
+                })
+                .collect();
+            for rank in silent {
+                watch_ctx
+                    .drop_worker(rank, "no heartbeat within server.worker_timeout_secs")
+                    .await;
+            }
+        }
     });
     tracing::info!(
         %local_addr,
@@ -311,20 +477,38 @@ async fn serve_connection(conn: Connection, ctx: Rc<ServerCtx>) {
         None => return,
     };
     tracing::info!(%peer, rank, "worker connected");
+    ctx.members
+        .borrow_mut()
+        .connection
+        .insert(rank, conn.stable_id());
+    ctx.admit(rank).await;
+    let mut budget = RequestBudget::new(ctx.max_rps);
     loop {
         match conn.accept_bi().await {
-            Ok((send, recv)) => {
+            Ok((mut send, recv)) => {
+                if !budget.take() {
+                    let resp = Response::error(
+                        ErrorCode::RateLimited,
+                        format!("more than {} requests per second", ctx.max_rps),
+                    );
+                    actix::spawn(async move { reply(&mut send, &resp).await });
+                    continue;
+                }
                 let ctx = ctx.clone();
                 actix::spawn(serve_stream(send, recv, ctx, rank));
             }
             Err(e) => {
-                if !ctx.finished.borrow().contains(&rank) {
-                    // A worker that vanished must not hold the barrier forever.
-                    tracing::warn!(%peer, rank, "worker connection lost before goodbye ({e}); dropping it from the barrier");
-                    for addr in ctx.shards.values() {
-                        let _ = addr.send(WorkerLeft(rank)).await;
-                    }
+                // A worker that vanished must not hold the barrier forever
+                // (unless it already came back on a new connection).
+                let current = ctx.members.borrow().connection.get(&rank).copied();
+                if current != Some(conn.stable_id()) {
+                    return;
                 }
+                ctx.drop_worker(
+                    rank,
+                    &format!("connection from {peer} lost before goodbye ({e})"),
+                )
+                .await;
                 return;
             }
         }
@@ -364,7 +548,10 @@ async fn authenticate(conn: &Connection, ctx: &ServerCtx) -> Option<u32> {
 async fn serve_stream(mut send: SendStream, mut recv: RecvStream, ctx: Rc<ServerCtx>, rank: u32) {
     let resp = match read_frame(&mut recv, ctx.max_frame).await {
         Ok(payload) => match decode_request(&payload) {
-            Ok(req) => dispatch(&ctx, rank, req).await,
+            Ok(req) => {
+                ctx.seen(rank).await;
+                dispatch(&ctx, rank, req).await
+            }
             Err(e) => Response::error(ErrorCode::BadFrame, e.to_string()),
         },
         Err(e) => Response::error(ErrorCode::BadFrame, e.to_string()),
@@ -446,6 +633,7 @@ async fn dispatch(ctx: &ServerCtx, rank: u32, req: Request) -> Response {
             };
             match addr
                 .send(PullParams {
+                    worker: rank,
                     have_version,
                     min_version,
                 })
@@ -460,6 +648,7 @@ async fn dispatch(ctx: &ServerCtx, rank: u32, req: Request) -> Response {
                 Err(e) => mailbox_gone(e),
             }
         }
+        Request::Heartbeat { .. } => Response::HeartbeatAck,
         Request::Bye { worker_rank } => {
             if worker_rank != rank {
                 return Response::error(

@@ -135,11 +135,11 @@ pub fn fused_update(
     grad_scale: f32,
 ) -> Result<(), UpdateError> {
     check_inputs(params, grad, momentum_buf, segments, rule)?;
-    let whole = [0..params.len()];
+    let whole = 0..params.len();
     let segments: &[Range<usize>] = if rule.lars.is_some() {
         segments
     } else {
-        &whole
+        std::slice::from_ref(&whole)
     };
     // Work items: (segment, range) pieces of at most UPDATE_CHUNK elements, in order.
     let pieces: Vec<(usize, Range<usize>)> = segments
@@ -214,26 +214,36 @@ pub fn fused_update(
 }
 
 /// Squared norms of `p` and of `g' = grad_scale * g + weight_decay * p`.
+///
+/// Blocks of 1024 entries are summed in eight f32 lanes (one loop per norm, so
+/// that each vectorises) and the lane sums are added up in f64.
 fn piece_norms(params: &[f32], grad: &[f32], rule: &UpdateRule, grad_scale: f32) -> (f64, f64) {
+    const LANES: usize = 8;
+    const BLOCK: usize = 1024;
     let weight_decay = rule.weight_decay;
-    // f32 lanes per block of 8, summed into f64 per block: vectorises and keeps
-    // the rounding error small.
     let mut param_sq = 0.0f64;
     let mut grad_sq = 0.0f64;
-    let param_blocks = params.chunks(256);
-    for (p_block, g_block) in param_blocks.zip(grad.chunks(256)) {
-        let mut p_lanes = [0.0f32; 8];
-        let mut g_lanes = [0.0f32; 8];
-        for (p8, g8) in p_block.chunks(8).zip(g_block.chunks(8)) {
-            for ((lane, (&p, &g)), g_lane) in p_lanes
-                .iter_mut()
-                .zip(p8.iter().zip(g8))
-                .zip(g_lanes.iter_mut())
-            {
-                let shaped = grad_scale * g + weight_decay * p;
+    for (p_block, g_block) in params.chunks(BLOCK).zip(grad.chunks(BLOCK)) {
+        let mut p_lanes = [0.0f32; LANES];
+        for p_lane_group in p_block.chunks_exact(LANES) {
+            for (lane, &p) in p_lanes.iter_mut().zip(p_lane_group) {
                 *lane += p * p;
-                *g_lane += shaped * shaped;
             }
+        }
+        let mut g_lanes = [0.0f32; LANES];
+        for (p_lane_group, g_lane_group) in
+            p_block.chunks_exact(LANES).zip(g_block.chunks_exact(LANES))
+        {
+            for ((lane, &p), &g) in g_lanes.iter_mut().zip(p_lane_group).zip(g_lane_group) {
+                let shaped = grad_scale * g + weight_decay * p;
+                *lane += shaped * shaped;
+            }
+        }
+        let tail_start = p_block.len() - p_block.len() % LANES;
+        for (&p, &g) in p_block[tail_start..].iter().zip(&g_block[tail_start..]) {
+            let shaped = grad_scale * g + weight_decay * p;
+            p_lanes[0] += p * p;
+            g_lanes[0] += shaped * shaped;
         }
         param_sq += p_lanes.iter().map(|&v| f64::from(v)).sum::<f64>();
         grad_sq += g_lanes.iter().map(|&v| f64::from(v)).sum::<f64>();

@@ -379,6 +379,10 @@ impl OptimizerSection {
 pub enum SyncMode {
     /// Bulk synchronous: every live worker's push for step t before the update.
     Bsp,
+    /// Asynchronous: each push is applied on arrival; pulls never wait.
+    Asp,
+    /// Stale synchronous: applied on arrival, workers at most `server.staleness` steps apart.
+    Ssp,
 }
 
 /// Server-process settings.
@@ -386,6 +390,19 @@ pub enum SyncMode {
 #[serde(deny_unknown_fields, default)]
 pub struct ServerSection {
     pub mode: SyncMode,
+    /// SSP bound: how many steps the fastest worker may run ahead of the slowest.
+    pub staleness: u64,
+    /// A worker silent for this long (no request, no heartbeat) is dropped from
+    /// the barrier; it may rejoin later.
+    pub worker_timeout_secs: f64,
+    /// How often workers send a heartbeat.
+    pub heartbeat_secs: f64,
+    /// Requests per second one connection may make (token bucket, burst = 1 s); 0 = unlimited.
+    pub max_requests_per_sec: u32,
+    /// Object-store URL for shard checkpoints (`file://dir`, `s3://...`); empty disables.
+    pub checkpoint_url: String,
+    /// Checkpoint every N updates of a shard (0 disables).
+    pub checkpoint_every: u64,
     /// Stop the server once every worker has said goodbye.
     pub exit_when_done: bool,
     /// Largest frame accepted on the wire, in bytes.
@@ -398,6 +415,12 @@ impl Default for ServerSection {
     fn default() -> Self {
         Self {
             mode: SyncMode::Bsp,
+            staleness: 2,
+            worker_timeout_secs: 10.0,
+            heartbeat_secs: 1.0,
+            max_requests_per_sec: 2000,
+            checkpoint_url: String::new(),
+            checkpoint_every: 0,
             exit_when_done: true,
             max_frame_bytes: 256 << 20,
             connect_timeout_secs: 30,
@@ -550,6 +573,24 @@ impl ClusterConfig {
                     "{} is smaller than one dense shard ({dense_frame} bytes)",
                     s.max_frame_bytes
                 ),
+            ));
+        }
+        if !(s.heartbeat_secs.is_finite() && s.heartbeat_secs > 0.0) {
+            return Err(invalid("server.heartbeat_secs", "must be > 0"));
+        }
+        if !(s.worker_timeout_secs.is_finite() && s.worker_timeout_secs >= 2.0 * s.heartbeat_secs) {
+            return Err(invalid(
+                "server.worker_timeout_secs",
+                "must be at least twice server.heartbeat_secs",
+            ));
+        }
+        if s.mode == SyncMode::Ssp && s.staleness > 1_000_000 {
+            return Err(invalid("server.staleness", "must be <= 1000000"));
+        }
+        if s.checkpoint_every > 0 && s.checkpoint_url.trim().is_empty() {
+            return Err(invalid(
+                "server.checkpoint_url",
+                "needed when server.checkpoint_every > 0",
             ));
         }
         if s.connect_timeout_secs == 0 {

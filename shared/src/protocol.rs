@@ -134,6 +134,8 @@ pub enum Request {
     },
     /// The worker is done; it leaves the barrier.
     Bye { worker_rank: u32 },
+    /// Liveness signal, sent periodically while the worker runs.
+    Heartbeat { worker_rank: u32 },
 }
 
 /// One contiguous shard a server owns.
@@ -160,6 +162,7 @@ pub enum ErrorCode {
     DuplicatePush,
     NotInitialized,
     ShuttingDown,
+    RateLimited,
     Internal,
 }
 
@@ -182,9 +185,12 @@ pub enum Response {
     Params {
         shard: u32,
         version: u64,
+        /// The step this worker pushes next to this shard.
+        next_step: u64,
         update: ParamUpdate,
     },
     ByeAck,
+    HeartbeatAck,
     Error {
         code: ErrorCode,
         message: String,
@@ -320,6 +326,42 @@ mod tests {
             min_version: 5,
         });
         round_trip_req(Request::Bye { worker_rank: 2 });
+        round_trip_req(Request::Heartbeat { worker_rank: 2 });
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Arbitrary bytes never panic the decoders.
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let _ = decode_request(&bytes);
+            let _ = decode_response(&bytes);
+        }
+
+        /// Valid frames with bytes flipped either decode to some message or
+        /// are refused; never a panic.
+        #[test]
+        fn mutated_frames_never_panic(
+            values in proptest::collection::vec(-1e3f32..1e3, 0..64),
+            flips in proptest::collection::vec((proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 1..8),
+        ) {
+            let req = Request::Push {
+                shard: 1,
+                step: 9,
+                worker_rank: 0,
+                grad: WireGrad::Sparse {
+                    indices: (0..values.len() as u32).collect(),
+                    values: WireValues::F32(values),
+                },
+            };
+            let mut payload = encode_request(&req).unwrap()[4..].to_vec();
+            for (at, x) in flips {
+                let n = payload.len();
+                payload[at % n] ^= x;
+            }
+            let _ = decode_request(&payload);
+        }
     }
 
     #[test]
@@ -337,6 +379,7 @@ mod tests {
             Response::Params {
                 shard: 0,
                 version: 3,
+                next_step: 3,
                 update: ParamUpdate::Sparse {
                     indices: vec![1, 2],
                     values: vec![0.1, 0.2],
@@ -345,8 +388,10 @@ mod tests {
             Response::Params {
                 shard: 0,
                 version: 3,
+                next_step: 2,
                 update: ParamUpdate::Dense(vec![0.0; 17]),
             },
+            Response::HeartbeatAck,
             Response::error(ErrorCode::WrongStep, "push for step 3, shard is at step 4"),
             Response::ByeAck,
         ] {

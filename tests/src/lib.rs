@@ -64,7 +64,8 @@ pub fn run_cluster(
             "127.0.0.1:0".parse()?,
             &cert.cert_pem,
             &cert.key_pem,
-        )?;
+        )
+        .await?;
         cfg.cluster.servers = vec![server.local_addr().to_string()];
         let workers = (0..cfg.cluster.workers as u32).map(|rank| {
             let opts = WorkerOptions {

@@ -39,6 +39,7 @@ fn server_refuses_bad_clients_and_keeps_serving() {
             &cert.cert_pem,
             &cert.key_pem,
         )
+        .await
         .unwrap();
         let addr = server.local_addr();
         let limit = cfg.server.max_frame_bytes;

@@ -81,13 +81,30 @@ pub struct Traffic {
 }
 
 struct Link {
+    server: String,
     conn: Connection,
 }
+
+/// What reconnecting needs.
+struct Dialer {
+    hello: Request,
+    server_name: String,
+    ca_pem: String,
+    timeout: Duration,
+}
+
+/// Times a failed exchange is recovered (reconnect and/or resync) before giving up.
+const MAX_RECOVERIES: u32 = 5;
 
 /// Connections to every server process and the shard routing.
 pub struct Comm {
     rank: u32,
-    links: Vec<Link>,
+    links: RefCell<Vec<Link>>,
+    dialer: Dialer,
+    /// The step each shard expects from this worker next.
+    next_steps: RefCell<Vec<u64>>,
+    recoveries: std::cell::Cell<u64>,
+    heartbeat: Duration,
     map: ShardMap,
     /// Which link serves each shard.
     route: Vec<usize>,
@@ -122,13 +139,14 @@ impl Comm {
             layout_hash: cfg.model.layout_hash(),
         };
         let timeout = Duration::from_secs(cfg.server.connect_timeout_secs);
+        let dialer = Dialer {
+            hello,
+            server_name: cfg.tls.server_name.clone(),
+            ca_pem: ca_pem.to_string(),
+            timeout,
+        };
         for (i, server) in cfg.cluster.servers.iter().enumerate() {
-            let conn = connect_with_retry(server, &cfg.tls.server_name, ca_pem, timeout).await?;
-            let (resp, _) = transport::call(&conn, &hello, cfg.server.max_frame_bytes).await?;
-            let shards: Vec<ShardRange> = match resp {
-                Response::Welcome { shards, .. } => shards,
-                other => return Err(refused("hello", other)),
-            };
+            let (conn, shards) = dialer.dial(server, cfg.server.max_frame_bytes).await?;
             for s in shards {
                 let expected = map.range(s.shard as usize);
                 if expected != Some(s.lo as usize..s.hi as usize) {
@@ -139,7 +157,10 @@ impl Comm {
                 }
                 route[s.shard as usize] = i;
             }
-            links.push(Link { conn });
+            links.push(Link {
+                server: server.clone(),
+                conn,
+            });
         }
         if let Some(missing) = route.iter().position(|&r| r == usize::MAX) {
             return Err(CommError::Layout(format!(
@@ -148,7 +169,11 @@ impl Comm {
         }
         Ok(Self {
             rank,
-            links,
+            links: RefCell::new(links),
+            dialer,
+            next_steps: RefCell::new(vec![0; map.num_shards()]),
+            recoveries: std::cell::Cell::new(0),
+            heartbeat: Duration::from_secs_f64(cfg.server.heartbeat_secs),
             versions: RefCell::new(vec![None; map.num_shards()]),
             map,
             route,
@@ -158,8 +183,51 @@ impl Comm {
         })
     }
 
-    fn conn(&self, shard: usize) -> &Connection {
-        &self.links[self.route[shard]].conn
+    fn conn(&self, shard: usize) -> Connection {
+        self.links.borrow()[self.route[shard]].conn.clone()
+    }
+
+    /// Reconnections and resyncs so far.
+    pub fn recoveries(&self) -> u64 {
+        self.recoveries.get()
+    }
+
+    /// Replace the connection serving `shard` if it is dead (a restarted
+    /// server): dial again with backoff and say Hello.
+    async fn reconnect(&self, shard: usize) -> Result<(), CommError> {
+        let link = self.route[shard];
+        let (server, current) = {
+            let links = self.links.borrow();
+            (links[link].server.clone(), links[link].conn.clone())
+        };
+        if current.close_reason().is_none() {
+            return Ok(()); // alive, or already replaced by another shard's recovery
+        }
+        tracing::warn!(server, "connection lost; reconnecting");
+        let (conn, _) = self.dialer.dial(&server, self.max_frame).await?;
+        self.links.borrow_mut()[link].conn = conn;
+        Ok(())
+    }
+
+    /// Forget what this worker holds of `shard` and learn the step it expects,
+    /// so the next pull is a full copy.
+    async fn resync(&self, shard: usize) -> Result<(), CommError> {
+        self.versions.borrow_mut()[shard] = None;
+        self.pull_shard(shard, 0).await?;
+        self.versions.borrow_mut()[shard] = None;
+        Ok(())
+    }
+
+    /// Send a heartbeat on every connection (errors are left to the next exchange).
+    pub async fn heartbeat(&self) {
+        let req = Request::Heartbeat {
+            worker_rank: self.rank,
+        };
+        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
+        for conn in conns {
+            let call = transport::call(&conn, &req, self.max_frame);
+            let _ = tokio::time::timeout(self.heartbeat, call).await;
+        }
     }
 
     /// One request to a shard's server through the (simulated) link; returns
@@ -167,7 +235,7 @@ impl Comm {
     async fn exchange(&self, shard: usize, req: &Request) -> Result<(Response, usize), CommError> {
         let frame = encode_request(req).map_err(TransportError::from)?;
         self.link.send(frame.len() as u64).await;
-        let resp = transport::call_raw(self.conn(shard), &frame, self.max_frame).await?;
+        let resp = transport::call_raw(&self.conn(shard), &frame, self.max_frame).await?;
         let received = match &resp {
             Response::Params { update, .. } => update_bytes(update) + 32,
             _ => 32,
@@ -190,9 +258,13 @@ impl Comm {
         let (resp, _) = self.exchange(shard, &req).await?;
         match resp {
             Response::Params {
-                version, update, ..
+                version,
+                next_step,
+                update,
+                ..
             } => {
                 self.versions.borrow_mut()[shard] = Some(version);
+                self.next_steps.borrow_mut()[shard] = next_step;
                 let bytes = update_bytes(&update);
                 let offset = self.map.ranges()[shard].start;
                 Ok((ShardUpdate { offset, update }, bytes))
@@ -206,6 +278,8 @@ impl Comm {
     pub async fn init_and_pull(&self, initial: &[f32]) -> Result<Vec<ShardUpdate>, CommError> {
         let parts = self.map.split_dense(initial);
         let jobs = parts.iter().enumerate().map(|(shard, part)| async move {
+            // Init is idempotent (first offer wins); a restarted or rejoining
+            // worker gets the current values and the step to continue from.
             let req = Request::Init {
                 shard: shard as u32,
                 values: part.to_vec(),
@@ -241,24 +315,11 @@ impl Comm {
                 .map(|part| WireGrad::Dense(WireValues::encode(part.to_vec(), self.f16)))
                 .collect(),
         };
+        let _ = step; // each shard names the step it expects (they differ after a server restart)
         let jobs = per_shard
             .into_iter()
             .enumerate()
-            .map(|(shard, grad)| async move {
-                let req = Request::Push {
-                    shard: shard as u32,
-                    step,
-                    worker_rank: self.rank,
-                    grad,
-                };
-                let (resp, sent) = self.exchange(shard, &req).await?;
-                match resp {
-                    Response::PushAck { .. } => {}
-                    other => return Err(refused("push", other)),
-                }
-                let (update, pulled) = self.pull_shard(shard, step + 1).await?;
-                Ok::<_, CommError>((update, sent as u64, pulled))
-            });
+            .map(|(shard, grad)| self.push_pull_shard(shard, grad));
         let results = try_join_all(jobs).await?;
         let mut traffic = Traffic::default();
         let mut updates = Vec::with_capacity(results.len());
@@ -270,19 +331,88 @@ impl Comm {
         Ok((updates, traffic))
     }
 
+    /// Push to one shard and pull its new values, recovering from a lost
+    /// connection (reconnect, resync, push again at the step the shard now
+    /// expects) and from a step mismatch (resync).
+    async fn push_pull_shard(
+        &self,
+        shard: usize,
+        grad: WireGrad,
+    ) -> Result<(ShardUpdate, u64, u64), CommError> {
+        let mut recoveries = 0;
+        loop {
+            let step = self.next_steps.borrow()[shard];
+            let req = Request::Push {
+                shard: shard as u32,
+                step,
+                worker_rank: self.rank,
+                grad: grad.clone(),
+            };
+            let attempt = async {
+                let (resp, sent) = self.exchange(shard, &req).await?;
+                match resp {
+                    Response::PushAck { .. } => {}
+                    other => return Err(refused("push", other)),
+                }
+                let (update, pulled) = self.pull_shard(shard, step + 1).await?;
+                Ok((update, sent as u64, pulled))
+            };
+            let err = match attempt.await {
+                Ok(done) => return Ok(done),
+                Err(e) => e,
+            };
+            let recoverable = match &err {
+                CommError::Transport(_) => true,
+                CommError::Refused { code, .. } => matches!(
+                    code,
+                    ErrorCode::WrongStep | ErrorCode::DuplicatePush | ErrorCode::UnknownWorker
+                ),
+                _ => false,
+            };
+            if !recoverable || recoveries >= MAX_RECOVERIES {
+                return Err(err);
+            }
+            recoveries += 1;
+            self.recoveries.set(self.recoveries.get() + 1);
+            tracing::warn!(shard, "recovering from: {err}");
+            if matches!(err, CommError::Transport(_)) {
+                self.reconnect(shard).await?;
+            }
+            self.resync(shard).await?;
+        }
+    }
+
     /// Leave the cluster and close the connections.
     pub async fn bye(&self) -> Result<(), CommError> {
-        for link in &self.links {
+        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
+        for conn in conns {
             let req = Request::Bye {
                 worker_rank: self.rank,
             };
-            match transport::call(&link.conn, &req, self.max_frame).await? {
+            match transport::call(&conn, &req, self.max_frame).await? {
                 (Response::ByeAck, _) => {}
                 (other, _) => return Err(refused("bye", other)),
             }
-            link.conn.close(0u32.into(), b"bye");
+            conn.close(0u32.into(), b"bye");
         }
         Ok(())
+    }
+}
+
+impl Dialer {
+    /// Connect (with backoff) and authenticate; returns the shards the server owns.
+    async fn dial(
+        &self,
+        server: &str,
+        max_frame: usize,
+    ) -> Result<(Connection, Vec<ShardRange>), CommError> {
+        let conn =
+            connect_with_retry(server, &self.server_name, &self.ca_pem, self.timeout).await?;
+        let (resp, _) = transport::call(&conn, &self.hello, max_frame).await?;
+        match resp {
+            Response::Welcome { shards, .. } => Ok((conn, shards)),
+            other => Err(refused("hello", other)),
+        }
     }
 }
 
@@ -333,6 +463,14 @@ impl CommActor {
 
 impl Actor for CommActor {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let every = self.comm.heartbeat;
+        ctx.run_interval(every, |act, ctx| {
+            let comm = act.comm.clone();
+            ctx.spawn(async move { comm.heartbeat().await }.into_actor(act));
+        });
+    }
 }
 
 #[derive(Message)]

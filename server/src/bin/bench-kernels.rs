@@ -208,7 +208,8 @@ fn main() -> anyhow::Result<()> {
         lars: Some(0.001),
         ..sgd
     };
-    let whole = [0..len];
+    let full_range = 0..len;
+    let whole = std::slice::from_ref(&full_range);
     let mut update_error = None;
     let mut run_update = |rule: &UpdateRule, fused: bool, segments: &[Range<usize>]| {
         let kernel = if fused {
@@ -221,16 +222,16 @@ fn main() -> anyhow::Result<()> {
         }
     };
     let fused = time("fused SGD+momentum+WD", repeats, |_| {
-        run_update(&sgd, true, &whole)
+        run_update(&sgd, true, whole)
     });
     let fused_nesterov = time("fused Nesterov+WD", repeats, |_| {
-        run_update(&nesterov, true, &whole)
+        run_update(&nesterov, true, whole)
     });
     let fused_lars = time("fused LARS+momentum+WD", repeats, |_| {
         run_update(&lars, true, &segments)
     });
     let unfused = time("unfused reference SGD+mom+WD", repeats, |_| {
-        run_update(&sgd, false, &whole)
+        run_update(&sgd, false, whole)
     });
     let unfused_lars = time("unfused reference LARS", repeats, |_| {
         run_update(&lars, false, &segments)

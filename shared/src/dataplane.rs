@@ -1,26 +1,453 @@
-//! Data-plane configuration: the loader's cache and prefetch settings and the
-//! simulated bucket used by tests and benchmarks.
+//! Data-plane configuration: the loader's prefetch and cache settings
+//! (`[loader]`), the simulated slow bucket (`[bucket_sim]`) and the bucket
+//! cost model used for the per-epoch cost estimate.
+//!
+//! Cache capacities are a [`CacheSize`]: a byte count (`1073741824`,
+//! `"512MiB"`, `"2GB"`) or a fraction of the training split (`"25%"`), resolved
+//! once the manifest is known.
+//!
+//! ```
+//! use ps_shared::config::ClusterConfig;
+//! use ps_shared::dataplane::CacheSize;
+//!
+//! let cfg = ClusterConfig::from_toml_str(
+//!     "[loader]\nmemory_cache = \"25%\"\ndisk_cache = \"64MiB\"\n[bucket_sim]\nenabled = true\n",
+//! )
+//! .unwrap();
+//! assert_eq!(cfg.loader.memory_cache, CacheSize::Fraction(0.25));
+//! assert_eq!(cfg.loader.memory_cache.resolve(1000), 250);
+//! assert_eq!(cfg.loader.disk_cache.resolve(1000), 64 << 20);
+//! assert!(cfg.bucket_sim.enabled);
+//! let cost = cfg.bucket_sim.cost_model().estimate(1000, 1_000_000_000);
+//! assert!((cost - (0.0004 + 0.09)).abs() < 1e-12);
+//! ```
+
+use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// Loader cache and prefetch settings (`[loader]`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+/// A cache capacity: bytes, or a fraction of the dataset's training split.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CacheSize {
+    /// A fixed number of bytes (0 disables the tier).
+    Bytes(u64),
+    /// A fraction in `[0, 1]` of the training split's bytes.
+    Fraction(f64),
+}
+
+impl Default for CacheSize {
+    fn default() -> Self {
+        CacheSize::Bytes(0)
+    }
+}
+
+impl CacheSize {
+    /// Bytes for a dataset of `dataset_bytes`.
+    pub fn resolve(&self, dataset_bytes: u64) -> u64 {
+        match *self {
+            CacheSize::Bytes(b) => b,
+            CacheSize::Fraction(f) => (dataset_bytes as f64 * f.clamp(0.0, 1.0)).floor() as u64,
+        }
+    }
+
+    /// Parses `"25%"`, `"0.5%"`, `"123"`, `"64KiB"`, `"512MB"`, `"1.5GiB"`, ...
+    /// (SI units are powers of 1000, binary units powers of 1024).
+    pub fn parse(text: &str) -> Result<CacheSize, String> {
+        let t = text.trim();
+        if let Some(pct) = t.strip_suffix('%') {
+            let v: f64 = pct
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{text}`: expected a percentage such as \"25%\""))?;
+            if !(v.is_finite() && (0.0..=100.0).contains(&v)) {
+                return Err(format!("`{text}`: a percentage must be in 0..=100"));
+            }
+            return Ok(CacheSize::Fraction(v / 100.0));
+        }
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let num: f64 = num.parse().map_err(|_| {
+            format!(
+                "`{text}`: expected bytes (\"512MiB\", \"2GB\", 1048576) or a percentage (\"25%\")"
+            )
+        })?;
+        let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1.0,
+            "kb" | "k" => 1e3,
+            "mb" | "m" => 1e6,
+            "gb" | "g" => 1e9,
+            "tb" | "t" => 1e12,
+            "kib" => 1024.0,
+            "mib" => 1024.0 * 1024.0,
+            "gib" => 1024.0 * 1024.0 * 1024.0,
+            "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+            other => return Err(format!("`{text}`: unknown unit `{other}`")),
+        };
+        let bytes = num * scale;
+        if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
+            return Err(format!("`{text}` is out of range"));
+        }
+        Ok(CacheSize::Bytes(bytes.round() as u64))
+    }
+}
+
+impl fmt::Display for CacheSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            CacheSize::Fraction(v) => write!(f, "{}%", v * 100.0),
+            CacheSize::Bytes(b) => {
+                const UNITS: [(u64, &str); 3] =
+                    [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+                for (size, unit) in UNITS {
+                    if b >= size && b % size == 0 {
+                        return write!(f, "{}{unit}", b / size);
+                    }
+                }
+                write!(f, "{b}")
+            }
+        }
+    }
+}
+
+/// How a [`CacheSize`] may be written in TOML: a number of bytes or a string.
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum CacheSizeRepr {
+    Bytes(u64),
+    Text(String),
+}
+
+impl TryFrom<CacheSizeRepr> for CacheSize {
+    type Error = String;
+    fn try_from(r: CacheSizeRepr) -> Result<Self, String> {
+        match r {
+            CacheSizeRepr::Bytes(b) => Ok(CacheSize::Bytes(b)),
+            CacheSizeRepr::Text(t) => CacheSize::parse(&t),
+        }
+    }
+}
+
+impl Serialize for CacheSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for CacheSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let repr = CacheSizeRepr::deserialize(d)?;
+        CacheSize::try_from(repr).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Loader prefetch and cache settings (`[loader]`).
+///
+/// The loader plans batches ahead of the trainer in the known sample order
+/// (the lookahead window), fetches what is not cached with up to
+/// `max_inflight_requests` concurrent GETs, and never holds more than
+/// `max_inflight_mb` of samples that the trainer has not taken yet (one batch
+/// always proceeds, so a tiny bound only costs speed). Samples worth keeping
+/// for a later epoch go to the memory tier, then the disk tier; the ones needed
+/// soonest stay, the ones needed latest are dropped first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct LoaderSection {}
+pub struct LoaderSection {
+    /// Batches planned ahead of the trainer; 0 = use `lookahead_samples`.
+    pub lookahead_batches: usize,
+    /// Samples planned ahead of the trainer when `lookahead_batches` is 0.
+    pub lookahead_samples: usize,
+    /// Concurrent GET requests to the bucket.
+    pub max_inflight_requests: usize,
+    /// Megabytes of samples requested or fetched but not yet taken by the
+    /// trainer (the prefetch window's memory bound).
+    pub max_inflight_mb: f64,
+    /// Assembled batches queued for the trainer, outside the window.
+    pub ready_batches: usize,
+    /// Memory tier capacity: bytes or a fraction of the training split.
+    pub memory_cache: CacheSize,
+    /// Disk tier capacity: bytes or a fraction of the training split.
+    pub disk_cache: CacheSize,
+    /// Directory of the disk tier; empty disables it.
+    pub disk_cache_dir: String,
+    /// Largest single range GET, in KiB, when adjacent records of a shard are
+    /// merged into one request.
+    pub max_request_kb: usize,
+    /// Retries of a failed or short GET before the loader gives up.
+    pub max_retries: u32,
+    /// Backoff before the first retry in milliseconds; doubles per retry.
+    pub retry_backoff_ms: u64,
+}
+
+impl Default for LoaderSection {
+    fn default() -> Self {
+        Self {
+            lookahead_batches: 0,
+            lookahead_samples: 4096,
+            max_inflight_requests: 256,
+            max_inflight_mb: 128.0,
+            ready_batches: 2,
+            memory_cache: CacheSize::Bytes(1 << 30),
+            disk_cache: CacheSize::Bytes(0),
+            disk_cache_dir: String::new(),
+            max_request_kb: 8192,
+            max_retries: 4,
+            retry_backoff_ms: 50,
+        }
+    }
+}
 
 impl LoaderSection {
     pub fn validate(&self) -> Result<(), String> {
+        if self.lookahead_batches == 0 && self.lookahead_samples == 0 {
+            return Err(
+                "loader.lookahead_samples must be >= 1 when loader.lookahead_batches is 0".into(),
+            );
+        }
+        if self.max_inflight_requests == 0 || self.max_inflight_requests > 65_536 {
+            return Err("loader.max_inflight_requests must be in 1..=65536".into());
+        }
+        if !(self.max_inflight_mb.is_finite() && self.max_inflight_mb > 0.0) {
+            return Err("loader.max_inflight_mb must be > 0".into());
+        }
+        if self.ready_batches == 0 || self.ready_batches > 1024 {
+            return Err("loader.ready_batches must be in 1..=1024".into());
+        }
+        for (name, size) in [
+            ("loader.memory_cache", self.memory_cache),
+            ("loader.disk_cache", self.disk_cache),
+        ] {
+            if let CacheSize::Fraction(f) = size {
+                if !(f.is_finite() && (0.0..=1.0).contains(&f)) {
+                    return Err(format!("{name} must be a fraction in 0%..=100% or bytes"));
+                }
+            }
+        }
+        if self.disk_cache_dir.trim().is_empty() && self.disk_cache.resolve(u64::MAX) > 0 {
+            return Err("loader.disk_cache needs loader.disk_cache_dir (a local directory)".into());
+        }
+        if self.max_request_kb == 0 {
+            return Err("loader.max_request_kb must be >= 1".into());
+        }
+        if self.max_retries > 100 {
+            return Err("loader.max_retries must be <= 100".into());
+        }
+        if self.retry_backoff_ms > 60_000 {
+            return Err("loader.retry_backoff_ms must be <= 60000".into());
+        }
         Ok(())
+    }
+
+    /// Samples planned ahead for batches of `batch_size` (at least one batch).
+    pub fn lookahead(&self, batch_size: usize) -> usize {
+        let samples = if self.lookahead_batches > 0 {
+            self.lookahead_batches.saturating_mul(batch_size)
+        } else {
+            self.lookahead_samples
+        };
+        samples.max(batch_size).max(1)
+    }
+
+    /// `max_inflight_mb` in bytes.
+    pub fn max_inflight_bytes(&self) -> u64 {
+        (self.max_inflight_mb * 1e6).round().max(1.0) as u64
+    }
+}
+
+/// Request and egress prices of a bucket.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// Dollars per 1000 GET requests.
+    pub per_1000_gets: f64,
+    /// Dollars per GB (1e9 bytes) read out of the bucket.
+    pub per_gb_egress: f64,
+}
+
+impl CostModel {
+    /// Estimated dollars for `gets` requests that moved `bytes`.
+    pub fn estimate(&self, gets: u64, bytes: u64) -> f64 {
+        gets as f64 / 1000.0 * self.per_1000_gets + bytes as f64 / 1e9 * self.per_gb_egress
     }
 }
 
 /// A simulated slow bucket in front of the real one (`[bucket_sim]`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+///
+/// Every GET waits `first_byte_ms`, then streams its body no faster than
+/// `per_connection_mb_per_s` while all GETs together share
+/// `aggregate_gbit_per_s`. The prices are used for the per-epoch cost
+/// estimate whether or not the simulation is enabled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct SimBucketSection {}
+pub struct SimBucketSection {
+    /// Wrap the bucket in the simulation.
+    pub enabled: bool,
+    /// Latency before the first byte of every request, in milliseconds.
+    pub first_byte_ms: f64,
+    /// Bandwidth of one request's stream in megabytes (1e6 B) per second; 0 = unlimited.
+    pub per_connection_mb_per_s: f64,
+    /// Bandwidth shared by all requests in gigabits per second; 0 = unlimited.
+    pub aggregate_gbit_per_s: f64,
+    /// Fraction of GETs that fail with a transient error (tests retries).
+    pub transient_error_rate: f64,
+    /// Seed of the injected failures.
+    pub seed: u64,
+    /// Dollars per 1000 GET requests.
+    pub get_cost_per_1000: f64,
+    /// Dollars per GB read out of the bucket.
+    pub egress_cost_per_gb: f64,
+}
+
+impl Default for SimBucketSection {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            first_byte_ms: 50.0,
+            per_connection_mb_per_s: 50.0,
+            aggregate_gbit_per_s: 1.0,
+            transient_error_rate: 0.0,
+            seed: 1,
+            get_cost_per_1000: 0.0004,
+            egress_cost_per_gb: 0.09,
+        }
+    }
+}
 
 impl SimBucketSection {
     pub fn validate(&self) -> Result<(), String> {
+        if !(self.first_byte_ms.is_finite() && (0.0..=60_000.0).contains(&self.first_byte_ms)) {
+            return Err("bucket_sim.first_byte_ms must be in [0, 60000]".into());
+        }
+        if !(self.per_connection_mb_per_s.is_finite() && self.per_connection_mb_per_s >= 0.0) {
+            return Err("bucket_sim.per_connection_mb_per_s must be >= 0 (0 = unlimited)".into());
+        }
+        if !(self.aggregate_gbit_per_s.is_finite() && self.aggregate_gbit_per_s >= 0.0) {
+            return Err("bucket_sim.aggregate_gbit_per_s must be >= 0 (0 = unlimited)".into());
+        }
+        if !(self.transient_error_rate.is_finite()
+            && (0.0..1.0).contains(&self.transient_error_rate))
+        {
+            return Err("bucket_sim.transient_error_rate must be in [0, 1)".into());
+        }
+        for (name, v) in [
+            ("bucket_sim.get_cost_per_1000", self.get_cost_per_1000),
+            ("bucket_sim.egress_cost_per_gb", self.egress_cost_per_gb),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be >= 0"));
+            }
+        }
         Ok(())
+    }
+
+    /// The prices as a [`CostModel`].
+    pub fn cost_model(&self) -> CostModel {
+        CostModel {
+            per_1000_gets: self.get_cost_per_1000,
+            per_gb_egress: self.egress_cost_per_gb,
+        }
+    }
+
+    /// Aggregate bandwidth in bytes per second (0 = unlimited).
+    pub fn aggregate_bytes_per_s(&self) -> f64 {
+        self.aggregate_gbit_per_s * 1e9 / 8.0
+    }
+
+    /// Per-connection bandwidth in bytes per second (0 = unlimited).
+    pub fn per_connection_bytes_per_s(&self) -> f64 {
+        self.per_connection_mb_per_s * 1e6
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ClusterConfig;
+
+    #[test]
+    fn cache_size_parsing() {
+        assert_eq!(CacheSize::parse("25%"), Ok(CacheSize::Fraction(0.25)));
+        assert_eq!(CacheSize::parse(" 0.5 % "), Ok(CacheSize::Fraction(0.005)));
+        assert_eq!(CacheSize::parse("123"), Ok(CacheSize::Bytes(123)));
+        assert_eq!(CacheSize::parse("64KiB"), Ok(CacheSize::Bytes(65536)));
+        assert_eq!(
+            CacheSize::parse("2 GB"),
+            Ok(CacheSize::Bytes(2_000_000_000))
+        );
+        assert_eq!(CacheSize::parse("1.5MiB"), Ok(CacheSize::Bytes(1_572_864)));
+        for bad in ["", "abc", "12XB", "150%", "-1", "nan%"] {
+            assert!(CacheSize::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(CacheSize::Fraction(0.25).resolve(1000), 250);
+        assert_eq!(CacheSize::Bytes(7).resolve(1000), 7);
+        for s in [
+            CacheSize::Bytes(3 << 20),
+            CacheSize::Bytes(1000),
+            CacheSize::Fraction(0.1),
+        ] {
+            assert_eq!(CacheSize::parse(&s.to_string()), Ok(s));
+        }
+    }
+
+    #[test]
+    fn sections_parse_and_round_trip() {
+        let text = r#"
+[loader]
+lookahead_batches = 8
+max_inflight_requests = 64
+memory_cache = 1048576
+disk_cache = "10%"
+disk_cache_dir = "/tmp/x"
+
+[bucket_sim]
+enabled = true
+first_byte_ms = 20.0
+aggregate_gbit_per_s = 10.0
+"#;
+        let cfg = ClusterConfig::from_toml_str(text).unwrap();
+        assert_eq!(cfg.loader.lookahead(32), 256);
+        assert_eq!(cfg.loader.memory_cache, CacheSize::Bytes(1 << 20));
+        assert_eq!(cfg.loader.disk_cache, CacheSize::Fraction(0.1));
+        assert_eq!(cfg.bucket_sim.aggregate_bytes_per_s(), 1.25e9);
+        let again = toml::to_string(&cfg).unwrap();
+        assert_eq!(ClusterConfig::from_toml_str(&again).unwrap(), cfg);
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        for (text, field) in [
+            (
+                "[loader]\nmax_inflight_requests = 0\n",
+                "loader.max_inflight_requests",
+            ),
+            ("[loader]\nmemory_cache = \"200%\"\n", "memory_cache"),
+            ("[loader]\ndisk_cache = \"1GiB\"\n", "loader.disk_cache_dir"),
+            (
+                "[loader]\nmax_inflight_mb = 0.0\n",
+                "loader.max_inflight_mb",
+            ),
+            (
+                "[bucket_sim]\nfirst_byte_ms = -1.0\n",
+                "bucket_sim.first_byte_ms",
+            ),
+            (
+                "[bucket_sim]\ntransient_error_rate = 1.0\n",
+                "bucket_sim.transient_error_rate",
+            ),
+            ("[bucket_sim]\nwhatever = 1\n", "whatever"),
+        ] {
+            let e = ClusterConfig::from_toml_str(text).unwrap_err().to_string();
+            assert!(e.contains(field), "{text:?} gave {e}");
+        }
+    }
+
+    #[test]
+    fn lookahead_is_at_least_one_batch() {
+        let l = LoaderSection {
+            lookahead_samples: 10,
+            ..LoaderSection::default()
+        };
+        assert_eq!(l.lookahead(64), 64);
+        assert_eq!(l.lookahead(4), 10);
     }
 }

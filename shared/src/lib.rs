@@ -12,5 +12,6 @@ pub mod link;
 pub mod protocol;
 pub mod sampler;
 pub mod shard;
+pub mod simstore;
 pub mod sparse;
 pub mod transport;

@@ -1,0 +1,661 @@
+//! A simulated slow bucket: an [`ObjectStore`] wrapper that delays reads the
+//! way a remote object store does, counts them, and can inject faults.
+//!
+//! Every GET (and HEAD) first waits the first-byte latency; the body then
+//! streams in pieces no faster than the per-connection rate (each request is
+//! its own connection) while all requests together share one aggregate rate
+//! ([`TokenBucket`] clones). `get_ranges` issues one simulated GET per range
+//! (touching ranges merged, up to 10 in parallel, as `object_store` does for
+//! HTTP stores). Writes, lists and deletes pass straight through. Counters
+//! give GETs, HEADs and body bytes; [`SimStore::fail_next`] and
+//! [`SimStore::truncate_next`] make the next reads of one object fail or come
+//! back short, and `transient_error_rate` fails a seeded random fraction.
+//!
+//! ```
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! use std::sync::Arc;
+//! use object_store::{memory::InMemory, path::Path, ObjectStore, ObjectStoreExt};
+//! use ps_shared::simstore::{SimSettings, SimStore};
+//!
+//! let inner = Arc::new(InMemory::new());
+//! inner.put(&Path::from("a"), vec![0u8; 1000].into()).await.unwrap();
+//! let sim = SimStore::new(inner, SimSettings::default()); // 50 ms, 50 MB/s, 1 Gbit/s
+//! let bytes = sim.get(&Path::from("a")).await.unwrap().bytes().await.unwrap();
+//! assert_eq!(bytes.len(), 1000);
+//! let stats = sim.stats();
+//! assert_eq!((stats.gets, stats.bytes), (1, 1000));
+//! assert!(stats.simulated_delay_s >= 0.05); // at least the first-byte latency
+//! # });
+//! ```
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use object_store::path::Path;
+use object_store::{
+    Attributes, CopyOptions, Extensions, GetOptions, GetResult, GetResultPayload, ListResult,
+    MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions, PutOptions, PutPayload,
+    PutResult, RenameOptions, Result,
+};
+use serde::Serialize;
+
+use crate::dataplane::SimBucketSection;
+use crate::link::TokenBucket;
+
+/// Body bytes metered per reservation: small enough that concurrent requests
+/// interleave on the shared link, large enough to keep timer overhead low.
+const PIECE_BYTES: usize = 256 * 1024;
+
+/// Name used in the errors this store makes up.
+const STORE_NAME: &str = "SimStore";
+
+/// Delays and fault rates of a [`SimStore`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimSettings {
+    /// Wait before the first byte of every request.
+    pub first_byte: Duration,
+    /// Bytes per second of one request's body; 0 = unlimited.
+    pub per_connection_bytes_per_s: f64,
+    /// Bytes per second shared by all requests; 0 = unlimited.
+    pub aggregate_bytes_per_s: f64,
+    /// Fraction of GETs failing with a transient error.
+    pub transient_error_rate: f64,
+    /// Seed of the random failures.
+    pub seed: u64,
+}
+
+impl Default for SimSettings {
+    /// The DELI setting: 50 ms to first byte, 50 MB/s per connection, 1 Gbit/s in all.
+    fn default() -> Self {
+        SimSettings::from_section(&SimBucketSection::default())
+    }
+}
+
+impl SimSettings {
+    /// The settings of a `[bucket_sim]` section (its `enabled` flag is not looked at).
+    pub fn from_section(s: &SimBucketSection) -> Self {
+        Self {
+            first_byte: Duration::from_secs_f64(s.first_byte_ms.max(0.0) / 1000.0),
+            per_connection_bytes_per_s: s.per_connection_bytes_per_s(),
+            aggregate_bytes_per_s: s.aggregate_bytes_per_s(),
+            transient_error_rate: s.transient_error_rate,
+            seed: s.seed,
+        }
+    }
+
+    /// No delay at all (counters and fault injection only).
+    pub fn instant() -> Self {
+        Self {
+            first_byte: Duration::ZERO,
+            per_connection_bytes_per_s: 0.0,
+            aggregate_bytes_per_s: 0.0,
+            transient_error_rate: 0.0,
+            seed: 1,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    gets: AtomicU64,
+    heads: AtomicU64,
+    bytes: AtomicU64,
+    puts: AtomicU64,
+    failures: AtomicU64,
+    truncations: AtomicU64,
+    delay_ns: AtomicU64,
+    longest_wait_ns: AtomicU64,
+}
+
+impl Counters {
+    fn delayed(&self, wait: Duration) {
+        let ns = u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX);
+        self.delay_ns.fetch_add(ns, Ordering::Relaxed);
+        self.longest_wait_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of a [`SimStore`]'s counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct SimStats {
+    /// GET requests (ranged or not), including failed ones.
+    pub gets: u64,
+    /// HEAD requests.
+    pub heads: u64,
+    /// Body bytes delivered.
+    pub bytes: u64,
+    /// Objects written.
+    pub puts: u64,
+    /// GETs failed on purpose.
+    pub injected_failures: u64,
+    /// GETs cut short on purpose.
+    pub injected_truncations: u64,
+    /// Sum of the delays the model imposed (first byte and bandwidth waits),
+    /// as computed, over all requests.
+    pub simulated_delay_s: f64,
+    /// Longest single delay imposed (a first-byte wait or one piece's wait
+    /// for bandwidth, including queueing on the shared link).
+    pub longest_wait_s: f64,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    fail: HashMap<Path, u32>,
+    truncate: HashMap<Path, u32>,
+    rng: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    None,
+    Fail,
+    Truncate,
+}
+
+/// A slow-bucket simulation around another store. See the module docs.
+#[derive(Debug)]
+pub struct SimStore {
+    inner: Arc<dyn ObjectStore>,
+    settings: SimSettings,
+    aggregate: Option<TokenBucket>,
+    counters: Arc<Counters>,
+    faults: Mutex<Faults>,
+}
+
+impl SimStore {
+    pub fn new(inner: Arc<dyn ObjectStore>, settings: SimSettings) -> Self {
+        let aggregate = (settings.aggregate_bytes_per_s > 0.0).then(|| {
+            let rate = settings.aggregate_bytes_per_s;
+            // About a millisecond of traffic may pass at once.
+            TokenBucket::new(rate, (rate / 1000.0).max(16.0 * 1024.0))
+        });
+        let rng = settings.seed;
+        Self {
+            inner,
+            settings,
+            aggregate,
+            counters: Arc::default(),
+            faults: Mutex::new(Faults {
+                rng,
+                ..Faults::default()
+            }),
+        }
+    }
+
+    /// Wraps `inner` as a `[bucket_sim]` section says.
+    pub fn from_section(inner: Arc<dyn ObjectStore>, section: &SimBucketSection) -> Self {
+        Self::new(inner, SimSettings::from_section(section))
+    }
+
+    pub fn settings(&self) -> &SimSettings {
+        &self.settings
+    }
+
+    /// The store behind the simulation.
+    pub fn inner(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> SimStats {
+        let c = &self.counters;
+        SimStats {
+            gets: c.gets.load(Ordering::Relaxed),
+            heads: c.heads.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            puts: c.puts.load(Ordering::Relaxed),
+            injected_failures: c.failures.load(Ordering::Relaxed),
+            injected_truncations: c.truncations.load(Ordering::Relaxed),
+            simulated_delay_s: c.delay_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            longest_wait_s: c.longest_wait_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        }
+    }
+
+    /// Sets every counter back to zero.
+    pub fn reset_stats(&self) {
+        let c = &self.counters;
+        for a in [
+            &c.gets,
+            &c.heads,
+            &c.bytes,
+            &c.puts,
+            &c.failures,
+            &c.truncations,
+            &c.delay_ns,
+            &c.longest_wait_ns,
+        ] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The next `times` GETs of `location` fail with a transient error.
+    pub fn fail_next(&self, location: &Path, times: u32) {
+        let mut f = self.lock_faults();
+        *f.fail.entry(location.clone()).or_default() += times;
+    }
+
+    /// The next `times` GETs of `location` deliver only the first half of
+    /// their body (a connection cut mid-stream).
+    pub fn truncate_next(&self, location: &Path, times: u32) {
+        let mut f = self.lock_faults();
+        *f.truncate.entry(location.clone()).or_default() += times;
+    }
+
+    fn lock_faults(&self) -> std::sync::MutexGuard<'_, Faults> {
+        match self.faults.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    fn take_fault(&self, location: &Path) -> Fault {
+        let mut f = self.lock_faults();
+        let take = |map: &mut HashMap<Path, u32>| match map.get_mut(location) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                true
+            }
+            _ => false,
+        };
+        if take(&mut f.fail) {
+            return Fault::Fail;
+        }
+        if take(&mut f.truncate) {
+            return Fault::Truncate;
+        }
+        let rate = self.settings.transient_error_rate;
+        if rate > 0.0 {
+            f.rng = splitmix64(f.rng);
+            let draw = (f.rng >> 11) as f64 / (1u64 << 53) as f64;
+            if draw < rate {
+                return Fault::Fail;
+            }
+        }
+        Fault::None
+    }
+
+    /// Wraps a body in the bandwidth model (and the truncation, if any).
+    fn throttle(
+        &self,
+        body: BoxStream<'static, Result<Bytes>>,
+        cut_at: Option<u64>,
+    ) -> BoxStream<'static, Result<Bytes>> {
+        let conn = (self.settings.per_connection_bytes_per_s > 0.0)
+            .then(|| TokenBucket::new(self.settings.per_connection_bytes_per_s, 1.0));
+        let state = BodyState {
+            inner: body,
+            pending: VecDeque::new(),
+            cut_at,
+            sent: 0,
+            conn,
+            aggregate: self.aggregate.clone(),
+            counters: self.counters.clone(),
+            done: false,
+        };
+        futures::stream::unfold(state, |mut st| async move {
+            loop {
+                if let Some(mut piece) = st.pending.pop_front() {
+                    if let Some(cut) = st.cut_at {
+                        if st.sent >= cut {
+                            return None;
+                        }
+                        let keep = (cut - st.sent).min(piece.len() as u64) as usize;
+                        piece.truncate(keep);
+                    }
+                    let n = piece.len() as u64;
+                    let waits = [&st.conn, &st.aggregate]
+                        .into_iter()
+                        .flatten()
+                        .map(|b| b.reserve(n))
+                        .max()
+                        .unwrap_or(Duration::ZERO);
+                    if !waits.is_zero() {
+                        st.counters.delayed(waits);
+                        tokio::time::sleep(waits).await;
+                    }
+                    st.sent += n;
+                    st.counters.bytes.fetch_add(n, Ordering::Relaxed);
+                    return Some((Ok(piece), st));
+                }
+                if st.done {
+                    return None;
+                }
+                match st.inner.next().await {
+                    Some(Ok(chunk)) => {
+                        let mut rest = chunk;
+                        while rest.len() > PIECE_BYTES {
+                            st.pending.push_back(rest.split_to(PIECE_BYTES));
+                        }
+                        if !rest.is_empty() {
+                            st.pending.push_back(rest);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        st.done = true;
+                        return Some((Err(e), st));
+                    }
+                    None => st.done = true,
+                }
+            }
+        })
+        .boxed()
+    }
+}
+
+struct BodyState {
+    inner: BoxStream<'static, Result<Bytes>>,
+    pending: VecDeque<Bytes>,
+    cut_at: Option<u64>,
+    sent: u64,
+    conn: Option<TokenBucket>,
+    aggregate: Option<TokenBucket>,
+    counters: Arc<Counters>,
+    done: bool,
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl fmt::Display for SimStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SimStore({})", self.inner)
+    }
+}
+
+#[async_trait]
+impl ObjectStore for SimStore {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> Result<PutResult> {
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> Result<Box<dyn MultipartUpload>> {
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> Result<GetResult> {
+        let head = options.head;
+        let counter = if head {
+            &self.counters.heads
+        } else {
+            &self.counters.gets
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if !self.settings.first_byte.is_zero() {
+            self.counters.delayed(self.settings.first_byte);
+            tokio::time::sleep(self.settings.first_byte).await;
+        }
+        let fault = if head {
+            Fault::None
+        } else {
+            self.take_fault(location)
+        };
+        if fault == Fault::Fail {
+            self.counters.failures.fetch_add(1, Ordering::Relaxed);
+            return Err(object_store::Error::Generic {
+                store: STORE_NAME,
+                source: format!("injected transient failure reading {location}").into(),
+            });
+        }
+        let result = self.inner.get_opts(location, options).await?;
+        if head {
+            return Ok(result);
+        }
+        let GetResult {
+            payload,
+            meta,
+            range,
+            attributes,
+            extensions,
+        } = result;
+        let body = match payload {
+            GetResultPayload::Stream(s) => s,
+            GetResultPayload::File(file, path) => {
+                // Read the file in one go; the simulation meters the bytes.
+                let local = GetResult {
+                    payload: GetResultPayload::File(file, path),
+                    meta: meta.clone(),
+                    range: range.clone(),
+                    attributes: Attributes::default(),
+                    extensions: Extensions::default(),
+                };
+                let bytes = local.bytes().await?;
+                futures::stream::once(async move { Ok(bytes) }).boxed()
+            }
+        };
+        let cut_at = (fault == Fault::Truncate).then(|| {
+            self.counters.truncations.fetch_add(1, Ordering::Relaxed);
+            (range.end - range.start) / 2
+        });
+        Ok(GetResult {
+            payload: GetResultPayload::Stream(self.throttle(body, cut_at)),
+            meta,
+            range,
+            attributes,
+            extensions,
+        })
+    }
+
+    async fn get_ranges(&self, location: &Path, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
+        object_store::coalesce_ranges(
+            ranges,
+            |range| async move {
+                self.get_opts(location, GetOptions::new().with_range(Some(range)))
+                    .await?
+                    .bytes()
+                    .await
+            },
+            0,
+        )
+        .await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, Result<Path>>,
+    ) -> BoxStream<'static, Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    fn list_with_offset(
+        &self,
+        prefix: Option<&Path>,
+        offset: &Path,
+    ) -> BoxStream<'static, Result<ObjectMeta>> {
+        self.inner.list_with_offset(prefix, offset)
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+
+    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> Result<()> {
+        self.inner.rename_opts(from, to, options).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object_store::memory::InMemory;
+    use object_store::ObjectStoreExt;
+
+    async fn store_with(objects: &[(&str, usize)], settings: SimSettings) -> SimStore {
+        let inner = Arc::new(InMemory::new());
+        for (name, len) in objects {
+            let data: Vec<u8> = (0..*len).map(|i| (i % 251) as u8).collect();
+            inner.put(&Path::from(*name), data.into()).await.unwrap();
+        }
+        SimStore::new(inner, settings)
+    }
+
+    fn settings(first_byte_ms: u64, conn: f64, agg: f64) -> SimSettings {
+        SimSettings {
+            first_byte: Duration::from_millis(first_byte_ms),
+            per_connection_bytes_per_s: conn,
+            aggregate_bytes_per_s: agg,
+            transient_error_rate: 0.0,
+            seed: 1,
+        }
+    }
+
+    // The delays below are the model's computed waits, not measured times.
+
+    #[tokio::test]
+    async fn latency_and_per_connection_rate() {
+        // 50 ms to first byte, then 1 MB at 10 MB/s: 0.15 s in all.
+        let sim = store_with(&[("big", 1_000_000)], settings(50, 1e7, 0.0)).await;
+        let b = sim
+            .get(&Path::from("big"))
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert_eq!(b.len(), 1_000_000);
+        let s = sim.stats();
+        assert_eq!((s.gets, s.bytes), (1, 1_000_000));
+        assert!(
+            (0.13..0.16).contains(&s.simulated_delay_s),
+            "{}",
+            s.simulated_delay_s
+        );
+    }
+
+    #[tokio::test]
+    async fn aggregate_rate_is_shared() {
+        let names: Vec<String> = (0..8).map(|i| format!("o{i}")).collect();
+        let objs: Vec<(&str, usize)> = names.iter().map(|n| (n.as_str(), 25_000)).collect();
+        // 200 KB in all over a shared 1 MB/s link, per connection unlimited:
+        // the last piece queues behind the other seven, about 0.2 s.
+        let sim = Arc::new(store_with(&objs, settings(0, 0.0, 1e6)).await);
+        let reads = names.iter().map(|n| {
+            let sim = sim.clone();
+            let p = Path::from(n.as_str());
+            async move { sim.get(&p).await.unwrap().bytes().await.unwrap().len() }
+        });
+        let total: usize = futures::future::join_all(reads).await.into_iter().sum();
+        assert_eq!(total, 200_000);
+        let s = sim.stats();
+        assert!(
+            (0.15..0.21).contains(&s.longest_wait_s),
+            "{}",
+            s.longest_wait_s
+        );
+    }
+
+    #[tokio::test]
+    async fn get_ranges_counts_one_get_per_separate_range() {
+        let sim = store_with(&[("s", 1000)], settings(10, 0.0, 0.0)).await;
+        let p = Path::from("s");
+        let got = sim
+            .get_ranges(&p, &[0..10, 10..20, 100..110, 500..600])
+            .await
+            .unwrap();
+        assert_eq!(got.len(), 4);
+        assert_eq!(got[1][0], 10);
+        assert_eq!(got[3].len(), 100);
+        // 0..10 and 10..20 touch and merge: three GETs.
+        assert_eq!(sim.stats().gets, 3);
+        let r = sim.get_range(&p, 5..9).await.unwrap();
+        assert_eq!(&r[..], &[5, 6, 7, 8]);
+        sim.head(&p).await.unwrap();
+        let s = sim.stats();
+        assert_eq!((s.gets, s.heads), (4, 1));
+        sim.reset_stats();
+        assert_eq!(sim.stats(), SimStats::default());
+    }
+
+    #[tokio::test]
+    async fn injected_faults() {
+        let sim = store_with(&[("x", 100)], SimSettings::instant()).await;
+        let p = Path::from("x");
+        sim.fail_next(&p, 2);
+        sim.truncate_next(&p, 1);
+        for _ in 0..2 {
+            let err = sim.get(&p).await.unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("injected transient failure reading x"),
+                "{err}"
+            );
+        }
+        let short = sim.get(&p).await.unwrap().bytes().await.unwrap();
+        assert_eq!(short.len(), 50);
+        let full = sim.get(&p).await.unwrap().bytes().await.unwrap();
+        assert_eq!(full.len(), 100);
+        let s = sim.stats();
+        assert_eq!(
+            (s.gets, s.injected_failures, s.injected_truncations),
+            (4, 2, 1)
+        );
+        // Missing objects stay NotFound.
+        let err = sim.get(&Path::from("nope")).await.unwrap_err();
+        assert!(matches!(err, object_store::Error::NotFound { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn random_failures_follow_the_rate() {
+        let mut s = SimSettings::instant();
+        s.transient_error_rate = 0.3;
+        let sim = store_with(&[("x", 10)], s).await;
+        let p = Path::from("x");
+        let mut failed = 0;
+        for _ in 0..1000 {
+            if sim.get(&p).await.is_err() {
+                failed += 1;
+            }
+        }
+        assert!((200..400).contains(&failed), "{failed}");
+    }
+
+    #[tokio::test]
+    async fn wraps_local_files_and_passes_writes_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let local =
+            Arc::new(object_store::local::LocalFileSystem::new_with_prefix(dir.path()).unwrap());
+        let sim = SimStore::new(local, settings(1, 1e9, 1e9));
+        let p = Path::from("d/f.bin");
+        sim.put(&p, vec![7u8; 600_000].into()).await.unwrap();
+        assert!(dir.path().join("d/f.bin").exists());
+        let b = sim.get(&p).await.unwrap().bytes().await.unwrap();
+        assert_eq!(b.len(), 600_000);
+        let r = sim.get_range(&p, 10..20).await.unwrap();
+        assert_eq!(r.len(), 10);
+        let listed: Vec<_> = sim.list(None).collect().await;
+        assert_eq!(listed.len(), 1);
+        sim.delete(&p).await.unwrap();
+        assert_eq!(sim.stats().puts, 1);
+        assert!(sim.to_string().starts_with("SimStore("));
+    }
+}

@@ -1,12 +1,19 @@
 //! Classification datasets stored in object-storage buckets.
 //!
-//! A dataset lives under a prefix of a bucket as `manifest.json` plus shard
-//! objects `train/shard-00000.bin`, `test/shard-00000.bin`, ... Each shard is a
-//! run of fixed-size records, `label: u32 LE` followed by
-//! `features: [f32 LE; features]`, so record `i` of a shard sits at byte
-//! `i * record_bytes` and any set of samples can be read with range GETs. The
-//! manifest carries `format: 1`; a later layout (say one object per sample)
-//! gets a new format number.
+//! A dataset lives under a prefix of a bucket as `manifest.json` plus data
+//! objects in one of two [`Layout`]s, chosen when the set is written and
+//! recorded in the manifest:
+//!
+//! * `shards` (`format: 1`): shard objects `train/shard-00000.bin`,
+//!   `test/shard-00000.bin`, ... Each shard is a run of fixed-size records,
+//!   `label: u32 LE` followed by `features: [f32 LE; features]`, so record `i`
+//!   of a shard sits at byte `i * record_bytes` and any set of samples can be
+//!   read with range GETs (adjacent records merged into one range).
+//! * `per_sample` (`format: 2`): one object per sample holding exactly one
+//!   record, `train/00000123.bin` (like a folder of images): the small-object
+//!   case, one GET per sample.
+//!
+//! Manifests written before the layout field existed read as `shards`.
 //!
 //! This module also builds datasets: a learnable [`synthetic`] task, MNIST from
 //! CSV ([`read_mnist_csv`]) or IDX files ([`read_mnist_idx`]), and
@@ -31,7 +38,7 @@
 //! # });
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::{BufRead, BufReader, Read};
 use std::ops::Range;
@@ -55,8 +62,17 @@ use serde::{Deserialize, Serialize};
 /// Name of the manifest object under a dataset prefix.
 pub const MANIFEST_NAME: &str = "manifest.json";
 
-/// The shard layout this module writes and reads.
+/// Manifest format of the shard layout (also every manifest without a layout field).
 pub const FORMAT_VERSION: u32 = 1;
+
+/// Manifest format of the one-object-per-sample layout.
+pub const FORMAT_PER_SAMPLE: u32 = 2;
+
+/// Per-sample objects fetched at the same time by one [`DatasetReader`] call.
+const MAX_CONCURRENT_SAMPLE_READS: usize = 64;
+
+/// Per-sample objects uploaded at the same time by [`write_dataset_with`].
+const MAX_CONCURRENT_SAMPLE_WRITES: usize = 32;
 
 /// Shard objects fetched at the same time by one [`DatasetReader`] call.
 const MAX_CONCURRENT_SHARD_READS: usize = 16;
@@ -143,11 +159,69 @@ impl fmt::Display for Split {
     }
 }
 
+/// How the records of a dataset are cut into objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// Shard objects of many fixed-size records, read with range GETs.
+    #[default]
+    Shards,
+    /// One object per sample (`train/00000123.bin`), one GET per sample.
+    PerSample,
+}
+
+impl Layout {
+    /// The manifest `format` number of this layout.
+    pub fn format(self) -> u32 {
+        match self {
+            Layout::Shards => FORMAT_VERSION,
+            Layout::PerSample => FORMAT_PER_SAMPLE,
+        }
+    }
+
+    /// The name used on the command line and in the manifest.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Shards => "shards",
+            Layout::PerSample => "per-sample",
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Layout {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "shards" | "shard" => Ok(Layout::Shards),
+            "per-sample" => Ok(Layout::PerSample),
+            other => Err(format!(
+                "unknown layout `{other}`; use shards or per-sample"
+            )),
+        }
+    }
+}
+
+/// Object path, relative to the dataset prefix, of sample `index` of a split
+/// in the per-sample layout.
+pub fn sample_object_path(split: Split, index: usize) -> String {
+    format!("{}/{index:08}.bin", split.name())
+}
+
 /// The `manifest.json` of a dataset.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
-    /// Layout version; [`FORMAT_VERSION`] for fixed-size record shards.
+    /// [`FORMAT_VERSION`] for the shard layout, [`FORMAT_PER_SAMPLE`] for one
+    /// object per sample.
     pub format: u32,
+    /// How records are cut into objects; `shards` when absent (older manifests).
+    #[serde(default)]
+    pub layout: Layout,
     pub name: String,
     /// Features per sample.
     pub features: usize,
@@ -163,7 +237,9 @@ pub struct Manifest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SplitInfo {
     pub num_samples: usize,
-    /// In index order; shard `k` starts where shard `k - 1` ends.
+    /// In index order; shard `k` starts where shard `k - 1` ends. Empty in
+    /// the per-sample layout.
+    #[serde(default)]
     pub shards: Vec<ShardInfo>,
 }
 
@@ -239,14 +315,23 @@ impl Batch {
 }
 
 impl Manifest {
-    /// Checks the format version, the record size and that every split's
-    /// shards tile `0..num_samples` in order with valid relative paths.
+    /// Checks the format version against the layout, the record size and,
+    /// in the shard layout, that every split's shards tile `0..num_samples` in
+    /// order with valid relative paths.
     pub fn validate(&self) -> Result<(), DatasetError> {
         let bad = |msg: String| Err(DatasetError::Manifest(msg));
-        if self.format != FORMAT_VERSION {
+        if self.format != FORMAT_VERSION && self.format != FORMAT_PER_SAMPLE {
             return bad(format!(
-                "format {} is not supported; this build reads format {FORMAT_VERSION}",
+                "format {} is not supported; this build reads formats {FORMAT_VERSION} (shards) and {FORMAT_PER_SAMPLE} (per-sample)",
                 self.format
+            ));
+        }
+        if self.format != self.layout.format() {
+            return bad(format!(
+                "format {} does not match layout {} (format {})",
+                self.format,
+                self.layout,
+                self.layout.format()
             ));
         }
         if self.features == 0 {
@@ -269,6 +354,12 @@ impl Manifest {
         }
         for split in Split::ALL {
             let info = self.split(split);
+            if self.layout == Layout::PerSample {
+                if !info.shards.is_empty() {
+                    return bad(format!("{split} lists shards but the layout is per-sample"));
+                }
+                continue;
+            }
             let mut next = 0usize;
             for (k, shard) in info.shards.iter().enumerate() {
                 if shard.first != next {
@@ -893,8 +984,25 @@ fn encode_records(samples: &[Sample], record_bytes: usize) -> Vec<u8> {
     buf
 }
 
-/// Writes a dataset under `prefix`: the shards of both splits
-/// (`records_per_shard` records each, the last one shorter), then the
+/// How [`write_dataset_with`] lays a dataset out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteOptions {
+    pub layout: Layout,
+    /// Records per shard object (shard layout only; must be >= 1).
+    pub records_per_shard: usize,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        Self {
+            layout: Layout::Shards,
+            records_per_shard: 1024,
+        }
+    }
+}
+
+/// Writes a dataset under `prefix` in the shard layout: the shards of both
+/// splits (`records_per_shard` records each, the last one shorter), then the
 /// manifest last, so a reader never sees a manifest whose shards are missing.
 /// Checks that every sample has `features` finite features and a label below
 /// `classes` before writing anything. Returns the manifest written.
@@ -909,6 +1017,33 @@ pub async fn write_dataset(
     test: &[Sample],
     records_per_shard: usize,
 ) -> Result<Manifest, DatasetError> {
+    let options = WriteOptions {
+        layout: Layout::Shards,
+        records_per_shard,
+    };
+    write_dataset_with(
+        store, prefix, name, features, classes, train, test, &options,
+    )
+    .await
+}
+
+/// Like [`write_dataset`], in the layout `options` names: shard objects, or
+/// one object per sample (`train/00000123.bin`). The manifest is written last.
+#[allow(clippy::too_many_arguments)]
+pub async fn write_dataset_with(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    name: &str,
+    features: usize,
+    classes: usize,
+    train: &[Sample],
+    test: &[Sample],
+    options: &WriteOptions,
+) -> Result<Manifest, DatasetError> {
+    let records_per_shard = match options.layout {
+        Layout::Shards => options.records_per_shard,
+        Layout::PerSample => 1,
+    };
     if features == 0 {
         return Err(DatasetError::Invalid("features must be at least 1".into()));
     }
@@ -932,6 +1067,11 @@ pub async fn write_dataset(
     for (split, samples) in [(Split::Train, train), (Split::Test, test)] {
         let mut shards = Vec::new();
         for (k, chunk) in samples.chunks(records_per_shard).enumerate() {
+            if options.layout == Layout::PerSample {
+                let rel = sample_object_path(split, k);
+                uploads.push((join(prefix, &Path::from(rel.as_str())), chunk));
+                continue;
+            }
             let rel = format!("{}/shard-{k:05}.bin", split.name());
             let object = join(prefix, &Path::from(rel.as_str()));
             shards.push(ShardInfo {
@@ -962,8 +1102,12 @@ pub async fn write_dataset(
             .boxed()
         })
         .collect();
+    let concurrency = match options.layout {
+        Layout::Shards => MAX_CONCURRENT_SHARD_WRITES,
+        Layout::PerSample => MAX_CONCURRENT_SAMPLE_WRITES,
+    };
     futures::stream::iter(puts)
-        .buffer_unordered(MAX_CONCURRENT_SHARD_WRITES)
+        .buffer_unordered(concurrency)
         .try_collect::<Vec<()>>()
         .await?;
 
@@ -976,7 +1120,8 @@ pub async fn write_dataset(
         shards: Vec::new(),
     });
     let manifest = Manifest {
-        format: FORMAT_VERSION,
+        format: options.layout.format(),
+        layout: options.layout,
         name: name.to_string(),
         features,
         classes,
@@ -996,6 +1141,7 @@ pub async fn write_dataset(
         .await?;
     tracing::debug!(
         dataset = name,
+        layout = %options.layout,
         %prefix,
         train = train.len(),
         test = test.len(),
@@ -1029,6 +1175,28 @@ impl fmt::Debug for DatasetReader {
             .field("prefix", &self.inner.prefix)
             .field("name", &self.inner.manifest.name)
             .finish()
+    }
+}
+
+/// One GET of records: a whole per-sample object, or a run of adjacent
+/// records of one shard read with a range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordRequest {
+    pub split: Split,
+    /// Full object path in the store.
+    pub object: Path,
+    /// Byte range inside the object; `None` reads the whole object.
+    pub range: Option<Range<u64>>,
+    /// Global index of the first record; the request covers `first..first + count`.
+    pub first: usize,
+    /// Records covered.
+    pub count: usize,
+}
+
+impl RecordRequest {
+    /// Global indices of the records it covers.
+    pub fn indices(&self) -> Range<usize> {
+        self.first..self.first + self.count
     }
 }
 
@@ -1102,6 +1270,155 @@ impl DatasetReader {
         self.len(split) == 0
     }
 
+    /// How the dataset is cut into objects.
+    pub fn layout(&self) -> Layout {
+        self.inner.manifest.layout
+    }
+
+    /// Bytes of one record (label and features).
+    pub fn record_bytes(&self) -> usize {
+        self.inner.manifest.record_bytes
+    }
+
+    /// The GETs that read `indices` of a split (sorted and deduplicated
+    /// first): one per sample in the per-sample layout; in the shard layout one
+    /// per run of adjacent records of a shard, each at most
+    /// `max_request_bytes` long (but at least one record).
+    pub fn plan_requests(
+        &self,
+        split: Split,
+        indices: &[usize],
+        max_request_bytes: u64,
+    ) -> Result<Vec<RecordRequest>, DatasetError> {
+        let m = &self.inner.manifest;
+        let info = m.split(split);
+        let len = info.num_samples;
+        let mut sorted = indices.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if let Some(&index) = sorted.last().filter(|&&i| i >= len) {
+            return Err(DatasetError::IndexOutOfRange { index, len });
+        }
+        if m.layout == Layout::PerSample {
+            return Ok(sorted
+                .into_iter()
+                .map(|i| self.sample_request(split, i))
+                .collect());
+        }
+        let rb = m.record_bytes as u64;
+        let max_records = usize::try_from((max_request_bytes / rb).max(1)).unwrap_or(usize::MAX);
+        let mut out = Vec::new();
+        let mut start = 0;
+        while let Some(&first) = sorted.get(start) {
+            // Validated manifests start at 0, so the partition point is >= 1.
+            let shard = info.shards.partition_point(|s| s.first <= first) - 1;
+            let s = &info.shards[shard];
+            let shard_end = s.first + s.count;
+            let mut end = start + 1;
+            while end < sorted.len()
+                && sorted[end] == sorted[end - 1] + 1
+                && sorted[end] < shard_end
+                && end - start < max_records
+            {
+                end += 1;
+            }
+            let count = end - start;
+            let local = (first - s.first) as u64;
+            out.push(RecordRequest {
+                split,
+                object: self.inner.shard_paths[split.index()][shard].clone(),
+                range: Some(local * rb..(local + count as u64) * rb),
+                first,
+                count,
+            });
+            start = end;
+        }
+        Ok(out)
+    }
+
+    fn sample_request(&self, split: Split, index: usize) -> RecordRequest {
+        let rel = sample_object_path(split, index);
+        RecordRequest {
+            split,
+            object: join(&self.inner.prefix, &Path::from(rel.as_str())),
+            range: None,
+            first: index,
+            count: 1,
+        }
+    }
+
+    /// Issues one request and returns its records in index order, each checked
+    /// for length and label. A missing object, a short body or a bad label is
+    /// [`DatasetError::Corrupt`] naming the object; a store failure is
+    /// [`DatasetError::Store`].
+    pub async fn read_request(&self, req: &RecordRequest) -> Result<Vec<Bytes>, DatasetError> {
+        let m = &self.inner.manifest;
+        let rb = m.record_bytes;
+        let corrupt = |message: String| DatasetError::Corrupt {
+            object: req.object.to_string(),
+            message,
+        };
+        let mut options = GetOptions::new();
+        if let Some(range) = &req.range {
+            options = options.with_range(Some(range.clone()));
+        }
+        let body = match self.inner.store.get_opts(&req.object, options).await {
+            Ok(result) => result.bytes().await?,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(corrupt(
+                    "the object listed in the manifest is missing".into(),
+                ))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let want = req.count.saturating_mul(rb);
+        if body.len() != want {
+            return Err(corrupt(format!(
+                "came back as {} bytes, expected {want} ({} records of {rb} bytes; object truncated?)",
+                body.len(),
+                req.count
+            )));
+        }
+        let mut out = Vec::with_capacity(req.count);
+        for i in 0..req.count {
+            let record = body.slice(i * rb..(i + 1) * rb);
+            check_label(&record, m.classes).map_err(|label| {
+                corrupt(format!(
+                    "record {} has label {label}, not below the manifest's {} classes",
+                    req.first + i,
+                    m.classes
+                ))
+            })?;
+            out.push(record);
+        }
+        Ok(out)
+    }
+
+    /// Packs records (as [`DatasetReader::read_request`] returns them) into a
+    /// batch, checking each one's length and label again.
+    pub fn batch_from_records(&self, records: &[Bytes]) -> Result<Batch, DatasetError> {
+        let m = &self.inner.manifest;
+        let mut batch = Batch::with_capacity(records.len(), m.features);
+        for (i, r) in records.iter().enumerate() {
+            if r.len() != m.record_bytes {
+                return Err(DatasetError::Invalid(format!(
+                    "record {i} of the batch has {} bytes, expected {}",
+                    r.len(),
+                    m.record_bytes
+                )));
+            }
+            let label = check_label(r, m.classes).map_err(|label| {
+                DatasetError::Invalid(format!(
+                    "record {i} of the batch has label {label}, not below {}",
+                    m.classes
+                ))
+            })?;
+            batch.labels.push(label);
+            batch.features.extend(features_iter(&r[LABEL_BYTES..]));
+        }
+        Ok(batch)
+    }
+
     /// Fetches the given global indices of a split, in the order asked
     /// (duplicates allowed). Issues one `get_ranges` call per shard touched,
     /// with adjacent records merged into one range. A short or corrupt shard
@@ -1142,6 +1459,10 @@ impl DatasetReader {
     /// The whole split in index order (meant for the small test set).
     pub async fn fetch_all(&self, split: Split) -> Result<Batch, DatasetError> {
         let info = self.inner.manifest.split(split);
+        if self.layout() == Layout::PerSample {
+            let all: Vec<usize> = (0..info.num_samples).collect();
+            return self.fetch_batch(split, &all).await;
+        }
         let plans = info
             .shards
             .iter()
@@ -1174,6 +1495,27 @@ impl DatasetReader {
         indices: &[usize],
         mut sink: impl FnMut(u32, &[u8]),
     ) -> Result<(), DatasetError> {
+        if self.layout() == Layout::PerSample {
+            let requests = self.plan_requests(split, indices, u64::MAX)?;
+            let records: HashMap<usize, Bytes> = futures::stream::iter(requests)
+                .map(|req| async move {
+                    let record = self.read_request(&req).await?.into_iter().next();
+                    Ok::<_, DatasetError>((req.first, record.unwrap_or_default()))
+                })
+                .buffer_unordered(MAX_CONCURRENT_SAMPLE_READS)
+                .try_collect()
+                .await?;
+            for &index in indices {
+                let record = records.get(&index).ok_or_else(|| {
+                    DatasetError::Invalid(format!("{split} sample {index} was not read"))
+                })?;
+                let label = check_label(record, self.inner.manifest.classes).map_err(|l| {
+                    DatasetError::Invalid(format!("{split} sample {index} has label {l}"))
+                })?;
+                sink(label, &record[LABEL_BYTES..]);
+            }
+            return Ok(());
+        }
         let info = self.inner.manifest.split(split);
         let len = info.num_samples;
         // (shard, local record) per requested position.
@@ -1349,6 +1691,20 @@ impl DatasetReader {
             )));
         }
         Ok((label, feats))
+    }
+}
+
+/// The label of a record if it is below `classes`, else the bad label.
+/// Records are at least [`LABEL_BYTES`] long (checked by the callers).
+fn check_label(record: &[u8], classes: usize) -> Result<u32, u32> {
+    let label = match record.get(..LABEL_BYTES) {
+        Some(b) => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        None => return Err(u32::MAX),
+    };
+    if (label as usize) < classes {
+        Ok(label)
+    } else {
+        Err(label)
     }
 }
 
@@ -1615,6 +1971,7 @@ mod tests {
     fn manifest_validation() {
         let good = Manifest {
             format: 1,
+            layout: Layout::Shards,
             name: "m".into(),
             features: 2,
             classes: 3,
@@ -1659,9 +2016,156 @@ mod tests {
         let mut m = good.clone();
         m.train.shards[0].path = "/abs".into();
         assert!(m.validate().is_err());
+        let mut m = good.clone();
+        m.layout = Layout::PerSample;
+        assert!(m
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("does not match"));
+        m.format = FORMAT_PER_SAMPLE;
+        assert!(m
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("lists shards"));
+        m.train.shards.clear();
+        m.validate().unwrap();
         let mut m = good;
         m.classes = 0;
         assert!(m.validate().is_err());
+    }
+
+    #[test]
+    fn manifest_without_layout_reads_as_shards() {
+        let old = r#"{"format":1,"name":"o","features":1,"classes":2,"record_bytes":8,
+            "train":{"num_samples":2,"shards":[{"path":"train/shard-00000.bin","first":0,"count":2}]},
+            "test":{"num_samples":0,"shards":[]}}"#;
+        let m: Manifest = serde_json::from_str(old).unwrap();
+        assert_eq!(m.layout, Layout::Shards);
+        m.validate().unwrap();
+        let json = serde_json::to_string(&m).unwrap();
+        assert!(json.contains("\"layout\":\"shards\""), "{json}");
+    }
+
+    #[test]
+    fn layout_names() {
+        for (text, layout) in [
+            ("shards", Layout::Shards),
+            ("per-sample", Layout::PerSample),
+            ("per_sample", Layout::PerSample),
+        ] {
+            assert_eq!(text.parse::<Layout>(), Ok(layout));
+        }
+        assert!("folder".parse::<Layout>().is_err());
+        assert_eq!(Layout::PerSample.to_string(), "per-sample");
+        assert_eq!(sample_object_path(Split::Train, 123), "train/00000123.bin");
+    }
+
+    #[tokio::test]
+    async fn per_sample_roundtrip_and_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let local: Arc<dyn ObjectStore> =
+            Arc::new(LocalFileSystem::new_with_prefix(dir.path()).unwrap());
+        let memory: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let options = WriteOptions {
+            layout: Layout::PerSample,
+            records_per_shard: 16,
+        };
+        for store in [local, memory] {
+            let prefix = Path::from("ps");
+            let (train, test) = synthetic(&small_spec());
+            let m = write_dataset_with(store.as_ref(), &prefix, "p", 5, 4, &train, &test, &options)
+                .await
+                .unwrap();
+            assert_eq!((m.format, m.layout), (FORMAT_PER_SAMPLE, Layout::PerSample));
+            assert!(m.train.shards.is_empty());
+            let reader = DatasetReader::open(store.clone(), prefix.clone())
+                .await
+                .unwrap();
+            assert_eq!(reader.layout(), Layout::PerSample);
+            let indices = [5usize, 1, 202, 5, 0];
+            let got = reader.fetch(Split::Train, &indices).await.unwrap();
+            let want: Vec<Sample> = indices.iter().map(|&i| train[i].clone()).collect();
+            assert_eq!(got, want);
+            assert_eq!(
+                reader.fetch_all(Split::Test).await.unwrap(),
+                Batch::from_samples(&test, 5)
+            );
+            let reqs = reader
+                .plan_requests(Split::Train, &indices, 1 << 20)
+                .unwrap();
+            assert_eq!(reqs.len(), 4);
+            assert_eq!(reqs[0].object, Path::from("ps/train/00000000.bin"));
+            let recs = reader.read_request(&reqs[3]).await.unwrap();
+            assert_eq!(
+                reader.batch_from_records(&recs).unwrap(),
+                Batch::from_samples(&train[202..], 5)
+            );
+            // A truncated and a missing object are corrupt, named.
+            let obj = Path::from("ps/train/00000007.bin");
+            store.put(&obj, vec![1u8; 10].into()).await.unwrap();
+            let err = reader.fetch(Split::Train, &[7]).await.unwrap_err();
+            assert!(
+                matches!(&err, DatasetError::Corrupt { object, .. } if object == "ps/train/00000007.bin"),
+                "{err}"
+            );
+            store.delete(&obj).await.unwrap();
+            let err = reader.fetch(Split::Train, &[3, 7]).await.unwrap_err();
+            assert!(err.to_string().contains("missing"), "{err}");
+            assert!(err.to_string().contains("00000007.bin"), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn shard_requests_merge_adjacent_records() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let (train, _) = write_small(store.as_ref(), &Path::default()).await;
+        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+        // Shards hold 16 records of 24 bytes.
+        let reqs = reader
+            .plan_requests(Split::Train, &[3, 4, 5, 15, 16, 17, 40, 3], 1 << 20)
+            .unwrap();
+        let spans: Vec<(usize, usize, Option<Range<u64>>)> = reqs
+            .iter()
+            .map(|r| (r.first, r.count, r.range.clone()))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                (3, 3, Some(72..144)),
+                (15, 1, Some(360..384)),
+                (16, 2, Some(0..48)),
+                (40, 1, Some(192..216)),
+            ]
+        );
+        assert_eq!(reqs[2].object, Path::from("train/shard-00001.bin"));
+        // A byte cap splits long runs.
+        let capped = reader
+            .plan_requests(Split::Train, &[0, 1, 2, 3, 4], 48)
+            .unwrap();
+        assert_eq!(
+            capped.iter().map(|r| r.count).collect::<Vec<_>>(),
+            vec![2, 2, 1]
+        );
+        for r in &capped {
+            let recs = reader.read_request(r).await.unwrap();
+            let batch = reader.batch_from_records(&recs).unwrap();
+            assert_eq!(batch, Batch::from_samples(&train[r.indices()], 5));
+        }
+        let err = reader
+            .plan_requests(Split::Train, &[203], 1 << 20)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            DatasetError::IndexOutOfRange {
+                index: 203,
+                len: 203
+            }
+        ));
+        assert!(reader
+            .batch_from_records(&[Bytes::from_static(b"abc")])
+            .is_err());
     }
 
     #[tokio::test]

@@ -8,6 +8,10 @@
 //! over are dropped for that epoch only; because the permutation changes every
 //! epoch, a different few are dropped each time.
 //!
+//! A run restarted mid-epoch resumes from a [`ResumePoint`] (epoch, step,
+//! seed): [`EpochSampler::start_at`] checks it and [`EpochSampler::batches_from`]
+//! gives exactly the batches the uninterrupted run would have taken from there.
+//!
 //! ```
 //! use ps_shared::sampler::EpochSampler;
 //!
@@ -18,11 +22,17 @@
 //! let batches = sampler.batches(0, 2);
 //! assert_eq!(batches.len(), sampler.steps_per_epoch(2));
 //! assert_eq!(batches[0], order[..2].to_vec());
+//!
+//! // Resume at batch 1 of epoch 4 after a restart.
+//! let point = sampler.resume_point(4, 1);
+//! let (epoch, step) = sampler.start_at(&point, 1).unwrap();
+//! assert_eq!(sampler.batches_from(epoch, step, 1), sampler.batches(4, 1)[1..].to_vec());
 //! ```
 
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
 
 /// Why an [`EpochSampler`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,6 +48,33 @@ pub enum SamplerError {
         "{num_samples} samples cannot be split across {world} workers (need at least one each)"
     )]
     TooFewSamples { num_samples: usize, world: usize },
+    /// A resume point from a run with another seed.
+    #[error("the resume point was taken with seed {found} but this run uses seed {expected}")]
+    SeedMismatch { expected: u64, found: u64 },
+    /// A resume step past the end of its epoch.
+    #[error("resume step {step} is past the {steps} steps of an epoch")]
+    StepOutOfRange { step: usize, steps: usize },
+}
+
+/// Where a run stands in its sample order: the next batch to train on is
+/// batch `step` of `epoch` of the job seeded with `seed`. Saved with a
+/// checkpoint and handed back to the loader after a restart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ResumePoint {
+    pub epoch: u64,
+    pub step: usize,
+    pub seed: u64,
+}
+
+impl ResumePoint {
+    /// The very beginning of a run seeded with `seed`.
+    pub fn start(seed: u64) -> Self {
+        Self {
+            epoch: 0,
+            step: 0,
+            seed,
+        }
+    }
 }
 
 /// Seeded per-epoch permutation of `[0, num_samples)` split across `world`
@@ -134,6 +171,47 @@ impl EpochSampler {
     /// Full batches per epoch for `batch_size` (zero for a `batch_size` of zero).
     pub fn steps_per_epoch(&self, batch_size: usize) -> usize {
         self.per_rank().checked_div(batch_size).unwrap_or(0)
+    }
+
+    /// The resume point of batch `step` of `epoch` under this sampler's seed.
+    pub fn resume_point(&self, epoch: u64, step: usize) -> ResumePoint {
+        ResumePoint {
+            epoch,
+            step,
+            seed: self.seed,
+        }
+    }
+
+    /// Checks a resume point against this sampler (same seed, step within
+    /// the epoch for `batch_size`) and returns the `(epoch, step)` to start
+    /// at; a step equal to the steps of an epoch means the start of the next.
+    pub fn start_at(
+        &self,
+        point: &ResumePoint,
+        batch_size: usize,
+    ) -> Result<(u64, usize), SamplerError> {
+        if point.seed != self.seed {
+            return Err(SamplerError::SeedMismatch {
+                expected: self.seed,
+                found: point.seed,
+            });
+        }
+        let steps = self.steps_per_epoch(batch_size);
+        match point.step.cmp(&steps) {
+            std::cmp::Ordering::Less => Ok((point.epoch, point.step)),
+            std::cmp::Ordering::Equal => Ok((point.epoch.saturating_add(1), 0)),
+            std::cmp::Ordering::Greater => Err(SamplerError::StepOutOfRange {
+                step: point.step,
+                steps,
+            }),
+        }
+    }
+
+    /// The batches of `epoch` from batch `step` on (empty past the end).
+    pub fn batches_from(&self, epoch: u64, step: usize, batch_size: usize) -> Vec<Vec<usize>> {
+        let mut all = self.batches(epoch, batch_size);
+        all.drain(..step.min(all.len()));
+        all
     }
 }
 
@@ -258,6 +336,46 @@ mod tests {
         assert!(s.batches(2, 52).is_empty());
         assert_eq!(s.steps_per_epoch(0), 0);
         assert!(s.batches(2, 0).is_empty());
+    }
+
+    #[test]
+    fn resume_continues_the_same_order() {
+        let s = EpochSampler::new(1000, 2, 1, 77).unwrap();
+        let uninterrupted: Vec<Vec<usize>> = (0..3).flat_map(|e| s.batches(e, 32)).collect();
+        let steps = s.steps_per_epoch(32);
+        for (epoch, step) in [(0u64, 0usize), (0, 5), (1, 0), (1, 14), (2, steps - 1)] {
+            // A fresh sampler, as after a restart.
+            let again = EpochSampler::new(1000, 2, 1, 77).unwrap();
+            let (e, st) = again.start_at(&s.resume_point(epoch, step), 32).unwrap();
+            let mut resumed = again.batches_from(e, st, 32);
+            resumed.extend((e + 1..3).flat_map(|x| again.batches(x, 32)));
+            let skip = epoch as usize * steps + step;
+            assert_eq!(resumed, uninterrupted[skip..].to_vec(), "({epoch}, {step})");
+        }
+        // The end of an epoch is the start of the next.
+        assert_eq!(s.start_at(&s.resume_point(1, steps), 32), Ok((2, 0)));
+        assert_eq!(
+            s.start_at(&s.resume_point(1, steps + 1), 32),
+            Err(SamplerError::StepOutOfRange {
+                step: steps + 1,
+                steps
+            })
+        );
+        let other = ResumePoint {
+            seed: 78,
+            ..ResumePoint::start(78)
+        };
+        assert_eq!(
+            s.start_at(&other, 32),
+            Err(SamplerError::SeedMismatch {
+                expected: 77,
+                found: 78
+            })
+        );
+        assert!(s.batches_from(0, steps + 3, 32).is_empty());
+        let json = serde_json::to_string(&s.resume_point(2, 3)).unwrap();
+        let back: ResumePoint = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s.resume_point(2, 3));
     }
 
     #[test]

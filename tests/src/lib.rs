@@ -73,6 +73,7 @@ pub fn run_cluster(
                 ca_pem: cert.cert_pem.clone(),
                 progress: false,
                 epoch_lines: true,
+                crash_after_steps: None,
             };
             run_worker(&cfg, opts, store.clone(), prefix.clone())
         });

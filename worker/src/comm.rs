@@ -500,14 +500,42 @@ impl Handler<PushPull> for CommActor {
     }
 }
 
+/// Say goodbye to every server, then stop the actor; returns how many times
+/// an exchange was recovered during the run.
 #[derive(Message)]
-#[rtype(result = "Result<(), CommError>")]
+#[rtype(result = "Result<u64, CommError>")]
 pub struct Leave;
 
 impl Handler<Leave> for CommActor {
-    type Result = ResponseFuture<Result<(), CommError>>;
+    type Result = ResponseActFuture<Self, Result<u64, CommError>>;
     fn handle(&mut self, _: Leave, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
-        Box::pin(async move { comm.bye().await })
+        Box::pin(
+            async move {
+                comm.bye().await?;
+                Ok(comm.recoveries())
+            }
+            .into_actor(self)
+            .map(|result, _, ctx| {
+                ctx.stop();
+                result
+            }),
+        )
+    }
+}
+
+/// Drop every connection without a goodbye and stop: what a crashed worker
+/// looks like to the servers (used by fault-injection tests).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Abort;
+
+impl Handler<Abort> for CommActor {
+    type Result = ();
+    fn handle(&mut self, _: Abort, ctx: &mut Context<Self>) {
+        for link in self.comm.links.borrow().iter() {
+            link.conn.close(1u32.into(), b"worker crashed");
+        }
+        ctx.stop();
     }
 }

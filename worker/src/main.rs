@@ -191,6 +191,7 @@ fn train(
         ca_pem,
         progress,
         epoch_lines: true,
+        crash_after_steps: None,
     };
     let system = actix::System::new();
     let report = system.block_on(async { run_worker(&cfg, opts, store, prefix).await })?;

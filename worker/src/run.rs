@@ -21,7 +21,7 @@ use ps_shared::dataset::{DatasetError, DatasetReader, Split};
 use ps_shared::sampler::EpochSampler;
 use ps_shared::sparse::Compressor;
 
-use crate::comm::{Comm, CommActor, CommError, InitParams, Leave, PushPull};
+use crate::comm::{Abort, Comm, CommActor, CommError, InitParams, Leave, PushPull};
 use crate::loader::{LoaderActor, LoaderError, NextBatch, Prefetcher};
 use crate::model::{device_from_str, Model, ModelError};
 use crate::trainer::{ApplyUpdates, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError};
@@ -42,6 +42,8 @@ pub enum WorkerError {
     Comm(#[from] CommError),
     #[error("an actor stopped unexpectedly: {0}")]
     Mailbox(#[from] MailboxError),
+    #[error("worker stopped by fault injection after {0} steps")]
+    Crashed(u64),
     #[error("sampler: {0}")]
     Sampler(String),
     #[error("cannot write metrics to {path}: {source}")]
@@ -61,6 +63,9 @@ pub struct WorkerOptions {
     pub progress: bool,
     /// Print one line per epoch to stdout.
     pub epoch_lines: bool,
+    /// Fault injection: after this many steps drop every connection without
+    /// a goodbye and stop, as a crashed worker would.
+    pub crash_after_steps: Option<u64>,
 }
 
 /// What one epoch did.
@@ -94,6 +99,8 @@ pub struct WorkerReport {
     pub data_wait_s: f64,
     pub compute_s: f64,
     pub comm_s: f64,
+    /// Exchanges recovered after a lost connection or a step mismatch.
+    pub recoveries: u64,
 }
 
 #[derive(Default)]
@@ -259,11 +266,16 @@ async fn train(
         acc.pulled += traffic.pulled;
         acc.density_sum += out.density;
         step += 1;
+        if opts.crash_after_steps == Some(step) {
+            comm.send(Abort).await?;
+            bar.finish_and_clear();
+            return Err(WorkerError::Crashed(step));
+        }
         bar.inc(1);
         bar.set_message(format!("epoch {} loss {:.4}", pos.epoch + 1, out.loss));
     }
     bar.finish_and_clear();
-    comm.send(Leave).await??;
+    let recoveries = comm.send(Leave).await??;
 
     let steps = step.max(1) as f64;
     let sum = |f: fn(&EpochReport) -> f64| reports.iter().map(f).sum::<f64>();
@@ -277,6 +289,7 @@ async fn train(
         data_wait_s: sum(|r| r.data_wait_s),
         compute_s: sum(|r| r.compute_s),
         comm_s: sum(|r| r.comm_s),
+        recoveries,
         epochs: reports,
     })
 }

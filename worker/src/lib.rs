@@ -2,10 +2,12 @@
 //!
 //! * [`model`]: the candle model seen through the flat parameter space.
 //! * [`loader`]: `LoaderActor`, batches prefetched from the bucket in sample order.
+//! * [`cache`]: the loader's memory and disk tiers and their placement policy.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
 //! * [`comm`]: `CommActor`, pushes and pulls over QUIC.
 //! * [`run`]: one worker's whole training run.
 
+pub mod cache;
 pub mod comm;
 pub mod loader;
 pub mod model;

@@ -1,0 +1,973 @@
+//! The loader's sample cache: a memory tier ([moka], weighed in bytes), a
+//! local-disk tier (a directory with a byte cap; files are written under a
+//! temporary name and renamed into place) and [`TierPlan`], the policy that
+//! decides which samples live where.
+//!
+//! The loader knows the whole future sample order, so every sample it holds
+//! has a known *next use*: an absolute position in this worker's schedule.
+//! The plan keeps the samples needed soonest: memory holds the soonest ones,
+//! the disk the next ones, and whatever is needed latest is dropped first
+//! (Belady's rule). A sample consumed this epoch and not needed until the next
+//! one therefore goes before any sample still needed this epoch, and in the
+//! last epoch nothing is kept after its use. The tiers are exclusive: a sample
+//! is in at most one of them, so their capacities add up.
+//!
+//! Correctness never depends on the cache: a sample the plan believes cached
+//! but that cannot be read back (dropped by moka, a damaged or missing file)
+//! is reported as a miss and fetched again; a capacity of zero, or smaller
+//! than one sample, only costs speed.
+//!
+//! ```
+//! use ps_worker::cache::{CacheAction, Tier, TierPlan};
+//!
+//! // 2 samples of 10 bytes fit in memory, 1 on disk.
+//! let mut plan = TierPlan::new(20, 10);
+//! assert_eq!(plan.offer(1, 10, Some(100)), vec![CacheAction::PutMemory(1)]);
+//! assert_eq!(plan.offer(2, 10, Some(300)), vec![CacheAction::PutMemory(2)]);
+//! // Sample 3 is needed before sample 2: 2 moves to disk, 3 takes its place.
+//! assert_eq!(
+//!     plan.offer(3, 10, Some(200)),
+//!     vec![CacheAction::Demote(2), CacheAction::PutMemory(3)]
+//! );
+//! assert_eq!(plan.tier_of(2), Some(Tier::Disk));
+//! // Sample 4 is needed after everything cached: it is not kept.
+//! assert!(plan.offer(4, 10, Some(900)).is_empty());
+//! // Sample 1 was used and is never needed again: dropped.
+//! assert_eq!(plan.offer(1, 10, None), vec![CacheAction::DropMemory(1)]);
+//! ```
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+
+use bytes::Bytes;
+use moka::future::Cache;
+use moka::policy::EvictionPolicy;
+use serde::Serialize;
+use tokio::sync::oneshot;
+
+/// Key of a cached sample: its index in the training split.
+pub type SampleKey = u64;
+
+/// Everything the cache tiers can report.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// A cache file or the cache directory could not be accessed.
+    #[error("disk cache: cannot access {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A cache file does not hold what was written to it.
+    #[error("disk cache: {} is damaged: {message}", path.display())]
+    Damaged { path: PathBuf, message: String },
+    /// The disk tier's worker thread is gone.
+    #[error("disk cache: the disk worker stopped")]
+    Closed,
+}
+
+/// A cache tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    Memory,
+    Disk,
+}
+
+impl Tier {
+    fn index(self) -> usize {
+        match self {
+            Tier::Memory => 0,
+            Tier::Disk => 1,
+        }
+    }
+}
+
+/// One step of IO that carries out a [`TierPlan`] decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheAction {
+    /// Store the sample in hand in memory.
+    PutMemory(SampleKey),
+    /// Store the sample in hand on disk.
+    PutDisk(SampleKey),
+    /// Move a sample from memory to disk (its bytes are in the memory tier).
+    Demote(SampleKey),
+    /// Remove a sample from memory.
+    DropMemory(SampleKey),
+    /// Remove a sample from disk.
+    DropDisk(SampleKey),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    tier: Tier,
+    next_use: u64,
+    bytes: u64,
+}
+
+/// Placement policy of the two tiers by next use (see the module docs).
+///
+/// Plain data: it decides and returns [`CacheAction`]s; the caller does the
+/// IO and reports back with [`TierPlan::forget`] when a tier lost a sample.
+#[derive(Debug, Clone)]
+pub struct TierPlan {
+    caps: [u64; 2],
+    used: [u64; 2],
+    /// `(next_use, key)` of the samples of each tier, soonest first.
+    order: [BTreeSet<(u64, SampleKey)>; 2],
+    entries: HashMap<SampleKey, Entry>,
+}
+
+impl TierPlan {
+    /// Capacities in bytes (0 disables a tier).
+    pub fn new(memory_bytes: u64, disk_bytes: u64) -> Self {
+        Self {
+            caps: [memory_bytes, disk_bytes],
+            used: [0, 0],
+            order: [BTreeSet::new(), BTreeSet::new()],
+            entries: HashMap::new(),
+        }
+    }
+
+    /// Where the plan keeps `key`.
+    pub fn tier_of(&self, key: SampleKey) -> Option<Tier> {
+        self.entries.get(&key).map(|e| e.tier)
+    }
+
+    /// The next use recorded for `key`.
+    pub fn next_use(&self, key: SampleKey) -> Option<u64> {
+        self.entries.get(&key).map(|e| e.next_use)
+    }
+
+    /// Bytes placed in a tier.
+    pub fn used(&self, tier: Tier) -> u64 {
+        self.used[tier.index()]
+    }
+
+    /// Capacity of a tier.
+    pub fn capacity(&self, tier: Tier) -> u64 {
+        self.caps[tier.index()]
+    }
+
+    /// Samples placed in a tier.
+    pub fn count(&self, tier: Tier) -> usize {
+        self.order[tier.index()].len()
+    }
+
+    /// Keys whose next use is at or after `from`.
+    pub fn keys_needed_after(&self, from: u64) -> Vec<SampleKey> {
+        self.order
+            .iter()
+            .flat_map(|set| set.range((from, 0)..).map(|&(_, k)| k))
+            .collect()
+    }
+
+    /// The sample `key` of `bytes` bytes is in hand and next needed at
+    /// position `next_use` (`None`: never again). Decides where it lives and
+    /// returns the IO to carry that out, in order: first what makes room
+    /// (demotions, drops), then the placement of `key` itself. A sample is only
+    /// placed by pushing out samples needed later than it.
+    pub fn offer(&mut self, key: SampleKey, bytes: u64, next_use: Option<u64>) -> Vec<CacheAction> {
+        let mut actions = Vec::new();
+        let old = self.remove(key).map(|e| e.tier);
+        let target = next_use.and_then(|next| {
+            if self.make_room(Tier::Memory, bytes, next, &mut actions) {
+                Some(Tier::Memory)
+            } else if self.make_room(Tier::Disk, bytes, next, &mut actions) {
+                Some(Tier::Disk)
+            } else {
+                None
+            }
+        });
+        if let (Some(tier), Some(next)) = (target, next_use) {
+            self.insert(key, tier, next, bytes);
+        }
+        match (old, target) {
+            (Some(a), Some(b)) if a == b => {}
+            (old, target) => {
+                if let Some(t) = target {
+                    actions.push(match t {
+                        Tier::Memory => CacheAction::PutMemory(key),
+                        Tier::Disk => CacheAction::PutDisk(key),
+                    });
+                }
+                if let Some(t) = old {
+                    actions.push(drop_action(t, key));
+                }
+            }
+        }
+        actions
+    }
+
+    /// Changes the next use of a cached sample without moving it; `None`
+    /// drops it. Returns the IO for a drop.
+    pub fn reprioritize(&mut self, key: SampleKey, next_use: Option<u64>) -> Vec<CacheAction> {
+        let Some(entry) = self.remove(key) else {
+            return Vec::new();
+        };
+        match next_use {
+            Some(next) => {
+                self.insert(key, entry.tier, next, entry.bytes);
+                Vec::new()
+            }
+            None => vec![drop_action(entry.tier, key)],
+        }
+    }
+
+    /// Forgets `key` (a tier lost it); no IO.
+    pub fn forget(&mut self, key: SampleKey) -> Option<Tier> {
+        self.remove(key).map(|e| e.tier)
+    }
+
+    /// Frees `bytes` in `tier` for a sample needed at `next`, evicting only
+    /// samples needed later. Evicted memory samples are demoted to disk when
+    /// the disk takes them. Changes nothing when it cannot succeed.
+    fn make_room(
+        &mut self,
+        tier: Tier,
+        bytes: u64,
+        next: u64,
+        actions: &mut Vec<CacheAction>,
+    ) -> bool {
+        let t = tier.index();
+        if bytes > self.caps[t] {
+            return false;
+        }
+        let mut free = self.caps[t] - self.used[t];
+        let mut victims = Vec::new();
+        for &(use_at, k) in self.order[t].iter().rev() {
+            if free >= bytes {
+                break;
+            }
+            if use_at <= next {
+                return false;
+            }
+            free += self.entries.get(&k).map_or(0, |e| e.bytes);
+            victims.push(k);
+        }
+        if free < bytes {
+            return false;
+        }
+        for k in victims {
+            let Some(v) = self.remove(k) else { continue };
+            if tier == Tier::Memory && self.make_room(Tier::Disk, v.bytes, v.next_use, actions) {
+                self.insert(k, Tier::Disk, v.next_use, v.bytes);
+                actions.push(CacheAction::Demote(k));
+            } else {
+                actions.push(drop_action(tier, k));
+            }
+        }
+        true
+    }
+
+    fn insert(&mut self, key: SampleKey, tier: Tier, next_use: u64, bytes: u64) {
+        let t = tier.index();
+        self.used[t] += bytes;
+        self.order[t].insert((next_use, key));
+        self.entries.insert(
+            key,
+            Entry {
+                tier,
+                next_use,
+                bytes,
+            },
+        );
+    }
+
+    fn remove(&mut self, key: SampleKey) -> Option<Entry> {
+        let e = self.entries.remove(&key)?;
+        let t = e.tier.index();
+        self.used[t] -= e.bytes;
+        self.order[t].remove(&(e.next_use, key));
+        Some(e)
+    }
+}
+
+fn drop_action(tier: Tier, key: SampleKey) -> CacheAction {
+    match tier {
+        Tier::Memory => CacheAction::DropMemory(key),
+        Tier::Disk => CacheAction::DropDisk(key),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Memory tier
+// ---------------------------------------------------------------------------
+
+/// The memory tier: a moka cache of sample bytes weighed by their length.
+///
+/// The plan keeps the placed bytes within the capacity and removes samples
+/// itself; moka's own bound (the capacity plus an eighth) is a safety net.
+#[derive(Clone)]
+pub struct MemoryTier {
+    cache: Cache<SampleKey, Bytes>,
+}
+
+impl MemoryTier {
+    pub fn new(capacity_bytes: u64) -> Self {
+        let cache = Cache::builder()
+            .max_capacity(capacity_bytes.saturating_add(capacity_bytes / 8))
+            .weigher(|_: &SampleKey, v: &Bytes| u32::try_from(v.len()).unwrap_or(u32::MAX))
+            .eviction_policy(EvictionPolicy::lru())
+            .build();
+        Self { cache }
+    }
+
+    pub async fn get(&self, key: SampleKey) -> Option<Bytes> {
+        self.cache.get(&key).await
+    }
+
+    pub async fn insert(&self, key: SampleKey, bytes: Bytes) {
+        self.cache.insert(key, bytes).await;
+    }
+
+    pub async fn remove(&self, key: SampleKey) {
+        self.cache.invalidate(&key).await;
+    }
+
+    /// Bytes held (after pending maintenance).
+    pub async fn weighted_size(&self) -> u64 {
+        self.cache.run_pending_tasks().await;
+        self.cache.weighted_size()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Disk tier
+// ---------------------------------------------------------------------------
+
+/// Magic at the start of every cache file.
+const FILE_MAGIC: &[u8; 4] = b"STRC";
+/// Magic, payload length (u64 LE), FNV-1a 64 of the payload (u64 LE).
+const FILE_HEADER: usize = 4 + 8 + 8;
+/// Worker threads of the disk tier; a sample always goes to the same one, so
+/// the operations on one file happen in the order they were asked for.
+const DISK_LANES: usize = 2;
+
+enum DiskOp {
+    Write(SampleKey, Bytes),
+    Read(SampleKey, oneshot::Sender<Result<Bytes, CacheError>>),
+    Delete(SampleKey),
+}
+
+/// The disk tier: one file per sample in a directory of its own.
+///
+/// Writes go to `<key>.<lane>-<n>.tmp` and are renamed to `<key>.rec`, so a
+/// reader never sees half a file; every file carries its length and a
+/// checksum, and a file that fails either is reported as damaged. File IO runs
+/// on [`DISK_LANES`] threads. The directory is emptied when the tier opens and
+/// removed when it is dropped.
+pub struct DiskTier {
+    dir: PathBuf,
+    lanes: Vec<mpsc::Sender<DiskOp>>,
+    threads: Vec<JoinHandle<()>>,
+    failed: Arc<Mutex<Vec<SampleKey>>>,
+}
+
+impl DiskTier {
+    /// Creates `dir` (removing cache files left in it) and starts the IO threads.
+    pub fn open(dir: &Path) -> Result<Self, CacheError> {
+        let io = |source| CacheError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        remove_cache_files(dir).map_err(io)?;
+        let failed = Arc::new(Mutex::new(Vec::new()));
+        let mut lanes = Vec::new();
+        let mut threads = Vec::new();
+        for lane in 0..DISK_LANES {
+            let (tx, rx) = mpsc::channel();
+            let dir = dir.to_path_buf();
+            let failed = failed.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("disk-cache-{lane}"))
+                .spawn(move || disk_lane(lane, &dir, &rx, &failed))
+                .map_err(io)?;
+            lanes.push(tx);
+            threads.push(handle);
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            lanes,
+            threads,
+            failed,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Path of the file of `key`.
+    pub fn file_of(&self, key: SampleKey) -> PathBuf {
+        record_path(&self.dir, key)
+    }
+
+    fn lane(&self, key: SampleKey) -> Option<&mpsc::Sender<DiskOp>> {
+        self.lanes
+            .get((key % self.lanes.len().max(1) as u64) as usize)
+    }
+
+    /// Queues a write; a failure shows up in [`DiskTier::take_failed`].
+    pub fn write(&self, key: SampleKey, bytes: Bytes) {
+        let sent = self
+            .lane(key)
+            .is_some_and(|l| l.send(DiskOp::Write(key, bytes)).is_ok());
+        if !sent {
+            self.note_failed(key);
+        }
+    }
+
+    /// Queues a read; the answer arrives on the returned channel.
+    pub fn read(&self, key: SampleKey) -> oneshot::Receiver<Result<Bytes, CacheError>> {
+        let (tx, rx) = oneshot::channel();
+        if let Some(lane) = self.lane(key) {
+            if let Err(mpsc::SendError(DiskOp::Read(_, tx))) = lane.send(DiskOp::Read(key, tx)) {
+                let _ = tx.send(Err(CacheError::Closed));
+            }
+        }
+        rx
+    }
+
+    /// Queues a delete (a missing file is fine).
+    pub fn delete(&self, key: SampleKey) {
+        if let Some(lane) = self.lane(key) {
+            let _ = lane.send(DiskOp::Delete(key));
+        }
+    }
+
+    /// Keys whose writes failed since the last call.
+    pub fn take_failed(&self) -> Vec<SampleKey> {
+        match self.failed.lock() {
+            Ok(mut g) => std::mem::take(&mut *g),
+            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
+        }
+    }
+
+    fn note_failed(&self, key: SampleKey) {
+        match self.failed.lock() {
+            Ok(mut g) => g.push(key),
+            Err(poisoned) => poisoned.into_inner().push(key),
+        }
+    }
+}
+
+impl Drop for DiskTier {
+    /// Finishes the queued IO, removes the cache files and then the directory
+    /// if nothing else is in it.
+    fn drop(&mut self) {
+        self.lanes.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        if let Err(e) = remove_cache_files(&self.dir).and_then(|()| std::fs::remove_dir(&self.dir))
+        {
+            tracing::debug!(dir = %self.dir.display(), "disk cache directory left in place: {e}");
+        }
+    }
+}
+
+/// Removes the files this tier writes (`*.rec`, `*.tmp`) from `dir`.
+fn remove_cache_files(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "rec" || e == "tmp") {
+            std::fs::remove_file(&path)?;
+        }
+    }
+    Ok(())
+}
+
+fn record_path(dir: &Path, key: SampleKey) -> PathBuf {
+    dir.join(format!("{key:016x}.rec"))
+}
+
+fn disk_lane(lane: usize, dir: &Path, rx: &mpsc::Receiver<DiskOp>, failed: &Mutex<Vec<SampleKey>>) {
+    let mut seq = 0u64;
+    while let Ok(op) = rx.recv() {
+        match op {
+            DiskOp::Write(key, bytes) => {
+                seq += 1;
+                let tmp = dir.join(format!("{key:016x}.{lane}-{seq}.tmp"));
+                if let Err(e) = write_file(&tmp, &record_path(dir, key), &bytes) {
+                    tracing::warn!("disk cache write of sample {key} failed: {e}");
+                    let _ = std::fs::remove_file(&tmp);
+                    match failed.lock() {
+                        Ok(mut g) => g.push(key),
+                        Err(poisoned) => poisoned.into_inner().push(key),
+                    }
+                }
+            }
+            DiskOp::Read(key, reply) => {
+                let _ = reply.send(read_file(&record_path(dir, key)));
+            }
+            DiskOp::Delete(key) => {
+                let path = record_path(dir, key);
+                if let Err(e) = std::fs::remove_file(&path) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        tracing::warn!("disk cache: cannot remove {}: {e}", path.display());
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn write_file(tmp: &Path, dest: &Path, payload: &[u8]) -> Result<(), CacheError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| CacheError::Io { path, source }
+    };
+    let mut file = std::fs::File::create(tmp).map_err(io(tmp))?;
+    let mut header = [0u8; FILE_HEADER];
+    header[..4].copy_from_slice(FILE_MAGIC);
+    header[4..12].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    header[12..20].copy_from_slice(&fnv1a64(payload).to_le_bytes());
+    file.write_all(&header).map_err(io(tmp))?;
+    file.write_all(payload).map_err(io(tmp))?;
+    drop(file);
+    std::fs::rename(tmp, dest).map_err(io(dest))
+}
+
+fn read_file(path: &Path) -> Result<Bytes, CacheError> {
+    let data = std::fs::read(path).map_err(|source| CacheError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let damaged = |message: &str| CacheError::Damaged {
+        path: path.to_path_buf(),
+        message: message.to_string(),
+    };
+    if data.len() < FILE_HEADER || &data[..4] != FILE_MAGIC {
+        return Err(damaged("no cache header"));
+    }
+    let word = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&data[at..at + 8]);
+        u64::from_le_bytes(b)
+    };
+    let (len, sum) = (word(4), word(12));
+    let payload = &data[FILE_HEADER..];
+    if payload.len() as u64 != len {
+        return Err(damaged("length does not match the header"));
+    }
+    if fnv1a64(payload) != sum {
+        return Err(damaged("checksum mismatch"));
+    }
+    let mut data = Bytes::from(data);
+    Ok(data.split_off(FILE_HEADER))
+}
+
+/// FNV-1a, 64 bits: a cheap checksum against damaged cache files.
+fn fnv1a64(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in data {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+// ---------------------------------------------------------------------------
+// Both tiers together
+// ---------------------------------------------------------------------------
+
+/// Where a lookup found a sample.
+pub enum Lookup {
+    Memory(Bytes),
+    /// On disk: the read is under way.
+    Disk(oneshot::Receiver<Result<Bytes, CacheError>>),
+    Miss,
+}
+
+/// What the tiers did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct CacheStats {
+    /// Samples the plan placed in memory but moka no longer had.
+    pub memory_lost: u64,
+    /// Disk writes queued (placements and demotions).
+    pub disk_writes: u64,
+    /// Disk writes that failed.
+    pub disk_write_failures: u64,
+    /// Samples moved from memory to disk.
+    pub demotions: u64,
+}
+
+/// The memory and disk tiers driven by one [`TierPlan`]. Owned by one task.
+pub struct TieredCache {
+    plan: TierPlan,
+    memory: Option<MemoryTier>,
+    disk: Option<DiskTier>,
+    stats: CacheStats,
+}
+
+impl TieredCache {
+    /// `memory_bytes` of memory (0: no memory tier) and optionally a disk
+    /// tier in a directory with its byte cap.
+    pub fn new(memory_bytes: u64, disk: Option<(PathBuf, u64)>) -> Result<Self, CacheError> {
+        let memory = (memory_bytes > 0).then(|| MemoryTier::new(memory_bytes));
+        let (disk, disk_bytes) = match disk {
+            Some((dir, cap)) if cap > 0 => (Some(DiskTier::open(&dir)?), cap),
+            _ => (None, 0),
+        };
+        Ok(Self {
+            plan: TierPlan::new(memory_bytes, disk_bytes),
+            memory,
+            disk,
+            stats: CacheStats::default(),
+        })
+    }
+
+    /// No tiers at all.
+    pub fn disabled() -> Self {
+        Self {
+            plan: TierPlan::new(0, 0),
+            memory: None,
+            disk: None,
+            stats: CacheStats::default(),
+        }
+    }
+
+    pub fn plan(&self) -> &TierPlan {
+        &self.plan
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.stats
+    }
+
+    pub fn memory(&self) -> Option<&MemoryTier> {
+        self.memory.as_ref()
+    }
+
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref()
+    }
+
+    /// Looks `key` up: memory bytes, a disk read under way, or a miss.
+    pub async fn lookup(&mut self, key: SampleKey) -> Lookup {
+        self.reap_failed_writes().await;
+        match self.plan.tier_of(key) {
+            Some(Tier::Memory) => {
+                if let Some(mem) = &self.memory {
+                    if let Some(bytes) = mem.get(key).await {
+                        return Lookup::Memory(bytes);
+                    }
+                }
+                self.plan.forget(key);
+                self.stats.memory_lost += 1;
+                Lookup::Miss
+            }
+            Some(Tier::Disk) => match &self.disk {
+                Some(disk) => Lookup::Disk(disk.read(key)),
+                None => {
+                    self.plan.forget(key);
+                    Lookup::Miss
+                }
+            },
+            None => Lookup::Miss,
+        }
+    }
+
+    /// `key`'s bytes are in hand and next needed at `next_use` (`None`:
+    /// never): place, keep, move or drop it as the plan decides.
+    pub async fn offer(&mut self, key: SampleKey, bytes: &Bytes, next_use: Option<u64>) {
+        let actions = self.plan.offer(key, bytes.len() as u64, next_use);
+        self.execute(bytes, actions).await;
+    }
+
+    /// Changes the next use of a cached sample (no move); `None` drops it.
+    pub async fn reprioritize(&mut self, key: SampleKey, next_use: Option<u64>) {
+        let actions = self.plan.reprioritize(key, next_use);
+        self.execute(&Bytes::new(), actions).await;
+    }
+
+    /// Drops `key` from wherever it is (after a failed read).
+    pub async fn forget(&mut self, key: SampleKey) {
+        match self.plan.forget(key) {
+            Some(Tier::Memory) => {
+                if let Some(mem) = &self.memory {
+                    mem.remove(key).await;
+                }
+            }
+            Some(Tier::Disk) => {
+                if let Some(disk) = &self.disk {
+                    disk.delete(key);
+                }
+            }
+            None => {}
+        }
+    }
+
+    async fn execute(&mut self, in_hand: &Bytes, actions: Vec<CacheAction>) {
+        for action in actions {
+            match action {
+                CacheAction::PutMemory(k) => match &self.memory {
+                    Some(mem) => mem.insert(k, in_hand.clone()).await,
+                    None => {
+                        self.plan.forget(k);
+                    }
+                },
+                CacheAction::PutDisk(k) => match &self.disk {
+                    Some(disk) => {
+                        disk.write(k, in_hand.clone());
+                        self.stats.disk_writes += 1;
+                    }
+                    None => {
+                        self.plan.forget(k);
+                    }
+                },
+                CacheAction::Demote(k) => {
+                    let bytes = match &self.memory {
+                        Some(mem) => {
+                            let b = mem.get(k).await;
+                            mem.remove(k).await;
+                            b
+                        }
+                        None => None,
+                    };
+                    match (bytes, &self.disk) {
+                        (Some(b), Some(disk)) => {
+                            disk.write(k, b);
+                            self.stats.disk_writes += 1;
+                            self.stats.demotions += 1;
+                        }
+                        _ => {
+                            self.plan.forget(k);
+                            self.stats.memory_lost += 1;
+                        }
+                    }
+                }
+                CacheAction::DropMemory(k) => {
+                    if let Some(mem) = &self.memory {
+                        mem.remove(k).await;
+                    }
+                }
+                CacheAction::DropDisk(k) => {
+                    if let Some(disk) = &self.disk {
+                        disk.delete(k);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets samples whose disk writes failed (and removes any leftovers).
+    async fn reap_failed_writes(&mut self) {
+        let Some(disk) = &self.disk else { return };
+        let failed = disk.take_failed();
+        for key in failed {
+            self.stats.disk_write_failures += 1;
+            if self.plan.tier_of(key) == Some(Tier::Disk) {
+                self.plan.forget(key);
+                if let Some(disk) = &self.disk {
+                    disk.delete(key);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Invariants of a plan: used bytes match the entries and stay within caps.
+    fn check(plan: &TierPlan) {
+        for tier in [Tier::Memory, Tier::Disk] {
+            let t = tier.index();
+            let sum: u64 = plan.order[t]
+                .iter()
+                .map(|(_, k)| plan.entries[k].bytes)
+                .sum();
+            assert_eq!(sum, plan.used[t]);
+            assert!(plan.used[t] <= plan.caps[t]);
+        }
+        assert_eq!(
+            plan.entries.len(),
+            plan.order[0].len() + plan.order[1].len()
+        );
+    }
+
+    #[test]
+    fn keeps_the_samples_needed_soonest() {
+        let mut plan = TierPlan::new(30, 20);
+        for (k, next) in [(1, 50), (2, 10), (3, 40), (4, 20), (5, 30), (6, 60), (7, 5)] {
+            plan.offer(k, 10, Some(next));
+            check(&plan);
+        }
+        // Soonest three in memory, next two on disk, the rest dropped.
+        let mut mem: Vec<_> = plan.order[0].iter().map(|&(_, k)| k).collect();
+        mem.sort_unstable();
+        assert_eq!(mem, vec![2, 4, 7]);
+        let mut disk: Vec<_> = plan.order[1].iter().map(|&(_, k)| k).collect();
+        disk.sort_unstable();
+        assert_eq!(disk, vec![3, 5]);
+        assert_eq!(plan.tier_of(1), None);
+        assert_eq!(plan.tier_of(6), None);
+    }
+
+    #[test]
+    fn reuse_moves_and_drops() {
+        let mut plan = TierPlan::new(10, 10);
+        assert_eq!(plan.offer(1, 10, Some(5)), vec![CacheAction::PutMemory(1)]);
+        // Used at 5, next needed at 100: it stays in memory (nothing sooner).
+        assert!(plan.offer(1, 10, Some(100)).is_empty());
+        // A sooner sample pushes it to disk.
+        assert_eq!(
+            plan.offer(2, 10, Some(20)),
+            vec![CacheAction::Demote(1), CacheAction::PutMemory(2)]
+        );
+        // Read back from disk for use at 100, next at 300: memory is taken
+        // by a sooner sample, so it stays on disk without IO.
+        assert!(plan.offer(1, 10, Some(300)).is_empty());
+        assert_eq!(plan.tier_of(1), Some(Tier::Disk));
+        // Sample 2 used, never needed again: dropped; then 1 can go to memory.
+        assert_eq!(plan.offer(2, 10, None), vec![CacheAction::DropMemory(2)]);
+        assert_eq!(
+            plan.offer(1, 10, Some(400)),
+            vec![CacheAction::PutMemory(1), CacheAction::DropDisk(1)]
+        );
+        check(&plan);
+        assert_eq!(plan.reprioritize(1, None), vec![CacheAction::DropMemory(1)]);
+        assert_eq!(plan.count(Tier::Memory) + plan.count(Tier::Disk), 0);
+    }
+
+    #[test]
+    fn tiny_and_zero_capacities_never_place() {
+        let mut plan = TierPlan::new(5, 0);
+        assert!(plan.offer(1, 10, Some(1)).is_empty());
+        assert_eq!(plan.tier_of(1), None);
+        let mut none = TierPlan::new(0, 0);
+        for k in 0..100 {
+            assert!(none.offer(k, 1, Some(k)).is_empty());
+        }
+        check(&none);
+    }
+
+    #[test]
+    fn mixed_sizes_stay_within_caps() {
+        let mut plan = TierPlan::new(1000, 700);
+        let mut x: u64 = 17;
+        for step in 0..5000u64 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let key = (x >> 33) % 200;
+            let bytes = 1 + (x >> 20) % 300;
+            let next = if x % 7 == 3 {
+                None
+            } else {
+                Some(step + (x >> 40) % 1000)
+            };
+            plan.offer(key, bytes, next);
+            check(&plan);
+        }
+        let far = plan.keys_needed_after(5500);
+        assert!(far
+            .iter()
+            .all(|k| plan.next_use(*k).is_some_and(|n| n >= 5500)));
+    }
+
+    #[tokio::test]
+    async fn disk_tier_round_trip_and_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("tier");
+        std::fs::create_dir_all(&sub).unwrap();
+        std::fs::write(sub.join("stale.rec"), b"old").unwrap();
+        std::fs::write(sub.join("keep.txt"), b"not ours").unwrap();
+        let disk = DiskTier::open(&sub).unwrap();
+        assert!(!sub.join("stale.rec").exists());
+        assert!(sub.join("keep.txt").exists());
+        disk.write(7, Bytes::from_static(b"hello sample"));
+        assert_eq!(&disk.read(7).await.unwrap().unwrap()[..], b"hello sample");
+        // Damage the file: the read reports it.
+        let path = disk.file_of(7);
+        let mut raw = std::fs::read(&path).unwrap();
+        let last = raw.len() - 1;
+        raw[last] ^= 0xff;
+        std::fs::write(&path, &raw).unwrap();
+        let err = disk.read(7).await.unwrap().unwrap_err();
+        assert!(err.to_string().contains("checksum"), "{err}");
+        std::fs::write(&path, b"xx").unwrap();
+        assert!(matches!(
+            disk.read(7).await.unwrap(),
+            Err(CacheError::Damaged { .. })
+        ));
+        disk.delete(7);
+        assert!(matches!(
+            disk.read(7).await.unwrap(),
+            Err(CacheError::Io { .. })
+        ));
+        // No temporary files are left behind.
+        let leftovers = std::fs::read_dir(&sub)
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .path()
+                    .extension()
+                    .is_some_and(|x| x == "tmp")
+            })
+            .count();
+        assert_eq!(leftovers, 0);
+        assert!(disk.take_failed().is_empty());
+        disk.write(8, Bytes::from_static(b"x"));
+        drop(disk);
+        // Only the tier's own files go; the directory stays for the other file.
+        assert!(sub.join("keep.txt").exists());
+        assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 1);
+        std::fs::remove_file(sub.join("keep.txt")).unwrap();
+        let disk = DiskTier::open(&sub).unwrap();
+        drop(disk);
+        assert!(!sub.exists());
+    }
+
+    #[tokio::test]
+    async fn tiered_cache_serves_and_recovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cache = TieredCache::new(10, Some((dir.path().join("c"), 10))).unwrap();
+        let a = Bytes::from_static(b"aaaaaaaaaa");
+        let b = Bytes::from_static(b"bbbbbbbbbb");
+        cache.offer(1, &a, Some(100)).await;
+        cache.offer(2, &b, Some(50)).await;
+        // 2 is sooner: memory; 1 demoted to disk.
+        assert!(matches!(cache.lookup(2).await, Lookup::Memory(x) if x == b));
+        let Lookup::Disk(rx) = cache.lookup(1).await else {
+            panic!("1 should be on disk")
+        };
+        assert_eq!(rx.await.unwrap().unwrap(), a);
+        assert_eq!(cache.stats().demotions, 1);
+        // A damaged file reads as an error; forgetting it makes it a miss.
+        std::fs::write(cache.disk().unwrap().file_of(1), b"junk").unwrap();
+        let Lookup::Disk(rx) = cache.lookup(1).await else {
+            panic!("1 should still be planned on disk")
+        };
+        assert!(rx.await.unwrap().is_err());
+        cache.forget(1).await;
+        assert!(matches!(cache.lookup(1).await, Lookup::Miss));
+        // Memory lost behind the plan's back is a miss, not an error.
+        cache.memory().unwrap().remove(2).await;
+        assert!(matches!(cache.lookup(2).await, Lookup::Miss));
+        assert_eq!(cache.stats().memory_lost, 1);
+        let mut off = TieredCache::disabled();
+        off.offer(3, &a, Some(1)).await;
+        assert!(matches!(off.lookup(3).await, Lookup::Miss));
+    }
+
+    #[tokio::test]
+    async fn memory_tier_weighs_bytes() {
+        let mem = MemoryTier::new(1000);
+        for k in 0..5 {
+            mem.insert(k, Bytes::from(vec![0u8; 100])).await;
+        }
+        assert_eq!(mem.weighted_size().await, 500);
+        mem.remove(0).await;
+        assert_eq!(mem.weighted_size().await, 400);
+        assert!(mem.get(0).await.is_none());
+        assert_eq!(mem.get(1).await.map(|b| b.len()), Some(100));
+    }
+}

@@ -1,19 +1,80 @@
-//! `LoaderActor`: hands the trainer its batches, fetched ahead of time.
+//! `LoaderActor`: hands the trainer its batches, fetched ahead of time from a
+//! slow bucket through a memory and a disk cache.
 //!
-//! The loader knows the whole sample order in advance (a seeded per-epoch
-//! permutation split across workers by rank), so it keeps the next
-//! `prefetch_batches` batches in flight as concurrent range GETs against the
-//! bucket while the trainer computes. A batch is never fetched twice and the
-//! queue is bounded, so memory stays bounded.
+//! The sample order is known in advance (a seeded per-epoch permutation split
+//! across workers by rank, see [`EpochSampler`]), so the loader runs a pump
+//! task that works ahead of the trainer:
+//!
+//! * **Plan.** Batches are planned in order while the prefetch window allows:
+//!   at most `lookahead_samples` samples and `max_inflight_bytes` of sample
+//!   bytes planned but not yet taken by the trainer ([`PrefetchWindow`]; one
+//!   batch always proceeds, so small bounds only cost speed). Every sample of
+//!   a planned batch is looked up in the window itself, the memory tier and
+//!   the disk tier ([`TieredCache`]); the rest is queued for the bucket.
+//! * **Fetch.** Queued samples become GETs ([`DatasetReader::plan_requests`]:
+//!   one per object in the per-sample layout, adjacent records of a shard
+//!   merged into one range GET), started soonest-needed first with at most
+//!   `max_inflight_requests` in flight. A failed or short GET is retried with
+//!   exponential backoff; when the retries run out the trainer gets an error
+//!   naming the object.
+//! * **Cache.** Each sample, once in hand, is offered to the cache with its
+//!   next use (its position in a later epoch), and the [`TierPlan`] keeps the
+//!   samples needed soonest.
+//! * **Hand over.** Complete batches are decoded in order into a bounded
+//!   channel (`ready_batches`); when the trainer is slow, the channel and the
+//!   window fill up and planning stops (back-pressure).
+//!
+//! A run restarted mid-epoch resumes with [`LoaderSettings::resume_from`] and
+//! gets exactly the batches the uninterrupted run would have had. Per-epoch
+//! counters (hits per tier, GETs, bytes from the bucket, retries) are in
+//! [`LoaderStats`].
+//!
+//! ```
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! use std::sync::Arc;
+//! use object_store::{memory::InMemory, path::Path, ObjectStore};
+//! use ps_shared::dataset::{synthetic, write_dataset, DatasetReader, SyntheticSpec};
+//! use ps_shared::sampler::EpochSampler;
+//! use ps_worker::loader::{Loader, LoaderSettings};
+//!
+//! let spec = SyntheticSpec { train: 100, test: 0, features: 4, classes: 2, ..SyntheticSpec::default() };
+//! let (train, test) = synthetic(&spec);
+//! let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+//! write_dataset(store.as_ref(), &Path::default(), "toy", 4, 2, &train, &test, 16).await.unwrap();
+//! let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+//! let sampler = EpochSampler::new(100, 1, 0, 7).unwrap();
+//! let mut settings = LoaderSettings::new(10, 2);
+//! settings.memory_cache_bytes = 1000;
+//! let loader = Loader::start(reader, sampler, settings).unwrap();
+//! let mut batches = 0;
+//! while let Some((pos, batch)) = loader.next().await.unwrap() {
+//!     assert_eq!(batch.len(), 10);
+//!     batches += 1;
+//!     assert_eq!(pos.step_in_epoch, (batches - 1) % 10);
+//! }
+//! assert_eq!(batches, 20);
+//! assert_eq!(loader.stats().epoch(0).samples, 100);
+//! # });
+//! ```
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use actix::prelude::*;
-use tokio::task::JoinHandle;
+use bytes::Bytes;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
 
-use ps_shared::dataset::{Batch, DatasetError, DatasetReader, Split};
-use ps_shared::sampler::EpochSampler;
+use ps_shared::config::ClusterConfig;
+use ps_shared::dataplane::CostModel;
+use ps_shared::dataset::{Batch, DatasetError, DatasetReader, Manifest, RecordRequest, Split};
+use ps_shared::sampler::{EpochSampler, ResumePoint, SamplerError};
+
+use crate::cache::{CacheError, Lookup, TieredCache};
 
 /// Where a batch sits in the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,108 +83,1015 @@ pub struct BatchPos {
     pub step_in_epoch: usize,
 }
 
-/// The plan of batches and the prefetch queue, independent of the actor.
-pub struct Prefetcher {
-    reader: DatasetReader,
-    sampler: EpochSampler,
-    batch_size: usize,
-    epochs: u64,
-    depth: usize,
-    next_epoch: u64,
-    planned: VecDeque<(BatchPos, Vec<usize>)>,
-    in_flight: VecDeque<(BatchPos, JoinHandle<Result<Batch, DatasetError>>)>,
+/// Everything that can stop the loader.
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderError {
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// A GET kept failing.
+    #[error("reading {object} failed after {attempts} attempt(s): {source}")]
+    Fetch {
+        object: String,
+        attempts: u32,
+        #[source]
+        source: DatasetError,
+    },
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error("sample order: {0}")]
+    Sampler(#[from] SamplerError),
+    #[error("invalid loader settings: {0}")]
+    Settings(String),
+    #[error("fetch task failed: {0}")]
+    Task(String),
+    /// The loader already reported an error and stopped.
+    #[error("the loader stopped after an earlier error: {0}")]
+    Stopped(String),
 }
 
-impl Prefetcher {
-    pub fn new(
-        reader: DatasetReader,
-        sampler: EpochSampler,
-        batch_size: usize,
-        epochs: u64,
-        depth: usize,
-    ) -> Self {
+/// Bounded retries with exponential backoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Retries after the first attempt.
+    pub max_retries: u32,
+    /// Wait before the first retry; doubles per retry, at most 5 s.
+    pub backoff: Duration,
+}
+
+impl RetryPolicy {
+    /// The wait before retry number `retry` (1-based).
+    pub fn delay(&self, retry: u32) -> Duration {
+        let factor = 1u32 << retry.saturating_sub(1).min(16);
+        self.backoff
+            .saturating_mul(factor)
+            .min(Duration::from_secs(5))
+    }
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
         Self {
-            reader,
-            sampler,
+            max_retries: 4,
+            backoff: Duration::from_millis(50),
+        }
+    }
+}
+
+/// How a [`Loader`] runs, apart from the dataset and the sample order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoaderSettings {
+    pub batch_size: usize,
+    /// Epochs of the run: the last batch is from epoch `epochs - 1`.
+    pub epochs: u64,
+    /// Where to start; `None` is the beginning of the run.
+    pub start: Option<ResumePoint>,
+    /// Samples planned ahead of the trainer (at least one batch is).
+    pub lookahead_samples: usize,
+    /// Concurrent GETs.
+    pub max_inflight_requests: usize,
+    /// Sample bytes planned but not yet taken by the trainer.
+    pub max_inflight_bytes: u64,
+    /// Decoded batches queued for the trainer.
+    pub ready_batches: usize,
+    /// Memory tier capacity in bytes (0: none).
+    pub memory_cache_bytes: u64,
+    /// Disk tier directory and capacity in bytes.
+    pub disk_cache: Option<(PathBuf, u64)>,
+    /// Largest merged range GET in the shard layout.
+    pub max_request_bytes: u64,
+    pub retry: RetryPolicy,
+}
+
+impl LoaderSettings {
+    /// Prefetching with the `[loader]` defaults and no cache.
+    pub fn new(batch_size: usize, epochs: u64) -> Self {
+        let d = ps_shared::dataplane::LoaderSection::default();
+        Self {
             batch_size,
             epochs,
-            depth: depth.max(1),
-            next_epoch: 0,
-            planned: VecDeque::new(),
-            in_flight: VecDeque::new(),
+            start: None,
+            lookahead_samples: d.lookahead(batch_size),
+            max_inflight_requests: d.max_inflight_requests,
+            max_inflight_bytes: d.max_inflight_bytes(),
+            ready_batches: d.ready_batches,
+            memory_cache_bytes: 0,
+            disk_cache: None,
+            max_request_bytes: d.max_request_kb as u64 * 1024,
+            retry: RetryPolicy::default(),
         }
     }
 
-    pub fn steps_per_epoch(&self) -> usize {
-        self.sampler.steps_per_epoch(self.batch_size)
+    /// The settings of `cfg` for worker `rank`, cache fractions resolved
+    /// against the training split of `manifest`. The disk tier of rank `r`
+    /// lives in `<disk_cache_dir>/rank-<r>`. The lookahead is at least
+    /// `data.prefetch_batches` batches.
+    pub fn from_config(cfg: &ClusterConfig, manifest: &Manifest, rank: u32) -> Self {
+        let l = &cfg.loader;
+        let batch = cfg.data.batch_size;
+        let dataset_bytes = manifest.total_bytes(Split::Train);
+        let disk_bytes = l.disk_cache.resolve(dataset_bytes);
+        let dir = l.disk_cache_dir.trim();
+        let disk_cache = (!dir.is_empty() && disk_bytes > 0)
+            .then(|| (PathBuf::from(dir).join(format!("rank-{rank}")), disk_bytes));
+        Self {
+            batch_size: batch,
+            epochs: cfg.training.epochs,
+            start: None,
+            lookahead_samples: l
+                .lookahead(batch)
+                .max(cfg.data.prefetch_batches.saturating_mul(batch)),
+            max_inflight_requests: l.max_inflight_requests,
+            max_inflight_bytes: l.max_inflight_bytes(),
+            ready_batches: l.ready_batches,
+            memory_cache_bytes: l.memory_cache.resolve(dataset_bytes),
+            disk_cache,
+            max_request_bytes: (l.max_request_kb as u64).saturating_mul(1024),
+            retry: RetryPolicy {
+                max_retries: l.max_retries,
+                backoff: Duration::from_millis(l.retry_backoff_ms),
+            },
+        }
     }
 
-    fn plan_more(&mut self) {
-        while self.planned.is_empty() && self.next_epoch < self.epochs {
-            let epoch = self.next_epoch;
-            self.next_epoch += 1;
-            for (i, idx) in self
-                .sampler
-                .batches(epoch, self.batch_size)
-                .into_iter()
-                .enumerate()
-            {
-                self.planned.push_back((
-                    BatchPos {
-                        epoch,
-                        step_in_epoch: i,
-                    },
-                    idx,
-                ));
+    /// Start at a resume point saved by an earlier run.
+    pub fn resume_from(mut self, point: ResumePoint) -> Self {
+        self.start = Some(point);
+        self
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Statistics
+// ---------------------------------------------------------------------------
+
+/// Data-plane counters of one epoch. GETs and bytes are counted for the
+/// epoch of the batch that needed them, even when fetched during the previous
+/// epoch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct EpochDataStats {
+    /// Samples handed to the trainer.
+    pub samples: u64,
+    /// Samples served from memory (the memory tier or the prefetch window).
+    pub memory_hits: u64,
+    /// Samples served from the disk tier.
+    pub disk_hits: u64,
+    /// Samples fetched from the bucket.
+    pub bucket_samples: u64,
+    /// GET requests sent to the bucket, retries included.
+    pub gets: u64,
+    /// Bytes received from the bucket.
+    pub bucket_bytes: u64,
+    /// GETs that were retries.
+    pub retries: u64,
+    /// Disk-tier reads that failed (the sample was fetched again).
+    pub disk_errors: u64,
+}
+
+impl EpochDataStats {
+    /// Fraction of samples served from memory.
+    pub fn memory_hit_rate(&self) -> f64 {
+        ratio(
+            self.memory_hits,
+            self.memory_hits + self.disk_hits + self.bucket_samples,
+        )
+    }
+
+    /// Fraction of samples served from the disk tier.
+    pub fn disk_hit_rate(&self) -> f64 {
+        ratio(
+            self.disk_hits,
+            self.memory_hits + self.disk_hits + self.bucket_samples,
+        )
+    }
+
+    /// Estimated request and egress cost in dollars.
+    pub fn cost(&self, prices: &CostModel) -> f64 {
+        prices.estimate(self.gets, self.bucket_bytes)
+    }
+
+    /// Field-wise sum.
+    pub fn add(&mut self, o: &EpochDataStats) {
+        self.samples += o.samples;
+        self.memory_hits += o.memory_hits;
+        self.disk_hits += o.disk_hits;
+        self.bucket_samples += o.bucket_samples;
+        self.gets += o.gets;
+        self.bucket_bytes += o.bucket_bytes;
+        self.retries += o.retries;
+        self.disk_errors += o.disk_errors;
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Per-epoch counters of a loader, shared with its pump task.
+#[derive(Debug, Default)]
+pub struct LoaderStats {
+    per_epoch: Mutex<BTreeMap<u64, EpochDataStats>>,
+}
+
+impl LoaderStats {
+    /// Counters of `epoch` so far (final once its last batch was handed over).
+    pub fn epoch(&self, epoch: u64) -> EpochDataStats {
+        self.lock().get(&epoch).copied().unwrap_or_default()
+    }
+
+    /// Counters of all epochs together.
+    pub fn total(&self) -> EpochDataStats {
+        let mut t = EpochDataStats::default();
+        for s in self.lock().values() {
+            t.add(s);
+        }
+        t
+    }
+
+    fn update(&self, epoch: u64, f: impl FnOnce(&mut EpochDataStats)) {
+        f(self.lock().entry(epoch).or_default());
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, EpochDataStats>> {
+        match self.per_epoch.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Policy: the schedule and the prefetch window
+// ---------------------------------------------------------------------------
+
+/// Next-use value of a sample that may be used in a later epoch but not in
+/// the next one; plus the key, so such samples still order deterministically.
+pub const FAR_FUTURE: u64 = 1 << 62;
+
+const NOT_IN_EPOCH: u32 = u32::MAX;
+
+struct EpochOrder {
+    /// The samples used this epoch, in order (the dropped tail removed).
+    order: Vec<usize>,
+    /// Offset in `order` per sample index, or [`NOT_IN_EPOCH`].
+    offset_of: Vec<u32>,
+}
+
+/// This worker's sample order with what the cache needs to know: the
+/// absolute position of every use (`epoch * used_per_epoch + offset`) and
+/// each sample's next use. Holds the orders of at most a few epochs.
+pub struct Schedule {
+    sampler: EpochSampler,
+    batch_size: usize,
+    steps: usize,
+    epochs: u64,
+    orders: BTreeMap<u64, EpochOrder>,
+}
+
+impl Schedule {
+    pub fn new(sampler: EpochSampler, batch_size: usize, epochs: u64) -> Result<Self, LoaderError> {
+        if batch_size == 0 {
+            return Err(LoaderError::Settings("batch_size must be >= 1".into()));
+        }
+        if sampler.num_samples() >= NOT_IN_EPOCH as usize {
+            return Err(LoaderError::Settings(format!(
+                "{} samples are more than the loader can index",
+                sampler.num_samples()
+            )));
+        }
+        let steps = sampler.steps_per_epoch(batch_size);
+        Ok(Self {
+            sampler,
+            batch_size,
+            steps,
+            epochs,
+            orders: BTreeMap::new(),
+        })
+    }
+
+    pub fn steps_per_epoch(&self) -> usize {
+        self.steps
+    }
+
+    /// Samples used per epoch (whole batches only).
+    pub fn used_per_epoch(&self) -> usize {
+        self.steps * self.batch_size
+    }
+
+    /// Absolute position of the sample at `offset` of `epoch`.
+    pub fn position(&self, epoch: u64, offset: usize) -> u64 {
+        epoch
+            .saturating_mul(self.used_per_epoch() as u64)
+            .saturating_add(offset as u64)
+    }
+
+    fn order(&mut self, epoch: u64) -> &EpochOrder {
+        let used = self.used_per_epoch();
+        let n = self.sampler.num_samples();
+        let sampler = &self.sampler;
+        self.orders.entry(epoch).or_insert_with(|| {
+            let mut order = sampler.epoch_order(epoch);
+            order.truncate(used);
+            let mut offset_of = vec![NOT_IN_EPOCH; n];
+            for (i, &s) in order.iter().enumerate() {
+                if let Some(slot) = offset_of.get_mut(s) {
+                    *slot = i as u32;
+                }
+            }
+            EpochOrder { order, offset_of }
+        })
+    }
+
+    /// The samples of batch `step` of `epoch`. Orders of epochs before
+    /// `epoch` are let go.
+    pub fn batch(&mut self, epoch: u64, step: usize) -> Vec<usize> {
+        while let Some((&first, _)) = self.orders.first_key_value() {
+            if first >= epoch {
+                break;
+            }
+            self.orders.remove(&first);
+        }
+        let b = self.batch_size;
+        let order = &self.order(epoch).order;
+        order
+            .get(step * b..(step + 1) * b)
+            .map(<[usize]>::to_vec)
+            .unwrap_or_default()
+    }
+
+    /// The first use of `sample` in epoch `epoch` or later: its position in
+    /// `epoch`, [`FAR_FUTURE`] (plus the sample) when it is not used in
+    /// `epoch` but a later epoch of the run exists, `None` when the run ends
+    /// before.
+    pub fn next_use_from(&mut self, epoch: u64, sample: usize) -> Option<u64> {
+        if epoch >= self.epochs {
+            return None;
+        }
+        let offset = self
+            .order(epoch)
+            .offset_of
+            .get(sample)
+            .copied()
+            .unwrap_or(NOT_IN_EPOCH);
+        if offset != NOT_IN_EPOCH {
+            Some(self.position(epoch, offset as usize))
+        } else if epoch + 1 < self.epochs {
+            Some(FAR_FUTURE + sample as u64)
+        } else {
+            None
+        }
+    }
+
+    /// The next use of `sample` after its use in `epoch`.
+    pub fn next_use_after(&mut self, epoch: u64, sample: usize) -> Option<u64> {
+        self.next_use_from(epoch.saturating_add(1), sample)
+    }
+}
+
+/// The prefetch window's bounds: how many samples, and how many bytes of
+/// them, may be planned but not yet taken by the trainer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefetchWindow {
+    pub lookahead_samples: usize,
+    pub max_bytes: u64,
+    pub record_bytes: u64,
+}
+
+impl PrefetchWindow {
+    /// Whether a batch of `batch` samples may be planned with `ahead`
+    /// samples already in the window. An empty window always takes one batch.
+    pub fn admits(&self, ahead: usize, batch: usize) -> bool {
+        if ahead == 0 {
+            return true;
+        }
+        let samples = ahead.saturating_add(batch);
+        samples <= self.lookahead_samples
+            && (samples as u64).saturating_mul(self.record_bytes) <= self.max_bytes
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The pump
+// ---------------------------------------------------------------------------
+
+type Item = Result<(BatchPos, Arc<Batch>), LoaderError>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Disk,
+    Bucket,
+}
+
+/// A sample some planned batches wait for.
+struct Waiting {
+    /// `(slot seq, index in the batch)`, first need first.
+    waiters: Vec<(u64, usize)>,
+    /// Epoch of the latest waiter.
+    last_epoch: u64,
+    /// Absolute position of the first need.
+    first_need: u64,
+    source: Source,
+}
+
+/// A sample in hand that planned batches still refer to.
+struct Held {
+    bytes: Bytes,
+    slots: usize,
+}
+
+struct Slot {
+    pos: BatchPos,
+    indices: Vec<usize>,
+    records: Vec<Option<Bytes>>,
+    missing: usize,
+}
+
+enum Done {
+    Bucket {
+        request: RecordRequest,
+        attempts: u32,
+        result: Result<Vec<Bytes>, DatasetError>,
+    },
+    Disk {
+        sample: usize,
+        result: Result<Bytes, CacheError>,
+    },
+}
+
+struct Shared {
+    stats: Arc<LoaderStats>,
+    finished: AtomicBool,
+    failure: Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn failure(&self) -> Option<String> {
+        match self.failure.lock() {
+            Ok(g) => g.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    fn set_failure(&self, message: String) {
+        match self.failure.lock() {
+            Ok(mut g) => *g = Some(message),
+            Err(poisoned) => *poisoned.into_inner() = Some(message),
+        }
+    }
+}
+
+struct Pump {
+    reader: DatasetReader,
+    schedule: Schedule,
+    window: PrefetchWindow,
+    settings: LoaderSettings,
+    cache: TieredCache,
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<Item>,
+    /// The next batch to plan.
+    next: Option<(u64, usize)>,
+    /// Epoch whose far-future cache entries were last re-examined.
+    rekeyed: Option<u64>,
+    slots: VecDeque<Slot>,
+    /// Sequence number of `slots[0]`.
+    base_seq: u64,
+    /// Samples in `slots`.
+    ahead: usize,
+    waiting: HashMap<usize, Waiting>,
+    held: HashMap<usize, Held>,
+    /// Samples to fetch from the bucket, not yet turned into requests.
+    queued: Vec<usize>,
+    /// Requests not started yet, soonest need first.
+    requests: BTreeMap<(u64, u64), RecordRequest>,
+    request_seq: u64,
+    inflight: usize,
+    tasks: JoinSet<Done>,
+}
+
+impl Pump {
+    async fn run(mut self) {
+        let outcome = self.drive().await;
+        self.tasks.abort_all();
+        let Pump {
+            cache, tx, shared, ..
+        } = self;
+        // Clean the disk tier up before the trainer can see the end.
+        drop(cache);
+        match outcome {
+            Ok(()) => shared.finished.store(true, Ordering::SeqCst),
+            Err(e) => {
+                shared.set_failure(e.to_string());
+                let _ = tx.send(Err(e)).await;
             }
         }
     }
 
-    /// Start fetches until `depth` batches are in flight. Must run inside a
-    /// tokio `LocalSet` (an actix arbiter).
-    fn fill(&mut self) {
-        while self.in_flight.len() < self.depth {
-            self.plan_more();
-            let Some((pos, indices)) = self.planned.pop_front() else {
-                break;
-            };
-            let reader = self.reader.clone();
-            let handle = tokio::task::spawn_local(async move {
-                reader.fetch_batch(Split::Train, &indices).await
-            });
-            self.in_flight.push_back((pos, handle));
+    async fn drive(&mut self) -> Result<(), LoaderError> {
+        loop {
+            self.plan().await?;
+            self.launch()?;
+            while self.front_complete() {
+                match self.tx.clone().try_reserve_owned() {
+                    Ok(permit) => {
+                        let item = self.emit()?;
+                        permit.send(Ok(item));
+                    }
+                    Err(mpsc::error::TrySendError::Full(_)) => break,
+                    Err(mpsc::error::TrySendError::Closed(_)) => return Ok(()),
+                }
+            }
+            if self.next.is_none() && self.slots.is_empty() {
+                return Ok(());
+            }
+            if self.next.is_some() && self.window.admits(self.ahead, self.settings.batch_size) {
+                // Emitting made room: plan more before waiting.
+                continue;
+            }
+            let front_complete = self.front_complete();
+            let tx = self.tx.clone();
+            tokio::select! {
+                done = self.tasks.join_next(), if !self.tasks.is_empty() => match done {
+                    Some(Ok(done)) => self.complete(done).await?,
+                    Some(Err(e)) => return Err(LoaderError::Task(e.to_string())),
+                    None => {}
+                },
+                permit = tx.reserve_owned(), if front_complete => match permit {
+                    Ok(permit) => {
+                        let item = self.emit()?;
+                        permit.send(Ok(item));
+                    }
+                    Err(_) => return Ok(()),
+                },
+                else => {
+                    return Err(LoaderError::Task(
+                        "the loader has nothing to wait for but batches are incomplete".into(),
+                    ))
+                }
+            }
         }
     }
 
-    /// The next batch's fetch (already running), or `None` at the end of the run.
-    pub fn next(&mut self) -> Option<(BatchPos, JoinHandle<Result<Batch, DatasetError>>)> {
-        self.fill();
-        let next = self.in_flight.pop_front();
-        self.fill();
-        next
+    fn front_complete(&self) -> bool {
+        self.slots.front().is_some_and(|s| s.missing == 0)
+    }
+
+    /// Plans batches while the window admits them.
+    async fn plan(&mut self) -> Result<(), LoaderError> {
+        while let Some((epoch, step)) = self.next {
+            if !self.window.admits(self.ahead, self.settings.batch_size) {
+                break;
+            }
+            if self.rekeyed != Some(epoch) {
+                self.rekey(epoch).await;
+            }
+            self.plan_batch(epoch, step).await?;
+            self.next = if step + 1 < self.schedule.steps_per_epoch() {
+                Some((epoch, step + 1))
+            } else if epoch + 1 < self.settings.epochs {
+                Some((epoch + 1, 0))
+            } else {
+                None
+            };
+        }
+        Ok(())
+    }
+
+    /// Planning reached `epoch`: cached samples that were "not next epoch"
+    /// may now have a known next use, or none left in the run.
+    async fn rekey(&mut self, epoch: u64) {
+        self.rekeyed = Some(epoch);
+        for key in self.cache.plan().keys_needed_after(FAR_FUTURE) {
+            let next = usize::try_from(key)
+                .ok()
+                .and_then(|s| self.schedule.next_use_from(epoch + 1, s));
+            self.cache.reprioritize(key, next).await;
+        }
+    }
+
+    async fn plan_batch(&mut self, epoch: u64, step: usize) -> Result<(), LoaderError> {
+        let indices = self.schedule.batch(epoch, step);
+        let seq = self.base_seq + self.slots.len() as u64;
+        let mut slot = Slot {
+            pos: BatchPos {
+                epoch,
+                step_in_epoch: step,
+            },
+            records: vec![None; indices.len()],
+            missing: indices.len(),
+            indices: Vec::new(),
+        };
+        let first_offset = step * self.settings.batch_size;
+        for (i, &sample) in indices.iter().enumerate() {
+            let position = self.schedule.position(epoch, first_offset + i);
+            if let Some(w) = self.waiting.get_mut(&sample) {
+                w.waiters.push((seq, i));
+                w.last_epoch = epoch;
+                continue;
+            }
+            if let Some(h) = self.held.get_mut(&sample) {
+                h.slots += 1;
+                let bytes = h.bytes.clone();
+                slot.records[i] = Some(bytes.clone());
+                slot.missing -= 1;
+                self.shared.stats.update(epoch, |s| s.memory_hits += 1);
+                let next = self.schedule.next_use_after(epoch, sample);
+                self.cache.offer(sample as u64, &bytes, next).await;
+                continue;
+            }
+            let source = match self.cache.lookup(sample as u64).await {
+                Lookup::Memory(bytes) => {
+                    slot.records[i] = Some(bytes.clone());
+                    slot.missing -= 1;
+                    self.held.insert(
+                        sample,
+                        Held {
+                            bytes: bytes.clone(),
+                            slots: 1,
+                        },
+                    );
+                    self.shared.stats.update(epoch, |s| s.memory_hits += 1);
+                    let next = self.schedule.next_use_after(epoch, sample);
+                    self.cache.offer(sample as u64, &bytes, next).await;
+                    continue;
+                }
+                Lookup::Disk(rx) => {
+                    self.tasks.spawn(async move {
+                        let result = rx.await.unwrap_or(Err(CacheError::Closed));
+                        Done::Disk { sample, result }
+                    });
+                    Source::Disk
+                }
+                Lookup::Miss => {
+                    self.queued.push(sample);
+                    Source::Bucket
+                }
+            };
+            self.waiting.insert(
+                sample,
+                Waiting {
+                    waiters: vec![(seq, i)],
+                    last_epoch: epoch,
+                    first_need: position,
+                    source,
+                },
+            );
+        }
+        slot.indices = indices;
+        self.ahead += slot.indices.len();
+        self.slots.push_back(slot);
+        Ok(())
+    }
+
+    /// Turns queued samples into requests and starts as many as allowed.
+    fn launch(&mut self) -> Result<(), LoaderError> {
+        if !self.queued.is_empty() {
+            let queued = std::mem::take(&mut self.queued);
+            let requests = self.reader.plan_requests(
+                Split::Train,
+                &queued,
+                self.settings.max_request_bytes,
+            )?;
+            for request in requests {
+                let need = request
+                    .indices()
+                    .filter_map(|s| self.waiting.get(&s).map(|w| w.first_need))
+                    .min()
+                    .unwrap_or(u64::MAX);
+                self.request_seq += 1;
+                self.requests.insert((need, self.request_seq), request);
+            }
+        }
+        while self.inflight < self.settings.max_inflight_requests {
+            let Some((_, request)) = self.requests.pop_first() else {
+                break;
+            };
+            let reader = self.reader.clone();
+            let retry = self.settings.retry;
+            self.tasks.spawn(fetch_with_retry(reader, request, retry));
+            self.inflight += 1;
+        }
+        Ok(())
+    }
+
+    async fn complete(&mut self, done: Done) -> Result<(), LoaderError> {
+        match done {
+            Done::Bucket {
+                request,
+                attempts,
+                result,
+            } => {
+                self.inflight -= 1;
+                let epoch = request
+                    .indices()
+                    .filter_map(|s| self.waiting.get(&s))
+                    .filter_map(|w| w.waiters.first())
+                    .filter_map(|&(seq, _)| self.slot(seq).map(|s| s.pos.epoch))
+                    .min()
+                    .unwrap_or(0);
+                let bytes: u64 = match &result {
+                    Ok(records) => records.iter().map(|r| r.len() as u64).sum(),
+                    Err(_) => 0,
+                };
+                self.shared.stats.update(epoch, |s| {
+                    s.gets += u64::from(attempts);
+                    s.retries += u64::from(attempts.saturating_sub(1));
+                    s.bucket_bytes += bytes;
+                });
+                match result {
+                    Ok(records) => {
+                        for (sample, record) in request.indices().zip(records) {
+                            self.deliver(sample, record).await;
+                        }
+                    }
+                    Err(source) => {
+                        return Err(LoaderError::Fetch {
+                            object: request.object.to_string(),
+                            attempts,
+                            source,
+                        })
+                    }
+                }
+            }
+            Done::Disk { sample, result } => match result {
+                Ok(bytes) => self.deliver(sample, bytes).await,
+                Err(e) => {
+                    tracing::warn!("sample {sample}: {e}; fetching it from the bucket");
+                    let epoch = self
+                        .waiting
+                        .get(&sample)
+                        .and_then(|w| w.waiters.first())
+                        .and_then(|&(seq, _)| self.slot(seq).map(|s| s.pos.epoch))
+                        .unwrap_or(0);
+                    self.shared.stats.update(epoch, |s| s.disk_errors += 1);
+                    self.cache.forget(sample as u64).await;
+                    if let Some(w) = self.waiting.get_mut(&sample) {
+                        w.source = Source::Bucket;
+                    }
+                    self.queued.push(sample);
+                }
+            },
+        }
+        Ok(())
+    }
+
+    fn slot(&self, seq: u64) -> Option<&Slot> {
+        let i = usize::try_from(seq.checked_sub(self.base_seq)?).ok()?;
+        self.slots.get(i)
+    }
+
+    /// A sample arrived: fill every batch waiting for it, then offer it to
+    /// the cache with its next use after the last of them.
+    async fn deliver(&mut self, sample: usize, bytes: Bytes) {
+        let Some(w) = self.waiting.remove(&sample) else {
+            return;
+        };
+        let mut filled = 0;
+        for (k, &(seq, i)) in w.waiters.iter().enumerate() {
+            let Some(idx) = seq
+                .checked_sub(self.base_seq)
+                .and_then(|d| usize::try_from(d).ok())
+            else {
+                continue;
+            };
+            let Some(slot) = self.slots.get_mut(idx) else {
+                continue;
+            };
+            if let Some(cell) = slot.records.get_mut(i) {
+                if cell.is_none() {
+                    *cell = Some(bytes.clone());
+                    slot.missing -= 1;
+                    filled += 1;
+                }
+            }
+            let source = if k == 0 { Some(w.source) } else { None };
+            self.shared.stats.update(slot.pos.epoch, |s| match source {
+                Some(Source::Bucket) => s.bucket_samples += 1,
+                Some(Source::Disk) => s.disk_hits += 1,
+                None => s.memory_hits += 1,
+            });
+        }
+        if filled > 0 {
+            self.held.insert(
+                sample,
+                Held {
+                    bytes: bytes.clone(),
+                    slots: filled,
+                },
+            );
+        }
+        let next = self.schedule.next_use_after(w.last_epoch, sample);
+        self.cache.offer(sample as u64, &bytes, next).await;
+    }
+
+    /// Decodes the complete front batch and lets go of its samples.
+    fn emit(&mut self) -> Result<(BatchPos, Arc<Batch>), LoaderError> {
+        let Some(slot) = self.slots.pop_front() else {
+            return Err(LoaderError::Task("no batch to hand over".into()));
+        };
+        self.base_seq += 1;
+        self.ahead -= slot.indices.len();
+        for sample in &slot.indices {
+            if let Some(h) = self.held.get_mut(sample) {
+                h.slots = h.slots.saturating_sub(1);
+                if h.slots == 0 {
+                    self.held.remove(sample);
+                }
+            }
+        }
+        let records: Vec<Bytes> = slot.records.into_iter().flatten().collect();
+        if records.len() != slot.indices.len() {
+            return Err(LoaderError::Task(format!(
+                "batch {} of epoch {} is missing samples",
+                slot.pos.step_in_epoch, slot.pos.epoch
+            )));
+        }
+        let batch = self.reader.batch_from_records(&records)?;
+        self.shared
+            .stats
+            .update(slot.pos.epoch, |s| s.samples += records.len() as u64);
+        Ok((slot.pos, Arc::new(batch)))
     }
 }
 
+/// One request with bounded retries on transient errors (store failures and
+/// short or damaged bodies); the result carries the attempts made.
+async fn fetch_with_retry(
+    reader: DatasetReader,
+    request: RecordRequest,
+    retry: RetryPolicy,
+) -> Done {
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        match reader.read_request(&request).await {
+            Ok(records) => {
+                return Done::Bucket {
+                    request,
+                    attempts,
+                    result: Ok(records),
+                }
+            }
+            Err(e) if attempts <= retry.max_retries && is_transient(&e) => {
+                tracing::debug!(object = %request.object, attempt = attempts, "GET failed, retrying: {e}");
+                tokio::time::sleep(retry.delay(attempts)).await;
+            }
+            Err(e) => {
+                return Done::Bucket {
+                    request,
+                    attempts,
+                    result: Err(e),
+                }
+            }
+        }
+    }
+}
+
+/// Errors worth another attempt: the store failed, or the object came back
+/// short, damaged or (briefly) missing.
+fn is_transient(e: &DatasetError) -> bool {
+    matches!(e, DatasetError::Store(_) | DatasetError::Corrupt { .. })
+}
+
+// ---------------------------------------------------------------------------
+// The handle and the actor
+// ---------------------------------------------------------------------------
+
+/// A running loader: the pump task and the receiving end of its batches.
+/// Dropping it stops the pump.
+pub struct Loader {
+    rx: tokio::sync::Mutex<mpsc::Receiver<Item>>,
+    shared: Arc<Shared>,
+    steps_per_epoch: usize,
+    task: JoinHandle<()>,
+}
+
+impl Loader {
+    /// Starts the pump task (on the current tokio runtime).
+    pub fn start(
+        reader: DatasetReader,
+        sampler: EpochSampler,
+        settings: LoaderSettings,
+    ) -> Result<Self, LoaderError> {
+        let schedule = Schedule::new(sampler.clone(), settings.batch_size, settings.epochs)?;
+        let steps = schedule.steps_per_epoch();
+        let first = match &settings.start {
+            Some(point) => sampler.start_at(point, settings.batch_size)?,
+            None => (0, 0),
+        };
+        if settings.max_inflight_requests == 0 || settings.ready_batches == 0 {
+            return Err(LoaderError::Settings(
+                "max_inflight_requests and ready_batches must be >= 1".into(),
+            ));
+        }
+        let next = (steps > 0 && first.0 < settings.epochs).then_some(first);
+        let cache = TieredCache::new(settings.memory_cache_bytes, settings.disk_cache.clone())?;
+        let (tx, rx) = mpsc::channel(settings.ready_batches);
+        let shared = Arc::new(Shared {
+            stats: Arc::new(LoaderStats::default()),
+            finished: AtomicBool::new(false),
+            failure: Mutex::new(None),
+        });
+        let window = PrefetchWindow {
+            lookahead_samples: settings.lookahead_samples,
+            max_bytes: settings.max_inflight_bytes,
+            record_bytes: reader.record_bytes() as u64,
+        };
+        let pump = Pump {
+            reader,
+            schedule,
+            window,
+            settings,
+            cache,
+            shared: shared.clone(),
+            tx,
+            next,
+            rekeyed: None,
+            slots: VecDeque::new(),
+            base_seq: 0,
+            ahead: 0,
+            waiting: HashMap::new(),
+            held: HashMap::new(),
+            queued: Vec::new(),
+            requests: BTreeMap::new(),
+            request_seq: 0,
+            inflight: 0,
+            tasks: JoinSet::new(),
+        };
+        let task = tokio::spawn(pump.run());
+        Ok(Self {
+            rx: tokio::sync::Mutex::new(rx),
+            shared,
+            steps_per_epoch: steps,
+            task,
+        })
+    }
+
+    /// Like [`Loader::start`], beginning at batch `step` of `epoch`.
+    pub fn start_at(
+        reader: DatasetReader,
+        sampler: EpochSampler,
+        settings: LoaderSettings,
+        epoch: u64,
+        step: usize,
+    ) -> Result<Self, LoaderError> {
+        let point = sampler.resume_point(epoch, step);
+        Self::start(reader, sampler, settings.resume_from(point))
+    }
+
+    pub fn steps_per_epoch(&self) -> usize {
+        self.steps_per_epoch
+    }
+
+    /// The per-epoch counters.
+    pub fn stats(&self) -> Arc<LoaderStats> {
+        self.shared.stats.clone()
+    }
+
+    /// The next batch in order, `None` after the last one. After an error
+    /// every later call fails too.
+    pub async fn next(&self) -> Result<Option<(BatchPos, Arc<Batch>)>, LoaderError> {
+        let mut rx = self.rx.lock().await;
+        match rx.recv().await {
+            Some(Ok(item)) => Ok(Some(item)),
+            Some(Err(e)) => Err(e),
+            None if self.shared.finished.load(Ordering::SeqCst) => Ok(None),
+            None => {
+                Err(LoaderError::Stopped(self.shared.failure().unwrap_or_else(
+                    || "the loader task ended unexpectedly".into(),
+                )))
+            }
+        }
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Hands batches from a [`Loader`] to the training loop.
 pub struct LoaderActor {
-    prefetcher: Prefetcher,
+    loader: Arc<Loader>,
 }
 
 impl LoaderActor {
-    pub fn new(prefetcher: Prefetcher) -> Self {
-        Self { prefetcher }
+    pub fn new(loader: Loader) -> Self {
+        Self {
+            loader: Arc::new(loader),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<LoaderStats> {
+        self.loader.stats()
     }
 }
 
 impl Actor for LoaderActor {
     type Context = Context<Self>;
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum LoaderError {
-    #[error(transparent)]
-    Dataset(#[from] DatasetError),
-    #[error("fetch task failed: {0}")]
-    Task(String),
 }
 
 /// Ask for the next batch; `None` once every epoch is done.
@@ -134,17 +1102,100 @@ pub struct NextBatch;
 impl Handler<NextBatch> for LoaderActor {
     type Result = ResponseFuture<Result<Option<(BatchPos, Arc<Batch>)>, LoaderError>>;
     fn handle(&mut self, _: NextBatch, _: &mut Context<Self>) -> Self::Result {
-        let next = self.prefetcher.next();
-        Box::pin(async move {
-            match next {
-                None => Ok(None),
-                Some((pos, handle)) => {
-                    let batch = handle
-                        .await
-                        .map_err(|e| LoaderError::Task(e.to_string()))??;
-                    Ok(Some((pos, Arc::new(batch))))
-                }
-            }
-        })
+        let loader = self.loader.clone();
+        Box::pin(async move { loader.next().await })
+    }
+}
+
+/// Ask for the data-plane counters of one epoch.
+#[derive(Message)]
+#[rtype(result = "EpochDataStats")]
+pub struct EpochStats(pub u64);
+
+impl Handler<EpochStats> for LoaderActor {
+    type Result = MessageResult<EpochStats>;
+    fn handle(&mut self, msg: EpochStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.loader.stats().epoch(msg.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_admits_one_batch_then_respects_bounds() {
+        let w = PrefetchWindow {
+            lookahead_samples: 100,
+            max_bytes: 1000,
+            record_bytes: 20,
+        };
+        assert!(w.admits(0, 1000)); // an empty window takes any batch
+        assert!(w.admits(10, 40)); // 50 samples, 1000 bytes
+        assert!(!w.admits(11, 40)); // 1020 bytes
+        let w = PrefetchWindow {
+            lookahead_samples: 64,
+            max_bytes: u64::MAX,
+            record_bytes: 1,
+        };
+        assert!(w.admits(32, 32));
+        assert!(!w.admits(33, 32));
+    }
+
+    #[test]
+    fn schedule_positions_and_next_uses() {
+        let sampler = EpochSampler::new(10, 1, 0, 3).unwrap();
+        let mut s = Schedule::new(sampler.clone(), 3, 3).unwrap();
+        assert_eq!((s.steps_per_epoch(), s.used_per_epoch()), (3, 9));
+        let e1 = sampler.epoch_order(1);
+        let b = s.batch(1, 2);
+        assert_eq!(b, e1[6..9].to_vec());
+        // A sample's next use after epoch 0 is its position in epoch 1.
+        let x = e1[4];
+        assert_eq!(s.next_use_after(0, x), Some(9 + 4));
+        // The sample dropped from epoch 1's tail is "far" (epoch 2 exists).
+        let dropped = e1[9];
+        assert_eq!(
+            s.next_use_after(0, dropped),
+            Some(FAR_FUTURE + dropped as u64)
+        );
+        // After the last epoch nothing is needed again.
+        assert_eq!(s.next_use_after(2, x), None);
+        let e2 = sampler.epoch_order(2);
+        assert_eq!(s.next_use_from(2, e2[0]), Some(18));
+        // Past the end, no batch.
+        assert!(s.batch(1, 3).is_empty());
+    }
+
+    #[test]
+    fn retry_delays_double_and_cap() {
+        let r = RetryPolicy {
+            max_retries: 10,
+            backoff: Duration::from_millis(100),
+        };
+        assert_eq!(r.delay(1), Duration::from_millis(100));
+        assert_eq!(r.delay(3), Duration::from_millis(400));
+        assert_eq!(r.delay(30), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn stats_rates_and_cost() {
+        let s = EpochDataStats {
+            samples: 10,
+            memory_hits: 5,
+            disk_hits: 2,
+            bucket_samples: 3,
+            gets: 2000,
+            bucket_bytes: 2_000_000_000,
+            ..EpochDataStats::default()
+        };
+        assert!((s.memory_hit_rate() - 0.5).abs() < 1e-12);
+        assert!((s.disk_hit_rate() - 0.2).abs() < 1e-12);
+        let prices = CostModel {
+            per_1000_gets: 0.0004,
+            per_gb_egress: 0.09,
+        };
+        assert!((s.cost(&prices) - (0.0008 + 0.18)).abs() < 1e-12);
+        assert_eq!(EpochDataStats::default().memory_hit_rate(), 0.0);
     }
 }

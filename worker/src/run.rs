@@ -17,12 +17,16 @@ use object_store::{path::Path as StorePath, ObjectStore};
 use serde::Serialize;
 
 use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::dataplane::CostModel;
 use ps_shared::dataset::{DatasetError, DatasetReader, Split};
 use ps_shared::sampler::EpochSampler;
+use ps_shared::simstore::SimStore;
 use ps_shared::sparse::Compressor;
 
 use crate::comm::{Abort, Comm, CommActor, CommError, InitParams, Leave, PushPull};
-use crate::loader::{LoaderActor, LoaderError, NextBatch, Prefetcher};
+use crate::loader::{
+    EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings, NextBatch,
+};
 use crate::model::{device_from_str, Model, ModelError};
 use crate::trainer::{ApplyUpdates, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError};
 
@@ -84,6 +88,29 @@ pub struct EpochReport {
     pub bytes_pushed: u64,
     pub bytes_pulled: u64,
     pub density: f64,
+    /// Data plane: samples served from memory (memory tier or prefetch window).
+    pub memory_hit_rate: f64,
+    /// Data plane: samples served from the disk tier.
+    pub disk_hit_rate: f64,
+    /// Data plane: GET requests sent to the bucket for this epoch's batches.
+    pub bucket_gets: u64,
+    /// Data plane: bytes read from the bucket for this epoch's batches.
+    pub bucket_bytes: u64,
+    /// Data plane: estimated request + egress cost (`[bucket_sim]` prices).
+    pub bucket_cost_usd: f64,
+    /// Data plane: GETs that were retries after a failure.
+    pub fetch_retries: u64,
+}
+
+impl EpochReport {
+    fn set_data_plane(&mut self, d: &EpochDataStats, prices: &CostModel) {
+        self.memory_hit_rate = d.memory_hit_rate();
+        self.disk_hit_rate = d.disk_hit_rate();
+        self.bucket_gets = d.gets;
+        self.bucket_bytes = d.bucket_bytes;
+        self.bucket_cost_usd = d.cost(prices);
+        self.fetch_retries = d.retries;
+    }
 }
 
 /// What the whole run did.
@@ -124,6 +151,11 @@ pub async fn run_worker(
     prefix: StorePath,
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
+    let store: Arc<dyn ObjectStore> = if cfg.bucket_sim.enabled {
+        Arc::new(SimStore::from_section(store, &cfg.bucket_sim))
+    } else {
+        store
+    };
     let reader = DatasetReader::open(store, prefix).await?;
     let manifest = reader.manifest().clone();
     if manifest.features != cfg.model.input || manifest.classes != cfg.model.classes {
@@ -140,21 +172,16 @@ pub async fn run_worker(
         cfg.data.seed,
     )
     .map_err(|e| WorkerError::Sampler(e.to_string()))?;
-    let prefetcher = Prefetcher::new(
-        reader,
-        sampler,
-        cfg.data.batch_size,
-        cfg.training.epochs,
-        cfg.data.prefetch_batches,
-    );
-    let steps_per_epoch = prefetcher.steps_per_epoch() as u64;
+    let settings = LoaderSettings::from_config(cfg, &manifest, rank);
+    let loader = Loader::start(reader, sampler, settings)?;
+    let steps_per_epoch = loader.steps_per_epoch() as u64;
     if steps_per_epoch == 0 {
         return Err(WorkerError::Mismatch(format!(
             "{} training samples over {} workers is less than one batch of {}",
             manifest.train.num_samples, cfg.cluster.workers, cfg.data.batch_size
         )));
     }
-    let loader = LoaderActor::new(prefetcher).start();
+    let loader = LoaderActor::new(loader).start();
 
     let device = device_from_str(&cfg.training.device)?;
     let model = Model::new(&cfg.model, device, cfg.training.init_seed)?;
@@ -225,9 +252,11 @@ async fn train(
             None => acc.steps > 0,
         };
         if finished_epoch {
-            let report = close_epoch(rank, epoch, &mut acc, trainer, &test).await?;
+            let mut report = close_epoch(rank, epoch, &mut acc, trainer, &test).await?;
+            let data = loader.send(EpochStats(epoch)).await?;
+            report.set_data_plane(&data, &cfg.bucket_sim.cost_model());
             let line = format!(
-                "worker {rank} epoch {}/{epochs}: loss {:.4}, test accuracy {:.2}%, data wait {:.2}s, compute {:.2}s, comm {:.2}s, pushed {:.1} KB/step, density {:.4}",
+                "worker {rank} epoch {}/{epochs}: loss {:.4}, test accuracy {:.2}%, data wait {:.2}s, compute {:.2}s, comm {:.2}s, pushed {:.1} KB/step, density {:.4}, bucket {} GETs {:.1} MB ${:.5}, hits memory {:.0}% disk {:.0}%",
                 report.epoch + 1,
                 report.train_loss,
                 100.0 * report.test_accuracy,
@@ -236,6 +265,11 @@ async fn train(
                 report.comm_s,
                 report.bytes_pushed as f64 / report.steps.max(1) as f64 / 1e3,
                 report.density,
+                report.bucket_gets,
+                report.bucket_bytes as f64 / 1e6,
+                report.bucket_cost_usd,
+                100.0 * report.memory_hit_rate,
+                100.0 * report.disk_hit_rate,
             );
             if opts.epoch_lines {
                 bar.suspend(|| println!("{line}"));
@@ -318,37 +352,72 @@ async fn close_epoch(
         bytes_pushed: a.pushed,
         bytes_pulled: a.pulled,
         density: a.density_sum / steps as f64,
+        memory_hit_rate: 0.0,
+        disk_hit_rate: 0.0,
+        bucket_gets: 0,
+        bucket_bytes: 0,
+        bucket_cost_usd: 0.0,
+        fetch_retries: 0,
     })
 }
 
-fn open_metrics(
-    cfg: &ClusterConfig,
-    rank: u32,
-) -> Result<Option<(PathBuf, std::fs::File)>, WorkerError> {
+/// The per-epoch metrics files: `worker-<rank>.jsonl` and `worker-<rank>.csv`.
+struct MetricsFiles {
+    jsonl: (PathBuf, std::fs::File),
+    csv: (PathBuf, std::fs::File),
+    csv_header_written: bool,
+}
+
+fn open_metrics(cfg: &ClusterConfig, rank: u32) -> Result<Option<MetricsFiles>, WorkerError> {
     if cfg.training.metrics_dir.is_empty() {
         return Ok(None);
     }
     let dir = PathBuf::from(&cfg.training.metrics_dir);
-    let path = dir.join(format!("worker-{rank}.jsonl"));
+    let create = |name: String| {
+        let path = dir.join(name);
+        let io = |source| WorkerError::Metrics {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        let file = std::fs::File::create(&path).map_err(io)?;
+        Ok::<_, WorkerError>((path, file))
+    };
+    Ok(Some(MetricsFiles {
+        jsonl: create(format!("worker-{rank}.jsonl"))?,
+        csv: create(format!("worker-{rank}.csv"))?,
+        csv_header_written: false,
+    }))
+}
+
+fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result<(), WorkerError> {
+    let Some(files) = out else { return Ok(()) };
+    let (path, file) = &mut files.jsonl;
+    let line = serde_json::to_string(report).unwrap_or_default();
+    writeln!(file, "{line}").map_err(|source| WorkerError::Metrics {
+        path: path.clone(),
+        source,
+    })?;
+    // The CSV has the same fields as the JSON lines, one column each.
+    let serde_json::Value::Object(fields) = serde_json::to_value(report).unwrap_or_default() else {
+        return Ok(());
+    };
+    let (path, file) = &mut files.csv;
     let io = |source| WorkerError::Metrics {
         path: path.clone(),
         source,
     };
-    std::fs::create_dir_all(&dir).map_err(io)?;
-    let file = std::fs::File::create(&path).map_err(io)?;
-    Ok(Some((path, file)))
-}
-
-fn write_metrics(
-    out: &mut Option<(PathBuf, std::fs::File)>,
-    report: &EpochReport,
-) -> Result<(), WorkerError> {
-    if let Some((path, file)) = out {
-        let line = serde_json::to_string(report).unwrap_or_default();
-        writeln!(file, "{line}").map_err(|source| WorkerError::Metrics {
-            path: path.clone(),
-            source,
-        })?;
+    if !files.csv_header_written {
+        let header: Vec<&str> = fields.keys().map(String::as_str).collect();
+        writeln!(file, "{}", header.join(",")).map_err(io)?;
+        files.csv_header_written = true;
     }
-    Ok(())
+    let row: Vec<String> = fields
+        .values()
+        .map(|v| match v {
+            serde_json::Value::String(s) => format!("\"{}\"", s.replace('"', "\"\"")),
+            other => other.to_string(),
+        })
+        .collect();
+    writeln!(file, "{}", row.join(",")).map_err(io)
 }

@@ -1,0 +1,452 @@
+//! The data plane end to end on small data: the loader over the simulated
+//! bucket in both layouts, with tiny and generous caches, resumed mid-epoch,
+//! with transient and persistent faults, and inside a whole worker run.
+//!
+//! Every batch is compared byte for byte with a direct read of the same
+//! indices; nothing here looks at wall-clock times.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+use ps_shared::config::CompressionKind;
+use ps_shared::dataplane::CacheSize;
+use ps_shared::dataset::{
+    synthetic, write_dataset_with, Batch, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
+};
+use ps_shared::sampler::{EpochSampler, SamplerError};
+use ps_shared::simstore::{SimSettings, SimStore};
+use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
+
+const FEATURES: usize = 6;
+/// 4-byte label plus the features.
+const RECORD: u64 = 4 + 4 * FEATURES as u64;
+
+/// A dataset of `train` samples in the bucket under `ds/`, behind a
+/// simulated bucket without delays (counters and faults only).
+async fn bucket(layout: Layout, train: usize) -> (Arc<InMemory>, Arc<SimStore>, Path) {
+    let spec = SyntheticSpec {
+        train,
+        test: 8,
+        features: FEATURES,
+        classes: 3,
+        seed: 5,
+        label_noise: 0.0,
+    };
+    let (tr, te) = synthetic(&spec);
+    let raw = Arc::new(InMemory::new());
+    let prefix = Path::from("ds");
+    let options = WriteOptions {
+        layout,
+        records_per_shard: 10,
+    };
+    write_dataset_with(raw.as_ref(), &prefix, "dp", FEATURES, 3, &tr, &te, &options)
+        .await
+        .expect("write dataset");
+    let sim = Arc::new(SimStore::new(raw.clone(), SimSettings::instant()));
+    (raw, sim, prefix)
+}
+
+async fn open(store: Arc<dyn ObjectStore>, prefix: &Path) -> DatasetReader {
+    DatasetReader::open(store, prefix.clone())
+        .await
+        .expect("open dataset")
+}
+
+/// Settings for tests: fast retries, everything else as given.
+fn settings(batch: usize, epochs: u64) -> LoaderSettings {
+    let mut s = LoaderSettings::new(batch, epochs);
+    s.retry = RetryPolicy {
+        max_retries: 3,
+        backoff: Duration::from_millis(1),
+    };
+    s
+}
+
+/// Takes every batch (bounded by `limit` calls).
+async fn drain(loader: &Loader, limit: usize) -> Result<Vec<(BatchPos, Arc<Batch>)>, LoaderError> {
+    let mut out = Vec::new();
+    for _ in 0..limit {
+        match loader.next().await? {
+            Some(item) => out.push(item),
+            None => return Ok(out),
+        }
+    }
+    panic!("the loader gave more than {limit} batches");
+}
+
+/// Checks that `got` is exactly the batches of `sampler` from `(epoch, step)`
+/// to the end of `epochs`, byte for byte against direct reads.
+async fn check_batches(
+    got: &[(BatchPos, Arc<Batch>)],
+    sampler: &EpochSampler,
+    batch: usize,
+    epochs: u64,
+    from: (u64, usize),
+    direct: &DatasetReader,
+) {
+    let mut expected = Vec::new();
+    for epoch in from.0..epochs {
+        let first = if epoch == from.0 { from.1 } else { 0 };
+        for (step, idx) in sampler
+            .batches_from(epoch, first, batch)
+            .into_iter()
+            .enumerate()
+        {
+            expected.push((
+                BatchPos {
+                    epoch,
+                    step_in_epoch: first + step,
+                },
+                idx,
+            ));
+        }
+    }
+    assert_eq!(got.len(), expected.len(), "number of batches");
+    for ((pos, b), (want_pos, idx)) in got.iter().zip(&expected) {
+        assert_eq!(pos, want_pos);
+        let want = direct
+            .fetch_batch(Split::Train, idx)
+            .await
+            .expect("direct read");
+        assert_eq!(b.labels, want.labels, "labels of {pos:?}");
+        let same_bits = b
+            .features
+            .iter()
+            .zip(&want.features)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same_bits && b.features.len() == want.features.len(),
+            "features of {pos:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_caches_lose_nothing() {
+    for layout in [Layout::Shards, Layout::PerSample] {
+        let (raw, sim, prefix) = bucket(layout, 97).await;
+        let direct = open(raw.clone(), &prefix).await;
+        let dir = tempfile::tempdir().unwrap();
+        // Caches smaller than one batch (1 and 2 records), a window of one
+        // batch and one request at a time: only slower, never wrong.
+        for (memory, disk, window_bytes, requests) in [
+            (RECORD, 2 * RECORD, 1, 1),
+            (RECORD / 2, 0, 1, 2),
+            (0, 3 * RECORD, 4 * RECORD, 64),
+            (5 * RECORD / 2, RECORD, u64::MAX, 256),
+        ] {
+            let sampler = EpochSampler::new(97, 2, 1, 11).unwrap();
+            let mut s = settings(8, 3);
+            s.memory_cache_bytes = memory;
+            s.disk_cache = (disk > 0).then(|| (dir.path().join("tier"), disk));
+            s.max_inflight_bytes = window_bytes;
+            s.max_inflight_requests = requests;
+            s.lookahead_samples = 8;
+            let loader =
+                Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
+            let got = drain(&loader, 100).await.expect("run");
+            check_batches(&got, &sampler, 8, 3, (0, 0), &direct).await;
+            for epoch in 0..3 {
+                let e = loader.stats().epoch(epoch);
+                assert_eq!(e.samples, 48, "{layout} epoch {epoch}");
+                assert_eq!(e.memory_hits + e.disk_hits + e.bucket_samples, 48);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_epochs_come_from_the_cache() {
+    for layout in [Layout::Shards, Layout::PerSample] {
+        let (raw, sim, prefix) = bucket(layout, 96).await;
+        let direct = open(raw.clone(), &prefix).await;
+        let dataset_bytes = 96 * RECORD;
+        let dir = tempfile::tempdir().unwrap();
+        // (memory, disk) as fractions of the dataset.
+        for (memory, disk) in [(1.0, 0.0), (0.0, 1.0), (0.5, 0.5), (0.25, 0.0)] {
+            let sampler = EpochSampler::new(96, 1, 0, 4).unwrap();
+            let mut s = settings(8, 3);
+            // A window of one batch, so repeats are served by the cache tiers
+            // and not by the window.
+            s.lookahead_samples = 8;
+            s.memory_cache_bytes = CacheSize::Fraction(memory).resolve(dataset_bytes);
+            let disk_bytes = CacheSize::Fraction(disk).resolve(dataset_bytes);
+            s.disk_cache = (disk_bytes > 0).then(|| (dir.path().join("d"), disk_bytes));
+            let loader =
+                Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
+            let got = drain(&loader, 100).await.expect("run");
+            check_batches(&got, &sampler, 8, 3, (0, 0), &direct).await;
+            let stats = loader.stats();
+            assert_eq!(stats.epoch(0).bucket_samples, 96, "cold first epoch");
+            for epoch in 1..3 {
+                let e = stats.epoch(epoch);
+                let label = format!("{layout} memory {memory} disk {disk} epoch {epoch}");
+                if memory + disk >= 1.0 {
+                    // Everything fits: no GET after the first epoch.
+                    assert_eq!((e.bucket_samples, e.gets), (0, 0), "{label}");
+                    assert_eq!(e.memory_hits > 0, memory > 0.0, "{label}");
+                    assert_eq!(e.disk_hits > 0, disk > 0.0, "{label}");
+                } else {
+                    // A quarter of the set: the cache keeps the samples needed
+                    // soonest, so (at least) a quarter of each epoch is a hit.
+                    assert!(e.memory_hits >= 24, "{label}: {e:?}");
+                    assert!(e.bucket_samples <= 72, "{label}: {e:?}");
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_mid_epoch_matches_the_uninterrupted_run() {
+    for layout in [Layout::Shards, Layout::PerSample] {
+        let (raw, sim, prefix) = bucket(layout, 90).await;
+        let direct = open(raw.clone(), &prefix).await;
+        let sampler = EpochSampler::new(90, 2, 0, 21).unwrap();
+        let full = Loader::start(
+            open(sim.clone(), &prefix).await,
+            sampler.clone(),
+            settings(6, 3),
+        )
+        .expect("start");
+        let full = drain(&full, 100).await.expect("full run");
+        let steps = sampler.steps_per_epoch(6);
+        assert_eq!(full.len(), 3 * steps);
+        for (epoch, step) in [(0u64, 4usize), (1, 0), (1, 5), (2, steps - 1), (1, steps)] {
+            // A fresh sampler and loader, as after a restart.
+            let again = EpochSampler::new(90, 2, 0, 21).unwrap();
+            let mut s = settings(6, 3);
+            s.memory_cache_bytes = 10 * RECORD;
+            let resumed = Loader::start_at(open(sim.clone(), &prefix).await, again, s, epoch, step)
+                .expect("start");
+            let resumed = drain(&resumed, 100).await.expect("resumed run");
+            let skip = epoch as usize * steps + step;
+            assert_eq!(resumed.len(), full.len() - skip, "({epoch}, {step})");
+            for (a, b) in resumed.iter().zip(&full[skip..]) {
+                assert_eq!(a.0, b.0);
+                assert_eq!(a.1, b.1);
+            }
+            let start = if step == steps {
+                (epoch + 1, 0)
+            } else {
+                (epoch, step)
+            };
+            check_batches(&resumed, &sampler, 6, 3, start, &direct).await;
+        }
+        // A resume point from a run with another seed is refused.
+        let other = EpochSampler::new(90, 2, 0, 22).unwrap();
+        let err = Loader::start(
+            open(sim.clone(), &prefix).await,
+            other,
+            settings(6, 3).resume_from(sampler.resume_point(1, 2)),
+        )
+        .err()
+        .expect("seed mismatch");
+        assert!(
+            matches!(err, LoaderError::Sampler(SamplerError::SeedMismatch { .. })),
+            "{err}"
+        );
+        // Past the last epoch there is nothing to do.
+        let done = Loader::start_at(
+            open(sim.clone(), &prefix).await,
+            sampler.clone(),
+            settings(6, 3),
+            3,
+            0,
+        )
+        .expect("start");
+        assert!(done.next().await.expect("end").is_none());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_faults_are_retried() {
+    for layout in [Layout::Shards, Layout::PerSample] {
+        let (raw, sim, prefix) = bucket(layout, 60).await;
+        let direct = open(raw.clone(), &prefix).await;
+        let (first, second) = match layout {
+            Layout::Shards => ("ds/train/shard-00000.bin", "ds/train/shard-00003.bin"),
+            Layout::PerSample => ("ds/train/00000005.bin", "ds/train/00000031.bin"),
+        };
+        sim.fail_next(&Path::from(first), 2);
+        sim.truncate_next(&Path::from(second), 1);
+        let sampler = EpochSampler::new(60, 1, 0, 8).unwrap();
+        let loader = Loader::start(
+            open(sim.clone(), &prefix).await,
+            sampler.clone(),
+            settings(5, 2),
+        )
+        .expect("start");
+        let got = drain(&loader, 100).await.expect("retries recover");
+        check_batches(&got, &sampler, 5, 2, (0, 0), &direct).await;
+        let total = loader.stats().total();
+        assert!(total.retries >= 3, "{layout}: {total:?}");
+        let s = sim.stats();
+        assert_eq!((s.injected_failures, s.injected_truncations), (2, 1));
+        // The loader counts every GET it sends, retries included (the only
+        // other GET is the manifest).
+        assert_eq!(total.gets + 1, s.gets, "{layout}");
+    }
+    // Random failures at a 20% rate with enough retries.
+    let (raw, _, prefix) = bucket(Layout::PerSample, 40).await;
+    let mut flaky = SimSettings::instant();
+    flaky.transient_error_rate = 0.2;
+    flaky.seed = 99;
+    let sim: Arc<dyn ObjectStore> = Arc::new(SimStore::new(raw.clone(), flaky));
+    let mut s = settings(4, 2);
+    s.retry.max_retries = 20;
+    let sampler = EpochSampler::new(40, 1, 0, 1).unwrap();
+    // The manifest read may fail too; retry opening a few times.
+    let mut reader = None;
+    for _ in 0..20 {
+        if let Ok(r) = DatasetReader::open(sim.clone(), prefix.clone()).await {
+            reader = Some(r);
+            break;
+        }
+    }
+    let loader = Loader::start(reader.expect("manifest"), sampler.clone(), s).expect("start");
+    let got = drain(&loader, 100).await.expect("flaky bucket");
+    check_batches(&got, &sampler, 4, 2, (0, 0), &open(raw, &prefix).await).await;
+    assert!(loader.stats().total().retries > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persistent_damage_is_a_clear_error() {
+    for layout in [Layout::Shards, Layout::PerSample] {
+        for missing in [false, true] {
+            let (raw, sim, prefix) = bucket(layout, 50).await;
+            let object = match layout {
+                Layout::Shards => "ds/train/shard-00002.bin",
+                Layout::PerSample => "ds/train/00000023.bin",
+            };
+            let path = Path::from(object);
+            if missing {
+                raw.delete(&path).await.unwrap();
+            } else {
+                raw.put(&path, vec![1u8; 7].into()).await.unwrap();
+            }
+            let sampler = EpochSampler::new(50, 1, 0, 2).unwrap();
+            let mut s = settings(5, 1);
+            s.retry.max_retries = 2;
+            let loader =
+                Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
+            let mut error = None;
+            for _ in 0..20 {
+                match loader.next().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => break,
+                    Err(e) => {
+                        error = Some(e);
+                        break;
+                    }
+                }
+            }
+            let err = error.expect("damaged object must fail the run");
+            let msg = err.to_string();
+            assert!(
+                matches!(&err, LoaderError::Fetch { object: o, attempts: 3, .. } if o == object),
+                "{msg}"
+            );
+            assert!(msg.contains(object) && msg.contains("3 attempt"), "{msg}");
+            let why = if missing { "missing" } else { "bytes" };
+            assert!(msg.contains(why), "{msg}");
+            // Later calls keep failing instead of pretending the run ended.
+            let again = loader.next().await.err().expect("still failed");
+            assert!(matches!(again, LoaderError::Stopped(_)), "{again}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loader_counters_match_the_bucket() {
+    for layout in [Layout::Shards, Layout::PerSample] {
+        let (_, sim, prefix) = bucket(layout, 80).await;
+        let sampler = EpochSampler::new(80, 1, 0, 3).unwrap();
+        sim.reset_stats();
+        let mut s = settings(8, 2);
+        s.lookahead_samples = 16;
+        let loader = Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
+        drain(&loader, 100).await.expect("run");
+        let total = loader.stats().total();
+        let s = sim.stats();
+        assert_eq!(total.gets + 1, s.gets, "{layout}: manifest + loader GETs");
+        let manifest_bytes = s.bytes - total.bucket_bytes;
+        assert!(manifest_bytes > 0 && manifest_bytes < 4096, "{layout}");
+        // No cache: every sample of both epochs came from the bucket.
+        assert_eq!(total.bucket_samples, 160);
+        assert_eq!(total.bucket_bytes, 160 * RECORD);
+        if layout == Layout::PerSample {
+            assert_eq!(total.gets, 160);
+        } else {
+            assert!(total.gets <= 160);
+        }
+    }
+}
+
+#[test]
+fn worker_run_reports_data_plane_metrics() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let spec = SyntheticSpec {
+        train: 512,
+        test: 64,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = rt.block_on(ps_tests::synthetic_bucket(&spec));
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 3);
+    cfg.cluster.workers = 1;
+    cfg.training.metrics_dir = dir.path().join("runs").display().to_string();
+    cfg.bucket_sim.enabled = true;
+    cfg.bucket_sim.first_byte_ms = 1.0;
+    cfg.bucket_sim.per_connection_mb_per_s = 0.0;
+    cfg.bucket_sim.aggregate_gbit_per_s = 0.0;
+    // A window of one batch: later epochs are served by the cache tiers.
+    cfg.data.prefetch_batches = 1;
+    cfg.loader.lookahead_batches = 1;
+    cfg.loader.memory_cache = CacheSize::Fraction(0.25);
+    cfg.loader.disk_cache = CacheSize::Fraction(0.25);
+    cfg.loader.disk_cache_dir = dir.path().join("cache").display().to_string();
+    cfg.validate().expect("valid config");
+    let reports = ps_tests::run_cluster(cfg, store, prefix).expect("cluster run");
+    let r = &reports[0];
+    assert_eq!(r.epochs.len(), 3);
+    let first = &r.epochs[0];
+    assert!(first.bucket_gets > 0 && first.bucket_bytes > 0);
+    assert_eq!(first.memory_hit_rate + first.disk_hit_rate, 0.0);
+    assert!(first.bucket_cost_usd > 0.0);
+    for e in &r.epochs[1..] {
+        assert!(e.memory_hit_rate > 0.0, "{e:?}");
+        assert!(e.disk_hit_rate > 0.0, "{e:?}");
+    }
+    let jsonl = std::fs::read_to_string(dir.path().join("runs/worker-0.jsonl")).unwrap();
+    assert_eq!(jsonl.lines().count(), 3);
+    assert!(jsonl.contains("\"bucket_gets\""));
+    let csv = std::fs::read_to_string(dir.path().join("runs/worker-0.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    for col in [
+        "epoch",
+        "data_wait_s",
+        "bucket_gets",
+        "bucket_bytes",
+        "memory_hit_rate",
+        "disk_hit_rate",
+        "bucket_cost_usd",
+    ] {
+        assert!(header.contains(&col), "{col} missing from {header:?}");
+    }
+    let rows: Vec<&str> = lines.collect();
+    assert_eq!(rows.len(), 3);
+    assert!(rows.iter().all(|r| r.split(',').count() == header.len()));
+    // The disk tier cleaned up after itself.
+    let left = std::fs::read_dir(dir.path().join("cache"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(left, 0);
+}

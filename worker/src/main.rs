@@ -7,8 +7,8 @@ use clap::{Parser, Subcommand};
 
 use ps_shared::config::ClusterConfig;
 use ps_shared::dataset::{
-    open_bucket, read_mnist_csv, read_mnist_idx, synthetic, train_test_split, write_dataset,
-    SyntheticSpec,
+    open_bucket, read_mnist_csv, read_mnist_idx, synthetic, train_test_split, write_dataset_with,
+    Layout, SyntheticSpec, WriteOptions,
 };
 use ps_shared::transport::read_pem;
 use ps_worker::run::{run_worker, WorkerOptions};
@@ -81,6 +81,9 @@ enum DatasetCommand {
         /// Records per shard object.
         #[arg(long, default_value_t = 1024)]
         records_per_shard: usize,
+        /// Object layout: shards (range GETs) or per-sample (one object per sample).
+        #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
+        layout: String,
     },
     /// MNIST from a CSV file (e.g. mnist_5k.csv.gz) or IDX files.
     Mnist {
@@ -102,6 +105,9 @@ enum DatasetCommand {
         seed: u64,
         #[arg(long, default_value_t = 1024)]
         records_per_shard: usize,
+        /// Object layout: shards (range GETs) or per-sample (one object per sample).
+        #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
+        layout: String,
     },
 }
 
@@ -213,7 +219,7 @@ fn train(
 }
 
 fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
-    let (out, name, features, classes, train, test, per_shard) = match cmd {
+    let (out, name, features, classes, train, test, per_shard, layout) = match cmd {
         DatasetCommand::Synthetic {
             out,
             train,
@@ -223,6 +229,7 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
             seed,
             label_noise,
             records_per_shard,
+            layout,
         } => {
             if features == 0 || classes < 2 || train == 0 {
                 bail!("need --features >= 1, --classes >= 2 and --train >= 1");
@@ -247,6 +254,7 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
                 tr,
                 te,
                 records_per_shard,
+                layout,
             )
         }
         DatasetCommand::Mnist {
@@ -257,6 +265,7 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
             test,
             seed,
             records_per_shard,
+            layout,
         } => {
             let samples = match (csv, idx_images, idx_labels) {
                 (Some(csv), _, _) => read_mnist_csv(&csv)?,
@@ -270,17 +279,31 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
                 );
             }
             let (tr, te) = train_test_split(samples, test, seed);
-            (out, "mnist".to_string(), 784, 10, tr, te, records_per_shard)
+            (
+                out,
+                "mnist".to_string(),
+                784,
+                10,
+                tr,
+                te,
+                records_per_shard,
+                layout,
+            )
         }
     };
     if per_shard == 0 {
         bail!("--records-per-shard must be >= 1");
     }
+    let layout: Layout = layout.parse().map_err(anyhow::Error::msg)?;
     let (store, prefix) = open_bucket(&out).with_context(|| format!("opening {out}"))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let manifest = rt.block_on(write_dataset(
+    let options = WriteOptions {
+        layout,
+        records_per_shard: per_shard,
+    };
+    let manifest = rt.block_on(write_dataset_with(
         store.as_ref(),
         &prefix,
         &name,
@@ -288,15 +311,18 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
         classes,
         &train,
         &test,
-        per_shard,
+        &options,
     ))?;
+    let objects = match layout {
+        Layout::Shards => manifest.train.shards.len() + manifest.test.shards.len(),
+        Layout::PerSample => manifest.train.num_samples + manifest.test.num_samples,
+    };
     println!(
-        "wrote {name} to {out}: {} train + {} test samples, {} features, {} classes, {} shard objects",
+        "wrote {name} to {out}: {} train + {} test samples, {} features, {} classes, {objects} {layout} objects",
         manifest.train.num_samples,
         manifest.test.num_samples,
         manifest.features,
         manifest.classes,
-        manifest.train.shards.len() + manifest.test.shards.len()
     );
     Ok(())
 }

@@ -428,9 +428,14 @@ mod tests {
             let _ = decode_response(&junk);
         }
         // Corrupting the vector length to point outside the buffer is caught.
+        // (the archived length 64 is the only [64, 0, 0, 0] in the buffer:
+        // every value is 1.0 = [0, 0, 128, 63]).
         let mut bad = payload.to_vec();
-        let n = bad.len();
-        bad[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+        let at = bad
+            .windows(4)
+            .rposition(|w| w == [64, 0, 0, 0])
+            .expect("archived vector length");
+        bad[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_request(&bad).is_err());
     }
 

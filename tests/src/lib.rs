@@ -48,7 +48,7 @@ pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterC
 /// Upper bound on a whole in-process cluster run.
 pub const CLUSTER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// Run one server process (all shards) and every worker in this process;
+/// Run every server process of `cfg.cluster.servers` and every worker in this process;
 /// returns the workers' reports in rank order.
 pub fn run_cluster(
     mut cfg: ClusterConfig,
@@ -58,15 +58,20 @@ pub fn run_cluster(
     let cert = DevCert::generate(&["localhost".into()])?;
     let system = actix::System::new();
     system.block_on(async move {
-        let server = ps_server::net::start(
-            &cfg,
-            0,
-            "127.0.0.1:0".parse()?,
-            &cert.cert_pem,
-            &cert.key_pem,
-        )
-        .await?;
-        cfg.cluster.servers = vec![server.local_addr().to_string()];
+        // One server process per entry of cluster.servers, each on a free port.
+        let mut servers = Vec::new();
+        for index in 0..cfg.cluster.servers.len() {
+            let server = ps_server::net::start(
+                &cfg,
+                index,
+                "127.0.0.1:0".parse()?,
+                &cert.cert_pem,
+                &cert.key_pem,
+            )
+            .await?;
+            servers.push(server);
+        }
+        cfg.cluster.servers = servers.iter().map(|s| s.local_addr().to_string()).collect();
         let workers = (0..cfg.cluster.workers as u32).map(|rank| {
             let opts = WorkerOptions {
                 rank,
@@ -79,28 +84,28 @@ pub fn run_cluster(
         });
         let reports = tokio::time::timeout(CLUSTER_TIMEOUT, futures::future::join_all(workers))
             .await
-            .map_err(|_| anyhow::anyhow!("cluster did not finish within {CLUSTER_TIMEOUT:?}"));
+            .map_err(|_| anyhow::anyhow!("cluster did not finish within {CLUSTER_TIMEOUT:?}"))
+            .and_then(|reports| {
+                reports
+                    .into_iter()
+                    .map(|r| r.map_err(anyhow::Error::from))
+                    .collect::<anyhow::Result<Vec<_>>>()
+            });
         let reports = match reports {
             Ok(r) => r,
             Err(e) => {
-                server.shutdown().await;
+                for server in servers {
+                    server.shutdown().await;
+                }
                 return Err(e);
             }
         };
-        let mut out = Vec::new();
-        for r in reports {
-            match r {
-                Ok(r) => out.push(r),
-                Err(e) => {
-                    server.shutdown().await;
-                    return Err(e.into());
-                }
-            }
+        // Every worker said goodbye, so the servers stop by themselves.
+        for server in servers {
+            tokio::time::timeout(std::time::Duration::from_secs(30), server.wait())
+                .await
+                .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))?;
         }
-        // Every worker said goodbye, so the server stops by itself.
-        tokio::time::timeout(std::time::Duration::from_secs(30), server.wait())
-            .await
-            .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))?;
-        Ok(out)
+        Ok(reports)
     })
 }

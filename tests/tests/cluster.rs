@@ -1,7 +1,7 @@
 //! A whole cluster in one process: 1 server process with 2 shards, 2 workers,
 //! trained on the synthetic set, dense and top-k.
 
-use ps_shared::config::CompressionKind;
+use ps_shared::config::{CompressionKind, SyncMode};
 use ps_shared::dataset::SyntheticSpec;
 use ps_tests::{run_cluster, synthetic_bucket, test_config};
 
@@ -71,4 +71,44 @@ fn dense_and_topk_clusters_learn() {
     assert!(ratio < 0.05, "top-k pushed {ratio:.3} of the dense bytes");
     // With server momentum off, pulls are sparse too.
     assert!(topk[0].bytes_pulled_per_step < dense[0].bytes_pulled_per_step);
+}
+
+#[test]
+fn two_server_processes_serve_their_shards() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, 3);
+    cfg.cluster.servers = vec!["127.0.0.1:0".into(), "127.0.0.1:0".into()];
+    cfg.cluster.shards_per_server = 2;
+    cfg.validate().unwrap();
+    let reports = run_cluster(cfg, store, prefix).expect("cluster run");
+    summarize("2 servers x 2 shards", &reports);
+    assert_eq!(reports[0].steps, reports[1].steps);
+    assert!(reports.iter().all(|r| r.final_accuracy > ACCURACY_BAR));
+}
+
+#[test]
+fn asp_and_ssp_clusters_learn() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    for mode in [SyncMode::Asp, SyncMode::Ssp] {
+        let mut cfg = test_config(CompressionKind::Topk, 0.01, 6);
+        cfg.server.mode = mode;
+        cfg.server.staleness = 2;
+        let reports = run_cluster(cfg, store.clone(), prefix.clone()).expect("cluster run");
+        summarize(&format!("{mode:?}"), &reports);
+        for r in &reports {
+            assert_eq!(r.steps, 6 * (4096 / 2 / 64));
+            assert!(
+                r.final_accuracy > ACCURACY_BAR,
+                "{mode:?} worker {} reached {}",
+                r.rank,
+                r.final_accuracy
+            );
+        }
+    }
 }

@@ -213,3 +213,45 @@ fn server_refuses_bad_clients_and_keeps_serving() {
         server.shutdown().await;
     });
 }
+
+#[test]
+fn request_rate_is_limited_per_connection() {
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, 1);
+    cfg.server.max_requests_per_sec = 5;
+    let cert = DevCert::generate(&["localhost".into()]).unwrap();
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = ps_server::net::start(
+            &cfg,
+            0,
+            "127.0.0.1:0".parse().unwrap(),
+            &cert.cert_pem,
+            &cert.key_pem,
+        )
+        .await
+        .unwrap();
+        let limit = cfg.server.max_frame_bytes;
+        let client = transport::client_endpoint(&cert.cert_pem, false).unwrap();
+        let conn = transport::connect(&client, server.local_addr(), "localhost")
+            .await
+            .unwrap();
+        let (resp, _) = transport::call(&conn, &hello(&cfg), limit).await.unwrap();
+        assert!(matches!(resp, Response::Welcome { .. }));
+        let beat = Request::Heartbeat { worker_rank: 0 };
+        let (mut ok, mut limited) = (0, 0);
+        for _ in 0..30 {
+            match transport::call(&conn, &beat, limit).await.unwrap().0 {
+                Response::HeartbeatAck => ok += 1,
+                r if error_code(&r) == Some(ErrorCode::RateLimited) => limited += 1,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(limited >= 20, "only {limited} of 30 were limited ({ok} passed)");
+        // The budget refills: after a pause the connection works again.
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let (resp, _) = transport::call(&conn, &beat, limit).await.unwrap();
+        assert_eq!(resp, Response::HeartbeatAck);
+        println!("rate limit: {ok} passed, {limited} refused with RateLimited");
+        server.shutdown().await;
+    });
+}

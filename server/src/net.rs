@@ -10,7 +10,7 @@
 //! use ps_shared::{config::ClusterConfig, transport::DevCert};
 //! let cfg = ClusterConfig::embedded_default()?;
 //! let cert = DevCert::generate(&["localhost".into()])?;
-//! let server = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse()?, &cert.cert_pem, &cert.key_pem)?;
+//! let server = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse()?, &cert.cert_pem, &cert.key_pem).await?;
 //! println!("listening on {}", server.local_addr());
 //! server.wait().await;
 //! # Ok(()) }

@@ -562,7 +562,7 @@ async fn serve_stream(mut send: SendStream, mut recv: RecvStream, ctx: Rc<Server
     reply(&mut send, &resp).await;
 }
 
-fn shard_addr<'a>(ctx: &'a ServerCtx, shard: u32) -> Result<&'a Addr<ShardActor>, Response> {
+fn shard_addr(ctx: &ServerCtx, shard: u32) -> Result<&Addr<ShardActor>, Response> {
     ctx.shards.get(&shard).ok_or_else(|| {
         Response::error(
             ErrorCode::UnknownShard,

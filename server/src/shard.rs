@@ -507,7 +507,7 @@ mod tests {
             shard: 0,
             lo: 10,
             hi: 18,
-            segments: vec![0..8],
+            segments: std::iter::once(0..8).collect(),
             rule,
             workers,
             mode,

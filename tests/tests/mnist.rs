@@ -55,7 +55,7 @@ fn topk_0_1_percent_matches_dense_on_mnist() {
     .expect("write dataset");
 
     let base = ClusterConfig::load(&repo_file("configs/mnist.toml")).expect("configs/mnist.toml");
-    let mut run = |kind: CompressionKind, density: f64, momentum: f32| {
+    let run = |kind: CompressionKind, density: f64, momentum: f32| {
         let mut cfg = base.clone();
         cfg.cluster.servers = vec!["127.0.0.1:0".into()];
         cfg.training.metrics_dir = String::new();

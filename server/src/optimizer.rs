@@ -19,7 +19,13 @@
 //! ```
 //! use ps_server::optimizer::{fused_update, UpdateRule};
 //!
-//! let rule = UpdateRule { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars: None };
+//! let rule = UpdateRule {
+//!     lr: 0.5,
+//!     momentum: 0.0,
+//!     nesterov: false,
+//!     weight_decay: 0.0,
+//!     lars: None,
+//! };
 //! let mut params = vec![1.0, 2.0];
 //! fused_update(&mut params, &[2.0, -2.0], &mut [], &[0..2], &rule, 1.0).unwrap();
 //! assert_eq!(params, vec![0.0, 3.0]);
@@ -344,6 +350,8 @@ pub fn reference_update(
 }
 
 #[cfg(test)]
+// One-range segment lists are the common case here, not a mistaken range array.
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
     use proptest::prelude::*;

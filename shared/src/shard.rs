@@ -292,7 +292,8 @@ mod tests {
         ) {
             prop_assume!(shards <= total);
             let map = ShardMap::balanced(total, shards).unwrap();
-            let indices: Vec<u32> = picks.into_iter().filter(|&i| i < total).map(|i| i as u32).collect();
+            let indices: Vec<u32> =
+                picks.into_iter().filter(|&i| i < total).map(|i| i as u32).collect();
             let values: Vec<f32> = indices.iter().map(|&i| i as f32 * 0.5 - 7.0).collect();
             let grad = SparseGrad { indices, values };
             let parts = map.split(&grad);

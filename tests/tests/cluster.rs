@@ -112,3 +112,41 @@ fn asp_and_ssp_clusters_learn() {
         }
     }
 }
+
+#[test]
+fn approx_topk_with_f16_values_and_warmup_learns() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, 6);
+    cfg.compression.method = ps_shared::sparse::TopKMethod::Approx;
+    cfg.compression.f16_values = true;
+    cfg.compression.warmup_steps = 50;
+    cfg.compression.warmup_start_density = 0.25;
+    cfg.validate().unwrap();
+    let reports = run_cluster(cfg, store, prefix).expect("cluster run");
+    summarize("approx top-k, f16, warm-up", &reports);
+    for r in &reports {
+        assert!(
+            r.final_accuracy > ACCURACY_BAR,
+            "worker {} reached {}",
+            r.rank,
+            r.final_accuracy
+        );
+        // After warm-up the density settles at 1%: the last epoch pushes about
+        // k entries of 6 bytes (u32 index + f16 value) per step.
+        let last = r.epochs.last().unwrap();
+        let per_step = last.bytes_pushed as f64 / last.steps as f64;
+        let k = (0.01 * r.num_params as f64).round();
+        assert!(
+            per_step < k * 6.0 * 1.1 + 256.0,
+            "{per_step} bytes/step for k = {k}"
+        );
+        assert!(
+            (last.density - 0.01).abs() < 0.002,
+            "density {}",
+            last.density
+        );
+    }
+}

@@ -201,6 +201,61 @@ async fn later_epochs_come_from_the_cache() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_disk_cache_files_are_fetched_again() {
+    let (raw, sim, prefix) = bucket(Layout::PerSample, 96).await;
+    let direct = open(raw.clone(), &prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tier = dir.path().join("tier");
+    let sampler = EpochSampler::new(96, 1, 0, 6).unwrap();
+    let mut s = settings(8, 2);
+    s.lookahead_samples = 8;
+    s.ready_batches = 1;
+    s.disk_cache = Some((tier.clone(), 96 * RECORD));
+    let loader =
+        Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
+    let mut got = Vec::new();
+    for _ in 0..12 {
+        got.push(loader.next().await.expect("epoch 1").expect("a batch"));
+    }
+    // Epoch 1 is over. The pump is blocked (window and queue full), so once
+    // the queued disk writes are done the tier stops changing; then damage
+    // every file in it.
+    let rec_files = || {
+        std::fs::read_dir(&tier)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|e| e == "rec"))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let mut last = usize::MAX;
+    let mut stable = 0;
+    for _ in 0..500 {
+        let n = rec_files().len();
+        stable = if n == last { stable + 1 } else { 0 };
+        last = n;
+        if stable >= 10 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let files = rec_files();
+    for path in &files {
+        std::fs::write(path, b"not a cache file").unwrap();
+    }
+    // At most the batches planned ahead were read (and dropped) already.
+    assert!(files.len() >= 96 - 3 * 8, "{} files", files.len());
+    got.extend(drain(&loader, 20).await.expect("epoch 2"));
+    check_batches(&got, &sampler, 8, 2, (0, 0), &direct).await;
+    let e = loader.stats().epoch(1);
+    // Every damaged file was read, found out, and its sample fetched again.
+    assert_eq!(e.disk_errors, files.len() as u64, "{e:?}");
+    assert_eq!(e.disk_hits + e.bucket_samples + e.memory_hits, 96);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resume_mid_epoch_matches_the_uninterrupted_run() {
     for layout in [Layout::Shards, Layout::PerSample] {
         let (raw, sim, prefix) = bucket(layout, 90).await;

@@ -409,7 +409,7 @@ async fn persistent_damage_is_a_clear_error() {
             let why = if missing { "missing" } else { "bytes" };
             assert!(msg.contains(why), "{msg}");
             // Later calls keep failing instead of pretending the run ended.
-            let again = loader.next().await.err().expect("still failed");
+            let again = loader.next().await.expect_err("still failed");
             assert!(matches!(again, LoaderError::Stopped(_)), "{again}");
         }
     }

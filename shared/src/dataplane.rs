@@ -11,7 +11,8 @@
 //! use ps_shared::dataplane::CacheSize;
 //!
 //! let cfg = ClusterConfig::from_toml_str(
-//!     "[loader]\nmemory_cache = \"25%\"\ndisk_cache = \"64MiB\"\n[bucket_sim]\nenabled = true\n",
+//!     "[loader]\nmemory_cache = \"25%\"\ndisk_cache = \"64MiB\"\ndisk_cache_dir = \"/tmp/cache\"\n\
+//!      [bucket_sim]\nenabled = true\n",
 //! )
 //! .unwrap();
 //! assert_eq!(cfg.loader.memory_cache, CacheSize::Fraction(0.25));

@@ -7,6 +7,8 @@
 # Usage: scripts/local-cluster.sh           synthetic set, configs/local.toml
 #        scripts/local-cluster.sh --mnist   MNIST 5k subset, configs/mnist.toml
 #                                           (fetched with pip the first time)
+#        scripts/local-cluster.sh --mnist-cnn   the same with a small CNN,
+#                                           configs/mnist-cnn.toml
 # Logs and per-epoch metrics land in runs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +18,8 @@ config=configs/local.toml
 case "${1:-}" in
     "") ;;
     --mnist) dataset=mnist; config=configs/mnist.toml ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --mnist-cnn) dataset=mnist; config=configs/mnist-cnn.toml ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "local-cluster: unknown argument $1 (try --help)" >&2; exit 2 ;;
 esac
 

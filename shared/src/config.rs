@@ -127,6 +127,8 @@ impl Default for TlsSection {
 pub enum ModelKind {
     /// Fully connected layers with ReLU.
     Mlp,
+    /// 3x3 convolutions (ReLU, 2x2 max-pool each) on square images, then fully connected layers.
+    Cnn,
 }
 
 /// The model both sides agree on: it fixes the flat parameter space.
@@ -140,6 +142,10 @@ pub struct ModelSection {
     pub hidden: Vec<usize>,
     /// Output classes; must match the dataset.
     pub classes: usize,
+    /// CNN: image channels; the image is square, `input = in_channels * side^2`.
+    pub in_channels: usize,
+    /// CNN: output channels of each 3x3 convolution (each halves the side).
+    pub conv: Vec<usize>,
 }
 
 impl Default for ModelSection {
@@ -149,6 +155,8 @@ impl Default for ModelSection {
             input: 64,
             hidden: vec![128],
             classes: 10,
+            in_channels: 1,
+            conv: Vec::new(),
         }
     }
 }
@@ -169,10 +177,27 @@ impl TensorSpec {
 impl ModelSection {
     /// The model's tensors in the fixed order of the flat parameter space.
     pub fn layout(&self) -> Vec<TensorSpec> {
-        let mut dims = vec![self.input];
+        let mut out = Vec::new();
+        let mut flat_in = self.input;
+        if self.kind == ModelKind::Cnn {
+            let mut channels = self.in_channels;
+            for (i, &c) in self.conv.iter().enumerate() {
+                out.push(TensorSpec {
+                    name: format!("conv{i}.weight"),
+                    shape: vec![c, channels, 3, 3],
+                });
+                out.push(TensorSpec {
+                    name: format!("conv{i}.bias"),
+                    shape: vec![c],
+                });
+                channels = c;
+            }
+            let side = self.image_side().unwrap_or(0) >> self.conv.len();
+            flat_in = channels * side * side;
+        }
+        let mut dims = vec![flat_in];
         dims.extend(&self.hidden);
         dims.push(self.classes);
-        let mut out = Vec::new();
         for (i, pair) in dims.windows(2).enumerate() {
             out.push(TensorSpec {
                 name: format!("fc{i}.weight"),
@@ -184,6 +209,16 @@ impl ModelSection {
             });
         }
         out
+    }
+
+    /// CNN: the side of the square input image, if `input` is one.
+    pub fn image_side(&self) -> Option<usize> {
+        if self.in_channels == 0 || self.input % self.in_channels != 0 {
+            return None;
+        }
+        let area = self.input / self.in_channels;
+        let side = (area as f64).sqrt().round() as usize;
+        (side * side == area).then_some(side)
     }
 
     /// Size P of the flat parameter space.
@@ -504,6 +539,33 @@ impl ClusterConfig {
                 "input must be >= 1, classes >= 2 and every hidden width >= 1",
             ));
         }
+        if m.kind == ModelKind::Cnn {
+            let Some(side) = m.image_side() else {
+                return Err(invalid(
+                    "model.input",
+                    format!(
+                        "a cnn needs input = in_channels * side^2; {} is not {} x a square",
+                        m.input, m.in_channels
+                    ),
+                ));
+            };
+            if m.conv.is_empty() || m.conv.contains(&0) {
+                return Err(invalid(
+                    "model.conv",
+                    "a cnn needs at least one conv width, all >= 1",
+                ));
+            }
+            if side >> m.conv.len() == 0 || side % (1 << m.conv.len()) != 0 {
+                return Err(invalid(
+                    "model.conv",
+                    format!(
+                        "{} conv layers halve the {side}x{side} image {} times; the side must stay a whole number",
+                        m.conv.len(),
+                        m.conv.len()
+                    ),
+                ));
+            }
+        }
         let shards = c.servers.len() * c.shards_per_server;
         if shards > m.num_params() {
             return Err(invalid(
@@ -659,6 +721,15 @@ mod tests {
             ("[compression]\ndensity = 0.0\n", "compression.density"),
             ("[training]\ndevice = \"tpu\"\n", "training.device"),
             ("[model]\nhidden = [0]\n", "model"),
+            (
+                "[model]\nkind = \"cnn\"\ninput = 63\nconv = [4]\n",
+                "model.input",
+            ),
+            ("[model]\nkind = \"cnn\"\ninput = 64\n", "model.conv"),
+            (
+                "[model]\nkind = \"cnn\"\ninput = 36\nconv = [4, 4]\n",
+                "model.conv",
+            ),
         ] {
             let e = ClusterConfig::from_toml_str(text).unwrap_err().to_string();
             assert!(e.contains(field), "{text:?} gave {e}");
@@ -672,11 +743,38 @@ mod tests {
             input: 4,
             hidden: vec![3],
             classes: 2,
+            ..ModelSection::default()
         };
         assert_eq!(m.num_params(), 4 * 3 + 3 + 3 * 2 + 2);
         assert_eq!(m.tensor_ranges().last().unwrap().end, m.num_params());
         let mut other = m.clone();
         other.hidden = vec![5];
         assert_ne!(m.layout_hash(), other.layout_hash());
+    }
+
+    #[test]
+    fn cnn_layout() {
+        let m = ModelSection {
+            kind: ModelKind::Cnn,
+            input: 784,
+            hidden: vec![32],
+            classes: 10,
+            in_channels: 1,
+            conv: vec![8, 16],
+        };
+        let shapes: Vec<Vec<usize>> = m.layout().into_iter().map(|t| t.shape).collect();
+        assert_eq!(
+            shapes,
+            vec![
+                vec![8, 1, 3, 3],
+                vec![8],
+                vec![16, 8, 3, 3],
+                vec![16],
+                vec![32, 16 * 7 * 7],
+                vec![32],
+                vec![10, 32],
+                vec![10],
+            ]
+        );
     }
 }

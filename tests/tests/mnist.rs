@@ -19,8 +19,8 @@ fn repo_file(rel: &str) -> PathBuf {
         .join(rel)
 }
 
-#[test]
-fn topk_0_1_percent_matches_dense_on_mnist() {
+/// The MNIST subset in an in-memory bucket, or `None` (skip) when absent.
+fn mnist_bucket() -> Option<(Arc<dyn ObjectStore>, Path)> {
     let csv = repo_file("data/mnist_5k.csv.gz");
     if !csv.exists() {
         let required = std::env::var("STRATUS_REQUIRE_MNIST").is_ok_and(|v| v == "1");
@@ -33,7 +33,7 @@ fn topk_0_1_percent_matches_dense_on_mnist() {
             "skipped: {} not found (run scripts/fetch-mnist.sh)",
             csv.display()
         );
-        return;
+        return None;
     }
     let samples = read_mnist_csv(&csv).expect("parse MNIST CSV");
     let (train, test) = train_test_split(samples, 1000, 7);
@@ -53,7 +53,33 @@ fn topk_0_1_percent_matches_dense_on_mnist() {
         1024,
     ))
     .expect("write dataset");
+    Some((store, prefix))
+}
 
+#[test]
+fn small_cnn_learns_mnist_with_topk() {
+    let Some((store, prefix)) = mnist_bucket() else {
+        return;
+    };
+    let mut cfg =
+        ClusterConfig::load(&repo_file("configs/mnist-cnn.toml")).expect("configs/mnist-cnn.toml");
+    cfg.cluster.servers = vec!["127.0.0.1:0".into()];
+    cfg.training.metrics_dir = String::new();
+    let reports = run_cluster(cfg, store, prefix).expect("cluster run");
+    let acc = reports[0].final_accuracy;
+    println!(
+        "mnist 5k, small CNN, top-k 1%: {:.2}% after {} steps",
+        100.0 * acc,
+        reports[0].steps
+    );
+    assert!(acc > 0.85, "CNN reached only {acc}");
+}
+
+#[test]
+fn topk_0_1_percent_matches_dense_on_mnist() {
+    let Some((store, prefix)) = mnist_bucket() else {
+        return;
+    };
     let base = ClusterConfig::load(&repo_file("configs/mnist.toml")).expect("configs/mnist.toml");
     let run = |kind: CompressionKind, density: f64, momentum: f32| {
         let mut cfg = base.clone();

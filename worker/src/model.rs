@@ -52,7 +52,15 @@ pub fn device_from_str(name: &str) -> Result<Device, ModelError> {
     }
 }
 
-/// An MLP whose parameters mirror a flat f32 vector.
+/// 2x2 max pooling written as a reshape and two max reductions, whose
+/// gradient goes to the maximum (candle's `max_pool2d` backward scales it by
+/// the window's share of maxima instead).
+fn max_pool_2x2(x: &Tensor) -> Result<Tensor, ModelError> {
+    let (b, c, h, w) = x.dims4()?;
+    Ok(x.reshape((b, c, h / 2, 2, w / 2, 2))?.max(5)?.max(3)?)
+}
+
+/// An MLP or a small CNN whose parameters mirror a flat f32 vector.
 pub struct Model {
     spec: ModelSection,
     device: Device,
@@ -65,16 +73,14 @@ pub struct Model {
 impl Model {
     /// Build with Kaiming-uniform weights and zero biases from `seed`.
     pub fn new(spec: &ModelSection, device: Device, seed: u64) -> Result<Self, ModelError> {
-        match spec.kind {
-            ModelKind::Mlp => {}
-        }
         let tensors = spec.layout();
         let ranges = spec.tensor_ranges();
         let mut rng = StdRng::seed_from_u64(seed);
         let mut flat = vec![0.0f32; spec.num_params()];
         for (t, r) in tensors.iter().zip(&ranges) {
-            if t.shape.len() == 2 {
-                let bound = (1.0 / t.shape[1] as f32).sqrt();
+            if t.shape.len() >= 2 {
+                let fan_in: usize = t.shape[1..].iter().product();
+                let bound = (1.0 / fan_in as f32).sqrt();
                 for v in &mut flat[r.clone()] {
                     *v = rng.random_range(-bound..bound);
                 }
@@ -166,9 +172,23 @@ impl Model {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
-        let layers = self.vars.len() / 2;
         let mut h = x.clone();
-        for l in 0..layers {
+        let mut first_linear = 0;
+        if self.spec.kind == ModelKind::Cnn {
+            let side = self.spec.image_side().unwrap_or(0);
+            h = h.reshape((h.dim(0)?, self.spec.in_channels, side, side))?;
+            for l in 0..self.spec.conv.len() {
+                let w = self.vars[2 * l].as_tensor();
+                let b = self.vars[2 * l + 1].as_tensor();
+                h = h.conv2d(w, 1, 1, 1, 1)?;
+                h = h.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?;
+                h = max_pool_2x2(&h.relu()?)?;
+            }
+            h = h.flatten_from(1)?;
+            first_linear = self.spec.conv.len();
+        }
+        let layers = self.vars.len() / 2;
+        for l in first_linear..layers {
             let lin = Linear::new(
                 self.vars[2 * l].as_tensor().clone(),
                 Some(self.vars[2 * l + 1].as_tensor().clone()),
@@ -268,6 +288,46 @@ mod tests {
             let fd = (l2 - loss) / 1e-2;
             assert!(
                 (fd - grad[i]).abs() < 2e-2,
+                "param {i}: fd {fd} vs {}",
+                grad[i]
+            );
+        }
+    }
+
+    #[test]
+    fn cnn_gradient_matches_finite_difference() {
+        let spec = ModelSection {
+            kind: ModelKind::Cnn,
+            input: 16,
+            hidden: vec![6],
+            classes: 3,
+            in_channels: 1,
+            conv: vec![2],
+        };
+        let mut m = Model::new(&spec, Device::Cpu, 5).unwrap();
+        let features: Vec<f32> = (0..32).map(|i| ((i * 7) % 11) as f32 / 5.0 - 1.0).collect();
+        let batch = Batch {
+            features,
+            labels: vec![2, 0],
+            dim: 16,
+        };
+        let (loss, grad) = m.gradient(&batch).unwrap();
+        assert_eq!(grad.len(), spec.num_params());
+        let base = m.flat_params().to_vec();
+        let _ = loss;
+        for i in [0usize, 5, 18, 20, base.len() - 1] {
+            // Central differences with a small step: ReLU and max-pool kinks
+            // make one-sided differences with a large step unreliable.
+            let eps = 2e-3;
+            let mut at = |delta: f32| {
+                let mut p = base.clone();
+                p[i] += delta;
+                m.set_flat(&p).unwrap();
+                m.evaluate(&batch).unwrap().0
+            };
+            let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+            assert!(
+                (fd - grad[i]).abs() < 1e-2,
                 "param {i}: fd {fd} vs {}",
                 grad[i]
             );

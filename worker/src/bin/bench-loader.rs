@@ -12,7 +12,8 @@
 //! * (d) the Stratus loader with no cache and a consumer that does not compute
 //!   (faster than the link), to measure link utilisation (bytes delivered over
 //!   the whole run's time, the first request's latency included); its window is
-//!   four bandwidth-delay products of the simulated link (or (c)'s, if larger).
+//!   four bandwidth-delay products of the simulated link, at most a quarter of
+//!   the dataset (and at least (c)'s window).
 //!
 //! for two sample sizes: ~100 KB samples in the shard layout and ~3 KB
 //! samples in the one-object-per-sample layout (the small-object hard case).
@@ -91,7 +92,8 @@ struct Args {
     #[arg(long, default_value_t = 0.1)]
     window_fraction: f64,
     /// Prefetch window of the link run (d) in bandwidth-delay products of the
-    /// simulated link (aggregate rate x first-byte latency).
+    /// simulated link (aggregate rate x first-byte latency), capped at a
+    /// quarter of the dataset.
     #[arg(long, default_value_t = 4.0)]
     link_window_bdp: f64,
     /// Write the results as JSON to this file.
@@ -355,7 +357,11 @@ async fn run_scenario(
     let reader = DatasetReader::open(sim_d.clone(), prefix.clone()).await?;
     sim_d.reset_stats();
     let bdp = sim.aggregate_bytes_per_s() * args.first_byte_ms / 1000.0;
-    let link_window = window.max((args.link_window_bdp * bdp) as u64);
+    // Enough to keep the link busy, but never a quarter of the data or more,
+    // so the window cannot serve a second epoch.
+    let link_window = ((args.link_window_bdp * bdp) as u64)
+        .min(dataset_bytes / 4)
+        .max(window);
     println!(
         "(d) prefetch window {:.1} MB = {:.1} x the link's bandwidth-delay product ({:.2} MB)",
         link_window as f64 / 1e6,

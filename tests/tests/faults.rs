@@ -61,7 +61,7 @@ fn crashed_worker_is_dropped_and_a_replacement_rejoins() {
             let crashed = run_worker(&cfg, opts(1, &cert, Some(40)), store.clone(), prefix.clone()).await;
             assert!(matches!(crashed, Err(WorkerError::Crashed(40))), "{crashed:?}");
             // The survivor goes on alone for a while before the replacement starts.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             run_worker(&cfg, opts(1, &cert, None), store.clone(), prefix.clone()).await
         };
         let (a, b) = tokio::time::timeout(RUN_LIMIT, futures::future::join(survivor, crash_then_rejoin))
@@ -70,14 +70,16 @@ fn crashed_worker_is_dropped_and_a_replacement_rejoins() {
         let (a, b) = (a.expect("survivor"), b.expect("replacement"));
         let planned = 6 * (4096 / 2 / 64) as u64;
         assert_eq!(a.steps, planned, "the survivor ran its planned steps");
-        assert_eq!(b.steps, planned, "the replacement ran its planned steps");
+        assert_eq!(b.steps, planned, "the replacement finished the run");
+        assert!(b.start_step >= 40, "the replacement continued from step {}", b.start_step);
         assert!(a.final_accuracy > ACCURACY_BAR, "survivor accuracy {}", a.final_accuracy);
         assert!(b.final_accuracy > ACCURACY_BAR, "replacement accuracy {}", b.final_accuracy);
         let status = server.status().await;
         tokio::time::timeout(Duration::from_secs(30), server.wait()).await.expect("server stops");
         println!(
-            "faults: worker crash: faults injected 1, faults survived 1, bad inputs tried 0, state lost 0 (survivor {:.2}%, replacement {:.2}%, shard versions {:?})",
+            "faults: worker crash: faults injected 1, faults survived 1, bad inputs tried 0, state lost 0 (survivor {:.2}%, replacement joined at step {} and reached {:.2}%, shard versions {:?})",
             100.0 * a.final_accuracy,
+            b.start_step,
             100.0 * b.final_accuracy,
             status.iter().map(|s| s.version).collect::<Vec<_>>()
         );

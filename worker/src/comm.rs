@@ -187,6 +187,12 @@ impl Comm {
         self.links.borrow()[self.route[shard]].conn.clone()
     }
 
+    /// The step this worker continues from: 0 on a fresh run, the cluster's
+    /// step (BSP) or the worker's own clock (ASP/SSP) when it rejoins.
+    pub fn start_step(&self) -> u64 {
+        self.next_steps.borrow().iter().copied().min().unwrap_or(0)
+    }
+
     /// Reconnections and resyncs so far.
     pub fn recoveries(&self) -> u64 {
         self.recoveries.get()
@@ -473,15 +479,20 @@ impl Actor for CommActor {
     }
 }
 
+/// Offer initial parameters; returns the parameters to start from and the
+/// step to continue from.
 #[derive(Message)]
-#[rtype(result = "Result<Vec<ShardUpdate>, CommError>")]
+#[rtype(result = "Result<(Vec<ShardUpdate>, u64), CommError>")]
 pub struct InitParams(pub Vec<f32>);
 
 impl Handler<InitParams> for CommActor {
-    type Result = ResponseFuture<Result<Vec<ShardUpdate>, CommError>>;
+    type Result = ResponseFuture<Result<(Vec<ShardUpdate>, u64), CommError>>;
     fn handle(&mut self, msg: InitParams, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
-        Box::pin(async move { comm.init_and_pull(&msg.0).await })
+        Box::pin(async move {
+            let updates = comm.init_and_pull(&msg.0).await?;
+            Ok((updates, comm.start_step()))
+        })
     }
 }
 

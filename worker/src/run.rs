@@ -19,7 +19,7 @@ use serde::Serialize;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataplane::CostModel;
 use ps_shared::dataset::{DatasetError, DatasetReader, Split};
-use ps_shared::sampler::EpochSampler;
+use ps_shared::sampler::{EpochSampler, ResumePoint};
 use ps_shared::simstore::SimStore;
 use ps_shared::sparse::Compressor;
 
@@ -117,7 +117,10 @@ impl EpochReport {
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerReport {
     pub rank: u32,
+    /// The run's step count when this worker finished.
     pub steps: u64,
+    /// The step this worker started at (above 0 when it rejoined a run).
+    pub start_step: u64,
     pub num_params: usize,
     pub epochs: Vec<EpochReport>,
     pub final_accuracy: f32,
@@ -172,16 +175,13 @@ pub async fn run_worker(
         cfg.data.seed,
     )
     .map_err(|e| WorkerError::Sampler(e.to_string()))?;
-    let settings = LoaderSettings::from_config(cfg, &manifest, rank);
-    let loader = Loader::start(reader, sampler, settings)?;
-    let steps_per_epoch = loader.steps_per_epoch() as u64;
+    let steps_per_epoch = sampler.steps_per_epoch(cfg.data.batch_size) as u64;
     if steps_per_epoch == 0 {
         return Err(WorkerError::Mismatch(format!(
             "{} training samples over {} workers is less than one batch of {}",
             manifest.train.num_samples, cfg.cluster.workers, cfg.data.batch_size
         )));
     }
-    let loader = LoaderActor::new(loader).start();
 
     let device = device_from_str(&cfg.training.device)?;
     let model = Model::new(&cfg.model, device, cfg.training.init_seed)?;
@@ -195,34 +195,63 @@ pub async fn run_worker(
         TrainerActor::new(model, compressor)
     });
 
-    let result = train(
-        cfg,
-        &opts,
-        &loader,
-        &trainer,
-        test,
-        steps_per_epoch,
-        num_params,
-    )
+    // Join the cluster: every worker starts from the parameters the servers
+    // hold, and a restarted worker continues from the step the cluster is at,
+    // with the loader resuming at the same place in the sample order.
+    let result = async {
+        let comm = CommActor::new(Comm::connect(cfg, rank, &opts.ca_pem).await?).start();
+        let initial = trainer.send(GetParams).await?;
+        let (start_params, start_step) = comm.send(InitParams(initial)).await??;
+        trainer.send(ApplyUpdates(start_params)).await??;
+        let mut settings = LoaderSettings::from_config(cfg, &manifest, rank);
+        if start_step > 0 {
+            tracing::info!(rank, start_step, "rejoining the run");
+            settings = settings.resume_from(ResumePoint {
+                epoch: start_step / steps_per_epoch,
+                step: (start_step % steps_per_epoch) as usize,
+                seed: cfg.data.seed,
+            });
+        }
+        let loader = LoaderActor::new(Loader::start(reader, sampler, settings)?).start();
+        let run = Run {
+            comm,
+            loader,
+            start_step,
+            steps_per_epoch,
+            num_params,
+        };
+        train(cfg, &opts, &trainer, test, run).await
+    }
     .await;
     trainer_arbiter.stop();
     result
 }
 
+/// What the training loop works with.
+struct Run {
+    comm: Addr<CommActor>,
+    loader: Addr<LoaderActor>,
+    start_step: u64,
+    steps_per_epoch: u64,
+    num_params: usize,
+}
+
 async fn train(
     cfg: &ClusterConfig,
     opts: &WorkerOptions,
-    loader: &Addr<LoaderActor>,
     trainer: &Addr<TrainerActor>,
     test: Arc<ps_shared::dataset::Batch>,
-    steps_per_epoch: u64,
-    num_params: usize,
+    run: Run,
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
-    let comm = CommActor::new(Comm::connect(cfg, rank, &opts.ca_pem).await?).start();
-    let initial = trainer.send(GetParams).await?;
-    let start_params = comm.send(InitParams(initial)).await??;
-    trainer.send(ApplyUpdates(start_params)).await??;
+    let Run {
+        comm,
+        loader,
+        start_step,
+        steps_per_epoch,
+        num_params,
+    } = run;
+    let loader = &loader;
 
     let epochs = cfg.training.epochs;
     let bar = if opts.progress {
@@ -241,8 +270,9 @@ async fn train(
     let mut metrics = open_metrics(cfg, rank)?;
     let mut reports = Vec::new();
     let mut acc = EpochAcc::default();
-    let mut epoch = 0u64;
-    let mut step = 0u64;
+    let mut epoch = start_step / steps_per_epoch;
+    let mut step = start_step;
+    bar.set_position(start_step);
     loop {
         let t_wait = Instant::now();
         let next = loader.send(NextBatch).await??;
@@ -311,13 +341,19 @@ async fn train(
     bar.finish_and_clear();
     let recoveries = comm.send(Leave).await??;
 
-    let steps = step.max(1) as f64;
+    // A worker that joined a finished run trained no epoch: evaluate anyway.
+    let final_accuracy = match reports.last() {
+        Some(r) => r.test_accuracy,
+        None => trainer.send(Evaluate(test.clone())).await??.1,
+    };
+    let steps = (step - start_step).max(1) as f64;
     let sum = |f: fn(&EpochReport) -> f64| reports.iter().map(f).sum::<f64>();
     Ok(WorkerReport {
         rank,
         steps: step,
+        start_step,
         num_params,
-        final_accuracy: reports.last().map_or(0.0, |r| r.test_accuracy),
+        final_accuracy,
         bytes_pushed_per_step: sum(|r| r.bytes_pushed as f64) / steps,
         bytes_pulled_per_step: sum(|r| r.bytes_pulled as f64) / steps,
         data_wait_s: sum(|r| r.data_wait_s),

@@ -213,7 +213,7 @@ impl ModelSection {
 
     /// CNN: the side of the square input image, if `input` is one.
     pub fn image_side(&self) -> Option<usize> {
-        if self.in_channels == 0 || self.input % self.in_channels != 0 {
+        if self.in_channels == 0 || !self.input.is_multiple_of(self.in_channels) {
             return None;
         }
         let area = self.input / self.in_channels;

@@ -246,7 +246,10 @@ fn request_rate_is_limited_per_connection() {
                 other => panic!("unexpected {other:?}"),
             }
         }
-        assert!(limited >= 20, "only {limited} of 30 were limited ({ok} passed)");
+        assert!(
+            limited >= 20,
+            "only {limited} of 30 were limited ({ok} passed)"
+        );
         // The budget refills: after a pause the connection works again.
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         let (resp, _) = transport::call(&conn, &beat, limit).await.unwrap();

@@ -48,7 +48,7 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// Print the effective configuration and exit.
+    /// Print the effective configuration (token redacted) and exit.
     ShowConfig,
 }
 
@@ -95,7 +95,7 @@ fn run() -> anyhow::Result<()> {
             Ok(())
         }
         Command::ShowConfig => {
-            println!("{}", toml::to_string_pretty(&cfg)?);
+            println!("{}", cfg.to_redacted_toml()?);
             Ok(())
         }
         Command::Run => serve(&cfg, cli.index, cli.listen),

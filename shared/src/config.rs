@@ -666,6 +666,16 @@ impl ClusterConfig {
         Ok(())
     }
 
+    /// The configuration as TOML with the token redacted (for `show-config`).
+    pub fn to_redacted_toml(&self) -> Result<String, ConfigError> {
+        let mut shown = self.clone();
+        shown.cluster.token = "<redacted>".into();
+        toml::to_string_pretty(&shown).map_err(|e| ConfigError::Parse {
+            origin: "effective config".into(),
+            message: e.to_string(),
+        })
+    }
+
     /// Total number of parameter shards.
     pub fn total_shards(&self) -> usize {
         self.cluster.servers.len() * self.cluster.shards_per_server

@@ -54,7 +54,7 @@ enum Command {
     /// Write a dataset into a bucket.
     #[command(subcommand)]
     Dataset(DatasetCommand),
-    /// Print the effective configuration and exit.
+    /// Print the effective configuration (token redacted) and exit.
     ShowConfig,
 }
 
@@ -150,7 +150,7 @@ fn run() -> anyhow::Result<()> {
     match command {
         Command::ShowConfig => {
             let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
-            println!("{}", toml::to_string_pretty(&cfg)?);
+            println!("{}", cfg.to_redacted_toml()?);
             Ok(())
         }
         Command::Dataset(cmd) => dataset(cmd),

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
+use ps_shared::cli::{describe_error, init_logging};
 use ps_shared::config::ClusterConfig;
 use ps_shared::transport::{read_pem, DevCert};
 
@@ -54,28 +55,14 @@ enum Command {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("ps-server: error: {}", describe(&e));
+        eprintln!("ps-server: error: {}", describe_error(e.as_ref()));
         std::process::exit(1);
     }
 }
 
-/// The error and its causes, skipping causes whose text the message above
-/// already includes.
-fn describe(e: &anyhow::Error) -> String {
-    let mut out = e.to_string();
-    for cause in e.chain().skip(1) {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-    }
-    out
-}
-
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(&cli.log);
+    init_logging(&cli.log, "info");
     let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
     match cli.command.unwrap_or(Command::Run) {
         Command::Certs { names, force } => {
@@ -100,15 +87,6 @@ fn run() -> anyhow::Result<()> {
         }
         Command::Run => serve(&cfg, cli.index, cli.listen),
     }
-}
-
-fn init_logging(filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
 }
 
 /// Write the dev certificate when missing (or forced); returns whether it wrote.

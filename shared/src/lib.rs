@@ -5,6 +5,7 @@
 //! transport helpers. Actors and sockets live in `ps-server` and `ps-worker` and
 //! only move data between these pieces.
 
+pub mod cli;
 pub mod config;
 pub mod dataplane;
 pub mod dataset;

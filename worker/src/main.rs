@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
+use ps_shared::cli::{describe_error, init_logging};
 use ps_shared::config::ClusterConfig;
 use ps_shared::dataset::{
     open_bucket, read_mnist_csv, read_mnist_idx, synthetic, train_test_split, write_dataset_with,
@@ -113,33 +114,14 @@ enum DatasetCommand {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("ps-worker: error: {}", describe(&e));
+        eprintln!("ps-worker: error: {}", describe_error(e.as_ref()));
         std::process::exit(1);
     }
 }
 
-/// The error and its causes, skipping causes whose text the message above
-/// already includes.
-fn describe(e: &anyhow::Error) -> String {
-    let mut out = e.to_string();
-    for cause in e.chain().skip(1) {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-    }
-    out
-}
-
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    init_logging(&cli.log, "warn");
     let command = cli.command.unwrap_or(Command::Train {
         rank: 0,
         data: None,

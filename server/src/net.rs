@@ -85,8 +85,9 @@ struct ServerCtx {
 /// Liveness of the workers as seen by this server process.
 struct Members {
     last_seen: HashMap<u32, Instant>,
-    /// The connection each rank uses now (a restarted worker replaces its old one).
-    connection: HashMap<u32, usize>,
+    /// Open connections per rank: a restarted worker may connect before its
+    /// old connection is seen to be dead.
+    connections: HashMap<u32, usize>,
     /// Ranks dropped from the barrier (dead connection or silent too long).
     dropped: BTreeSet<u32>,
 }
@@ -341,7 +342,7 @@ pub async fn start(
         finished: RefCell::new(BTreeSet::new()),
         members: RefCell::new(Members {
             last_seen: HashMap::new(),
-            connection: HashMap::new(),
+            connections: HashMap::new(),
             dropped: BTreeSet::new(),
         }),
         worker_timeout: Duration::from_secs_f64(cfg.server.worker_timeout_secs),
@@ -477,10 +478,11 @@ async fn serve_connection(conn: Connection, ctx: Rc<ServerCtx>) {
         None => return,
     };
     tracing::info!(%peer, rank, "worker connected");
-    ctx.members
+    *ctx.members
         .borrow_mut()
-        .connection
-        .insert(rank, conn.stable_id());
+        .connections
+        .entry(rank)
+        .or_insert(0) += 1;
     ctx.admit(rank).await;
     let mut budget = RequestBudget::new(ctx.max_rps);
     loop {
@@ -498,10 +500,15 @@ async fn serve_connection(conn: Connection, ctx: Rc<ServerCtx>) {
                 actix::spawn(serve_stream(send, recv, ctx, rank));
             }
             Err(e) => {
-                // A worker that vanished must not hold the barrier forever
-                // (unless it already came back on a new connection).
-                let current = ctx.members.borrow().connection.get(&rank).copied();
-                if current != Some(conn.stable_id()) {
+                // A worker that vanished must not hold the barrier forever,
+                // unless it is still (or again) connected on another connection.
+                let still_open = {
+                    let mut m = ctx.members.borrow_mut();
+                    let open = m.connections.entry(rank).or_insert(1);
+                    *open = open.saturating_sub(1);
+                    *open
+                };
+                if still_open > 0 {
                     return;
                 }
                 ctx.drop_worker(

@@ -45,6 +45,22 @@ pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterC
     cfg
 }
 
+/// Start server process 0 of `cfg` on a free loopback port.
+pub async fn start_loopback_server(
+    cfg: &ClusterConfig,
+    cert: &DevCert,
+) -> ps_server::net::RunningServer {
+    ps_server::net::start(
+        cfg,
+        0,
+        "127.0.0.1:0".parse().expect("loopback address"),
+        &cert.cert_pem,
+        &cert.key_pem,
+    )
+    .await
+    .expect("start a server on loopback")
+}
+
 /// Upper bound on a whole in-process cluster run.
 pub const CLUSTER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 

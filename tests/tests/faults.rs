@@ -9,7 +9,7 @@ use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataset::SyntheticSpec;
 use ps_shared::protocol::{Request, Response, WireGrad, WireValues, PROTOCOL_VERSION};
 use ps_shared::transport::{self, DevCert};
-use ps_tests::{synthetic_bucket, test_config};
+use ps_tests::{start_loopback_server, synthetic_bucket, test_config};
 use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
 
 const ACCURACY_BAR: f32 = 0.90;
@@ -51,9 +51,7 @@ fn crashed_worker_is_dropped_and_a_replacement_rejoins() {
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
     let system = actix::System::new();
     system.block_on(async move {
-        let server = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse().unwrap(), &cert.cert_pem, &cert.key_pem)
-            .await
-            .unwrap();
+        let server = start_loopback_server(&cfg, &cert).await;
         let mut cfg = cfg;
         cfg.cluster.servers = vec![server.local_addr().to_string()];
         let survivor = run_worker(&cfg, opts(0, &cert, None), store.clone(), prefix.clone());
@@ -101,9 +99,7 @@ fn server_restarts_from_its_checkpoint_and_workers_reconnect() {
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
     let system = actix::System::new();
     system.block_on(async move {
-        let first = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse().unwrap(), &cert.cert_pem, &cert.key_pem)
-            .await
-            .unwrap();
+        let first = start_loopback_server(&cfg, &cert).await;
         let addr = first.local_addr();
         let mut cfg = cfg;
         cfg.cluster.servers = vec![addr.to_string()];
@@ -179,9 +175,7 @@ fn garbage_during_training_is_refused_and_the_run_completes() {
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
     let system = actix::System::new();
     system.block_on(async move {
-        let server = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse().unwrap(), &cert.cert_pem, &cert.key_pem)
-            .await
-            .unwrap();
+        let server = start_loopback_server(&cfg, &cert).await;
         let mut cfg = cfg;
         cfg.cluster.servers = vec![server.local_addr().to_string()];
         let addr = server.local_addr();

@@ -7,7 +7,7 @@ use ps_shared::protocol::{
     encode_request, ErrorCode, Request, Response, WireGrad, WireValues, PROTOCOL_VERSION,
 };
 use ps_shared::transport::{self, DevCert};
-use ps_tests::test_config;
+use ps_tests::{start_loopback_server, test_config};
 
 fn hello(cfg: &ClusterConfig) -> Request {
     Request::Hello {
@@ -32,15 +32,7 @@ fn server_refuses_bad_clients_and_keeps_serving() {
     let cert = DevCert::generate(&["localhost".into()]).unwrap();
     let system = actix::System::new();
     system.block_on(async move {
-        let server = ps_server::net::start(
-            &cfg,
-            0,
-            "127.0.0.1:0".parse().unwrap(),
-            &cert.cert_pem,
-            &cert.key_pem,
-        )
-        .await
-        .unwrap();
+        let server = start_loopback_server(&cfg, &cert).await;
         let addr = server.local_addr();
         let limit = cfg.server.max_frame_bytes;
         let client = transport::client_endpoint(&cert.cert_pem, false).unwrap();
@@ -221,15 +213,7 @@ fn request_rate_is_limited_per_connection() {
     let cert = DevCert::generate(&["localhost".into()]).unwrap();
     let system = actix::System::new();
     system.block_on(async move {
-        let server = ps_server::net::start(
-            &cfg,
-            0,
-            "127.0.0.1:0".parse().unwrap(),
-            &cert.cert_pem,
-            &cert.key_pem,
-        )
-        .await
-        .unwrap();
+        let server = start_loopback_server(&cfg, &cert).await;
         let limit = cfg.server.max_frame_bytes;
         let client = transport::client_endpoint(&cert.cert_pem, false).unwrap();
         let conn = transport::connect(&client, server.local_addr(), "localhost")

@@ -301,10 +301,11 @@ impl Comm {
         try_join_all(jobs).await
     }
 
-    /// Push this worker's gradient for `step` and pull the parameters after it.
+    /// Push this worker's gradient for the next step and pull the parameters
+    /// after it. Each shard is pushed at the step it expects from this worker
+    /// (the steps of different shards differ after a server restart).
     pub async fn push_pull(
         &self,
-        step: u64,
         grad: Outgoing,
     ) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
         let per_shard: Vec<WireGrad> = match grad {
@@ -321,7 +322,6 @@ impl Comm {
                 .map(|part| WireGrad::Dense(WireValues::encode(part.to_vec(), self.f16)))
                 .collect(),
         };
-        let _ = step; // each shard names the step it expects (they differ after a server restart)
         let jobs = per_shard
             .into_iter()
             .enumerate()
@@ -496,10 +496,10 @@ impl Handler<InitParams> for CommActor {
     }
 }
 
+/// Push a step's gradient and pull the new parameters.
 #[derive(Message)]
 #[rtype(result = "Result<(Vec<ShardUpdate>, Traffic), CommError>")]
 pub struct PushPull {
-    pub step: u64,
     pub grad: Outgoing,
 }
 
@@ -507,7 +507,7 @@ impl Handler<PushPull> for CommActor {
     type Result = ResponseFuture<Result<(Vec<ShardUpdate>, Traffic), CommError>>;
     fn handle(&mut self, msg: PushPull, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
-        Box::pin(async move { comm.push_pull(msg.step, msg.grad).await })
+        Box::pin(async move { comm.push_pull(msg.grad).await })
     }
 }
 

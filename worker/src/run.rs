@@ -314,12 +314,7 @@ async fn train(
         let out = trainer.send(ComputeStep(batch)).await??;
         acc.compute += out.compute + out.compress;
         let t_comm = Instant::now();
-        let (updates, traffic) = comm
-            .send(PushPull {
-                step,
-                grad: out.grad,
-            })
-            .await??;
+        let (updates, traffic) = comm.send(PushPull { grad: out.grad }).await??;
         acc.comm += t_comm.elapsed();
         let t_apply = Instant::now();
         trainer.send(ApplyUpdates(updates)).await??;

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dataplane::{LoaderSection, SimBucketSection};
 use crate::link::LinkSection;
+use crate::sampler::Partition;
 use crate::sparse::{CompressorConfig, TopKMethod};
 
 /// The configuration shipped with the binaries (`configs/local.toml`).
@@ -273,6 +274,9 @@ pub struct DataSection {
     pub seed: u64,
     /// Batches the loader keeps fetched ahead of the trainer.
     pub prefetch_batches: usize,
+    /// `reshuffle` (a new random split across ranks every epoch) or `stable`
+    /// (each rank keeps its part and shuffles within it: caches stay useful).
+    pub partition: Partition,
 }
 
 impl Default for DataSection {
@@ -282,6 +286,7 @@ impl Default for DataSection {
             batch_size: 64,
             seed: 42,
             prefetch_batches: 4,
+            partition: Partition::Reshuffle,
         }
     }
 }

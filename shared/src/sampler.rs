@@ -77,6 +77,19 @@ impl ResumePoint {
     }
 }
 
+/// How the samples are split across ranks from one epoch to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Partition {
+    /// Reshuffle the whole set every epoch, then split it (each rank sees a
+    /// different random part each epoch).
+    #[default]
+    Reshuffle,
+    /// Split the set once (seeded); each epoch shuffles only within the
+    /// rank's own part, so a worker's cache stays useful across epochs.
+    Stable,
+}
+
 /// Seeded per-epoch permutation of `[0, num_samples)` split across `world`
 /// workers by rank.
 ///
@@ -91,6 +104,7 @@ pub struct EpochSampler {
     world: usize,
     rank: usize,
     seed: u64,
+    partition: Partition,
 }
 
 impl EpochSampler {
@@ -115,7 +129,18 @@ impl EpochSampler {
             world,
             rank,
             seed,
+            partition: Partition::Reshuffle,
         })
+    }
+
+    /// The same sampler with another partitioning across ranks.
+    pub fn with_partition(mut self, partition: Partition) -> Self {
+        self.partition = partition;
+        self
+    }
+
+    pub fn partition(&self) -> Partition {
+        self.partition
     }
 
     /// Size of the whole index space.
@@ -145,13 +170,25 @@ impl EpochSampler {
 
     /// This rank's sample indices for `epoch`, in visiting order.
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        // Reshuffle: a new permutation of the whole set each epoch. Stable:
+        // one permutation for the whole run, reshuffled within each part.
+        let split_seed = match self.partition {
+            Partition::Reshuffle => epoch_seed(self.seed, epoch),
+            Partition::Stable => epoch_seed(self.seed, u64::MAX),
+        };
         let mut perm: Vec<usize> = (0..self.num_samples).collect();
-        let mut rng = StdRng::seed_from_u64(epoch_seed(self.seed, epoch));
-        perm.shuffle(&mut rng);
+        perm.shuffle(&mut StdRng::seed_from_u64(split_seed));
         let per_rank = self.per_rank();
         let start = self.rank * per_rank;
         perm.truncate(start + per_rank);
         perm.drain(..start);
+        if self.partition == Partition::Stable {
+            let within = epoch_seed(
+                self.seed ^ (self.rank as u64).wrapping_mul(0x9e37_79b9),
+                epoch,
+            );
+            perm.shuffle(&mut StdRng::seed_from_u64(within));
+        }
         perm
     }
 
@@ -384,5 +421,38 @@ mod tests {
         let steps: Vec<usize> = ranks.iter().map(|r| r.batches(0, 16).len()).collect();
         assert!(steps.iter().all(|&s| s == steps[0]));
         assert_eq!(steps[0], ranks[0].steps_per_epoch(16));
+    }
+
+    #[test]
+    fn stable_partition_keeps_each_rank_on_its_part() {
+        let world = 3;
+        let samplers: Vec<EpochSampler> = (0..world)
+            .map(|r| {
+                EpochSampler::new(100, world, r, 5)
+                    .unwrap()
+                    .with_partition(Partition::Stable)
+            })
+            .collect();
+        let sorted = |mut v: Vec<usize>| {
+            v.sort_unstable();
+            v
+        };
+        let mut seen = std::collections::HashSet::new();
+        for s in &samplers {
+            let first = s.epoch_order(0);
+            // Same part every epoch, in a different order.
+            for epoch in 1..4 {
+                let order = s.epoch_order(epoch);
+                assert_eq!(sorted(order.clone()), sorted(first.clone()));
+                assert_ne!(order, first, "epoch {epoch} reuses the order");
+            }
+            for i in first {
+                assert!(seen.insert(i), "sample {i} in two parts");
+            }
+        }
+        assert_eq!(seen.len(), 99);
+        // Reshuffling moves samples between ranks.
+        let r = EpochSampler::new(100, world, 0, 5).unwrap();
+        assert_ne!(sorted(r.epoch_order(0)), sorted(r.epoch_order(1)));
     }
 }

@@ -82,9 +82,11 @@ fn two_server_processes_serve_their_shards() {
     let mut cfg = test_config(CompressionKind::Topk, 0.01, 3);
     cfg.cluster.servers = vec!["127.0.0.1:0".into(), "127.0.0.1:0".into()];
     cfg.cluster.shards_per_server = 2;
+    // Also: each worker keeps its part of the data across epochs.
+    cfg.data.partition = ps_shared::sampler::Partition::Stable;
     cfg.validate().unwrap();
     let reports = run_cluster(cfg, store, prefix).expect("cluster run");
-    summarize("2 servers x 2 shards", &reports);
+    summarize("2 servers x 2 shards, stable partition", &reports);
     assert_eq!(reports[0].steps, reports[1].steps);
     assert!(reports.iter().all(|r| r.final_accuracy > ACCURACY_BAR));
 }

@@ -16,7 +16,7 @@ use ps_shared::dataplane::CacheSize;
 use ps_shared::dataset::{
     synthetic, write_dataset_with, Batch, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
-use ps_shared::sampler::{EpochSampler, SamplerError};
+use ps_shared::sampler::{EpochSampler, Partition, SamplerError};
 use ps_shared::simstore::{SimSettings, SimStore};
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
 
@@ -504,4 +504,42 @@ fn worker_run_reports_data_plane_metrics() {
         .map(|d| d.count())
         .unwrap_or(0);
     assert_eq!(left, 0);
+}
+
+/// With a cache as large as a rank's part, a stable partition serves every
+/// later epoch from the cache; reshuffling across ranks cannot (each epoch
+/// about half of a rank's samples were another rank's last epoch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stable_partition_keeps_the_cache_useful() {
+    let (_raw, sim, prefix) = bucket(Layout::Shards, 96).await;
+    let dataset_bytes = 96 * RECORD;
+    let mut later_epoch_gets = Vec::new();
+    for partition in [Partition::Reshuffle, Partition::Stable] {
+        let mut bucket_samples = 0;
+        for rank in 0..2 {
+            let sampler = EpochSampler::new(96, 2, rank, 13)
+                .unwrap()
+                .with_partition(partition);
+            let mut s = settings(8, 3);
+            s.lookahead_samples = 8;
+            s.memory_cache_bytes = CacheSize::Fraction(0.5).resolve(dataset_bytes);
+            let loader =
+                Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
+            let got = drain(&loader, 100).await.expect("run");
+            assert_eq!(got.len(), 3 * 6);
+            let stats = loader.stats();
+            bucket_samples += stats.epoch(1).bucket_samples + stats.epoch(2).bucket_samples;
+        }
+        println!("{partition:?}: {bucket_samples} samples fetched again in epochs 2-3");
+        later_epoch_gets.push(bucket_samples);
+    }
+    assert_eq!(
+        later_epoch_gets[1], 0,
+        "stable: every later epoch from the cache"
+    );
+    assert!(
+        later_epoch_gets[0] >= 48,
+        "reshuffle refetched only {}",
+        later_epoch_gets[0]
+    );
 }

@@ -174,7 +174,8 @@ pub async fn run_worker(
         rank as usize,
         cfg.data.seed,
     )
-    .map_err(|e| WorkerError::Sampler(e.to_string()))?;
+    .map_err(|e| WorkerError::Sampler(e.to_string()))?
+    .with_partition(cfg.data.partition);
     let steps_per_epoch = sampler.steps_per_epoch(cfg.data.batch_size) as u64;
     if steps_per_epoch == 0 {
         return Err(WorkerError::Mismatch(format!(

@@ -12,7 +12,7 @@ use ps_shared::dataset::{
     Layout, SyntheticSpec, WriteOptions,
 };
 use ps_shared::transport::read_pem;
-use ps_worker::run::{run_worker, WorkerOptions};
+use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
 
 /// Stratus worker: trains its share of each step with candle, pushes compressed
 /// gradients to the parameter servers over QUIC and pulls the new parameters.
@@ -182,7 +182,14 @@ fn train(
         crash_after_steps: None,
     };
     let system = actix::System::new();
-    let report = system.block_on(async { run_worker(&cfg, opts, store, prefix).await })?;
+    let report = system
+        .block_on(async { run_worker(&cfg, opts, store, prefix).await })
+        .map_err(|e| match e {
+            WorkerError::Dataset(_) | WorkerError::Mismatch(_) => {
+                anyhow::Error::new(e).context(format!("data.url = {}", cfg.data.url))
+            }
+            other => other.into(),
+        })?;
     println!(
         "worker {rank} done: {} steps, test accuracy {:.2}%, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
         report.steps,

@@ -264,31 +264,23 @@ async fn run_scenario(
     };
     let bucket: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
     let prefix = Path::from("bench");
-    write_dataset_with(
-        bucket.as_ref(),
-        &prefix,
-        "bench",
-        sc.features,
-        10,
-        &train,
-        &test,
-        &options,
-    )
-    .await?;
     let local_dir = scratch.join(format!("local-{}", sc.features));
     std::fs::create_dir_all(&local_dir)?;
     let local: Arc<dyn ObjectStore> = Arc::new(LocalFileSystem::new_with_prefix(&local_dir)?);
-    write_dataset_with(
-        local.as_ref(),
-        &prefix,
-        "bench",
-        sc.features,
-        10,
-        &train,
-        &test,
-        &options,
-    )
-    .await?;
+    // The same dataset in the (simulated) bucket and on local disk.
+    for store in [&bucket, &local] {
+        write_dataset_with(
+            store.as_ref(),
+            &prefix,
+            "bench",
+            sc.features,
+            10,
+            &train,
+            &test,
+            &options,
+        )
+        .await?;
+    }
     drop(train);
     println!(
         "dataset written to memory and {} in {:.1}s",

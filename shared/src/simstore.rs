@@ -10,9 +10,12 @@
 //! give GETs, HEADs and body bytes; [`SimStore::fail_next`] and
 //! [`SimStore::truncate_next`] make the next reads of one object fail or come
 //! back short, and `transient_error_rate` fails a seeded random fraction.
+//! The delays in the stats are the model's computed waits, not measured
+//! times; every wait is a `tokio::time` sleep, so the model also runs on
+//! tokio's paused clock (as the timed tests and the example below do).
 //!
 //! ```
-//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! # tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap().block_on(async {
 //! use std::sync::Arc;
 //! use object_store::{memory::InMemory, path::Path, ObjectStore, ObjectStoreExt};
 //! use ps_shared::simstore::{SimSettings, SimStore};
@@ -24,7 +27,8 @@
 //! assert_eq!(bytes.len(), 1000);
 //! let stats = sim.stats();
 //! assert_eq!((stats.gets, stats.bytes), (1, 1000));
-//! assert!(stats.simulated_delay_s >= 0.05); // at least the first-byte latency
+//! // 50 ms to the first byte, then 999 bytes past the 1-byte burst at 50 MB/s.
+//! assert!((stats.simulated_delay_s - (0.05 + 999.0 / 50e6)).abs() < 1e-9);
 //! # });
 //! ```
 
@@ -509,6 +513,7 @@ mod tests {
     use super::*;
     use object_store::memory::InMemory;
     use object_store::ObjectStoreExt;
+    use tokio::time::Instant;
 
     async fn store_with(objects: &[(&str, usize)], settings: SimSettings) -> SimStore {
         let inner = Arc::new(InMemory::new());
@@ -529,12 +534,26 @@ mod tests {
         }
     }
 
-    // The delays below are the model's computed waits, not measured times.
+    /// Computed delays agree up to the nanosecond rounding of `Duration`.
+    fn assert_secs(got: f64, want: f64) {
+        assert!((got - want).abs() < 1e-8, "{got} s, want {want} s");
+    }
 
-    #[tokio::test]
+    // The delays below are the model's computed waits, not measured times.
+    // Tests with delays run on tokio's paused clock, which moves only when
+    // every task waits on a timer: nothing sleeps for real, and what the
+    // clock shows afterwards is exactly the time the readers waited. A timer
+    // fires on a whole millisecond, so a wait of a fraction of a millisecond
+    // moves the clock up to the next one.
+
+    #[tokio::test(start_paused = true)]
     async fn latency_and_per_connection_rate() {
-        // 50 ms to first byte, then 1 MB at 10 MB/s: 0.15 s in all.
+        // 50 ms to first byte, then 1 MB at 10 MB/s: 0.15 s in all. The body
+        // goes in 4 pieces (3 x 256 KiB and the rest), each waiting for its
+        // bytes beyond the connection's 1-byte burst, which the clock
+        // refills while the previous piece waits.
         let sim = store_with(&[("big", 1_000_000)], settings(50, 1e7, 0.0)).await;
+        let t = Instant::now();
         let b = sim
             .get(&Path::from("big"))
             .await
@@ -542,42 +561,60 @@ mod tests {
             .bytes()
             .await
             .unwrap();
+        let waited = t.elapsed();
         assert_eq!(b.len(), 1_000_000);
         let s = sim.stats();
         assert_eq!((s.gets, s.bytes), (1, 1_000_000));
+        let want = 0.05 + (1_000_000 - 4) as f64 / 1e7;
+        assert_secs(s.simulated_delay_s, want);
+        // The first byte is the longest single wait.
+        assert_secs(s.longest_wait_s, 0.05);
+        // The reader waited the charged time, plus under 1 ms per sleep.
+        let charged = Duration::from_secs_f64(want);
         assert!(
-            (0.13..0.16).contains(&s.simulated_delay_s),
-            "{}",
-            s.simulated_delay_s
+            waited >= charged && waited < charged + Duration::from_millis(5),
+            "{waited:?}"
         );
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn aggregate_rate_is_shared() {
         let names: Vec<String> = (0..8).map(|i| format!("o{i}")).collect();
         let objs: Vec<(&str, usize)> = names.iter().map(|n| (n.as_str(), 25_000)).collect();
-        // 200 KB in all over a shared 1 MB/s link, per connection unlimited:
-        // the last piece queues behind the other seven, about 0.2 s.
+        // 200 KB in all over a shared 1 MB/s link (16 KiB burst), per
+        // connection unlimited. All eight bodies reserve at the same instant,
+        // so the last piece queues behind the other seven: 200 KB less the
+        // burst, 0.183616 s.
         let sim = Arc::new(store_with(&objs, settings(0, 0.0, 1e6)).await);
+        let t = Instant::now();
         let reads = names.iter().map(|n| {
             let sim = sim.clone();
             let p = Path::from(n.as_str());
             async move { sim.get(&p).await.unwrap().bytes().await.unwrap().len() }
         });
         let total: usize = futures::future::join_all(reads).await.into_iter().sum();
+        let waited = t.elapsed();
         assert_eq!(total, 200_000);
         let s = sim.stats();
+        let burst = 16.0 * 1024.0;
+        let longest = (200_000.0 - burst) / 1e6;
+        assert_secs(s.longest_wait_s, longest);
+        // The k-th reservation waits for 25 KB x k less the burst.
+        let sum: f64 = (1..=8).map(|k| (25_000.0 * k as f64 - burst) / 1e6).sum();
+        assert_secs(s.simulated_delay_s, sum);
+        // The reads overlap: together they take as long as the last one.
+        let longest = Duration::from_secs_f64(longest);
         assert!(
-            (0.15..0.21).contains(&s.longest_wait_s),
-            "{}",
-            s.longest_wait_s
+            waited >= longest && waited < longest + Duration::from_millis(1),
+            "{waited:?}"
         );
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn get_ranges_counts_one_get_per_separate_range() {
         let sim = store_with(&[("s", 1000)], settings(10, 0.0, 0.0)).await;
         let p = Path::from("s");
+        let t = Instant::now();
         let got = sim
             .get_ranges(&p, &[0..10, 10..20, 100..110, 500..600])
             .await
@@ -585,13 +622,20 @@ mod tests {
         assert_eq!(got.len(), 4);
         assert_eq!(got[1][0], 10);
         assert_eq!(got[3].len(), 100);
-        // 0..10 and 10..20 touch and merge: three GETs.
+        // 0..10 and 10..20 touch and merge: three GETs, each charged its
+        // 10 ms to first byte, run in parallel.
         assert_eq!(sim.stats().gets, 3);
+        assert_secs(sim.stats().simulated_delay_s, 0.03);
+        assert_eq!(t.elapsed(), Duration::from_millis(10));
         let r = sim.get_range(&p, 5..9).await.unwrap();
         assert_eq!(&r[..], &[5, 6, 7, 8]);
         sim.head(&p).await.unwrap();
         let s = sim.stats();
         assert_eq!((s.gets, s.heads), (4, 1));
+        // HEADs wait for the first byte too.
+        assert_secs(s.simulated_delay_s, 0.05);
+        assert_secs(s.longest_wait_s, 0.01);
+        assert_eq!(t.elapsed(), Duration::from_millis(30));
         sim.reset_stats();
         assert_eq!(sim.stats(), SimStats::default());
     }
@@ -639,7 +683,7 @@ mod tests {
         assert!((200..400).contains(&failed), "{failed}");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn wraps_local_files_and_passes_writes_through() {
         let dir = tempfile::tempdir().unwrap();
         let local =
@@ -652,6 +696,14 @@ mod tests {
         assert_eq!(b.len(), 600_000);
         let r = sim.get_range(&p, 10..20).await.unwrap();
         assert_eq!(r.len(), 10);
+        // A file's body is metered like a stream: 2 x 1 ms to first byte,
+        // then each piece's bytes past the 1-byte burst at 1 GB/s (the
+        // shared 1 MB burst never runs dry).
+        let s = sim.stats();
+        assert_eq!((s.gets, s.bytes), (2, 600_010));
+        let pieces = [256 * 1024, 256 * 1024, 600_000 - 512 * 1024, 10];
+        let body: f64 = pieces.iter().map(|n| (n - 1) as f64 / 1e9).sum();
+        assert_secs(s.simulated_delay_s, 0.002 + body);
         let listed: Vec<_> = sim.list(None).collect().await;
         assert_eq!(listed.len(), 1);
         sim.delete(&p).await.unwrap();

@@ -1,15 +1,16 @@
 //! Pieces shared by the Stratus parameter server and its workers.
 //!
 //! Everything here is plain data and plain functions: configuration, the wire
-//! protocol, sparse-gradient kernels, the shard map, dataset access and the QUIC
-//! transport helpers. Actors and sockets live in `ps-server` and `ps-worker` and
-//! only move data between these pieces.
+//! protocol, sparse-gradient kernels, the shard map, dataset access, the
+//! cluster's certificates and the QUIC transport helpers. Actors and sockets
+//! live in `ps-server` and `ps-worker` and only move data between these pieces.
 
 pub mod cli;
 pub mod config;
 pub mod dataplane;
 pub mod dataset;
 pub mod link;
+pub mod pki;
 pub mod protocol;
 pub mod sampler;
 pub mod shard;

@@ -1,18 +1,42 @@
-//! QUIC transport: TLS 1.3 endpoints, dev certificates, and framed calls.
+//! QUIC transport: mutually authenticated TLS 1.3 endpoints and framed calls.
 //!
 //! One worker keeps one QUIC connection per server process. Each request is a
 //! bidirectional stream carrying one request frame and one response frame (see
 //! [`crate::protocol`]), so slow requests (a BSP pull waiting for the barrier)
 //! never block fast ones.
 //!
+//! Both sides authenticate with certificates from the cluster CA (see
+//! [`crate::pki`]): the server presents its server certificate, and refuses
+//! any client that does not present a worker certificate chaining to the CA.
+//! [`peer_rank`] then tells the server which worker rank the CA issued that
+//! certificate for. Only TLS 1.3 with the *ring* provider is offered.
+//! [`EndpointLimits`] bounds idle connections and concurrent streams, and
+//! [`read_frame`] only allocates memory for bytes that actually arrived.
+//!
 //! ```no_run
-//! # async fn demo() -> Result<(), ps_shared::transport::TransportError> {
-//! use ps_shared::transport::{self, DevCert};
-//! let cert = DevCert::generate(&["localhost".into()])?;
-//! let server = transport::server_endpoint("127.0.0.1:0".parse().unwrap(), &cert.cert_pem, &cert.key_pem)?;
-//! let client = transport::client_endpoint(&cert.cert_pem, false)?;
-//! let conn = transport::connect(&client, server.local_addr()?, "localhost").await?;
-//! # let _ = conn; Ok(()) }
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use ps_shared::pki::ClusterCa;
+//! use ps_shared::transport::{self, EndpointLimits};
+//!
+//! let ca = ClusterCa::generate("stratus cluster CA")?;
+//! let server_id = ca.issue_server(&["localhost".into()])?;
+//! let limits = EndpointLimits::default();
+//! let server = transport::server_endpoint(
+//!     "127.0.0.1:0".parse()?,
+//!     &server_id.cert_pem,
+//!     &server_id.key_pem,
+//!     ca.cert_pem(),
+//!     &limits,
+//! )?;
+//! let client = transport::client_endpoint(ca.cert_pem(), &ca.issue_worker(3)?, false, &limits)?;
+//! let addr = server.local_addr()?;
+//! let (conn, accepted) = tokio::join!(
+//!     transport::connect(&client, addr, "localhost", Duration::from_secs(5)),
+//!     async { server.accept().await.expect("endpoint open").await },
+//! );
+//! assert_eq!(transport::peer_rank(&accepted?)?, 3);
+//! # let _ = conn?; Ok(()) }
 //! ```
 
 use std::net::SocketAddr;
@@ -20,10 +44,15 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, RecvStream, SendStream};
+use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
 
+use crate::pki::{self, CertPair, PkiError};
 use crate::protocol::{
     decode_response, encode_request, frame_len, ProtocolError, Request, Response,
     FRAME_HEADER_BYTES,
@@ -33,6 +62,8 @@ use crate::protocol::{
 pub enum TransportError {
     #[error("TLS setup failed: {0}")]
     Tls(String),
+    #[error("invalid endpoint limits: {0}")]
+    Limits(String),
     #[error("cannot read {path}: {source}")]
     Io {
         path: String,
@@ -42,54 +73,72 @@ pub enum TransportError {
     Socket(#[from] std::io::Error),
     #[error("cannot connect to {addr}: {message}")]
     Connect { addr: String, message: String },
+    #[error("cannot connect to {addr}: the handshake did not finish within {timeout:?}")]
+    ConnectTimeout { addr: String, timeout: Duration },
     #[error("connection lost: {0}")]
     Connection(#[from] quinn::ConnectionError),
     #[error("stream write failed: {0}")]
     Write(#[from] quinn::WriteError),
     #[error("stream read failed: {0}")]
     Read(String),
+    #[error("peer presented no certificate chain")]
+    NoPeerIdentity,
+    #[error("peer certificate does not identify a worker: {0}")]
+    PeerIdentity(#[source] PkiError),
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
 }
 
-/// A self-signed certificate and its key, PEM encoded.
-pub struct DevCert {
-    pub cert_pem: String,
-    pub key_pem: String,
+/// Limits applied to every connection of an endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndpointLimits {
+    /// A connection with no traffic for this long is dropped (the smaller of
+    /// the two sides' values applies). Must be non-zero.
+    pub idle_timeout: Duration,
+    /// Send a keep-alive after this much silence; must be shorter than
+    /// `idle_timeout`. Zero disables keep-alives.
+    pub keep_alive: Duration,
+    /// Bidirectional streams the peer may have open at once (one per
+    /// in-flight request).
+    pub max_bidi_streams: u32,
 }
 
-impl DevCert {
-    /// A self-signed certificate valid for the given DNS names / IP addresses.
-    pub fn generate(names: &[String]) -> Result<Self, TransportError> {
-        let ck = rcgen::generate_simple_self_signed(names.to_vec())
-            .map_err(|e| TransportError::Tls(e.to_string()))?;
-        Ok(Self {
-            cert_pem: ck.cert.pem(),
-            key_pem: ck.signing_key.serialize_pem(),
-        })
+impl Default for EndpointLimits {
+    fn default() -> Self {
+        Self {
+            idle_timeout: Duration::from_secs(5),
+            keep_alive: Duration::from_secs(1),
+            max_bidi_streams: 64,
+        }
     }
+}
 
-    /// Write the pair, creating parent directories; the key is made
-    /// owner-readable only.
-    pub fn write(&self, cert: &Path, key: &Path) -> Result<(), TransportError> {
-        for (path, text) in [(cert, &self.cert_pem), (key, &self.key_pem)] {
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|source| TransportError::Io {
-                    path: dir.display().to_string(),
-                    source,
-                })?;
-            }
-            std::fs::write(path, text).map_err(|source| TransportError::Io {
-                path: path.display().to_string(),
-                source,
-            })?;
+impl EndpointLimits {
+    fn transport_config(&self) -> Result<Arc<quinn::TransportConfig>, TransportError> {
+        if self.idle_timeout.is_zero() {
+            return Err(TransportError::Limits(
+                "idle_timeout must be non-zero".into(),
+            ));
         }
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(key, std::fs::Permissions::from_mode(0o600));
+        if !self.keep_alive.is_zero() && self.keep_alive >= self.idle_timeout {
+            return Err(TransportError::Limits(format!(
+                "keep_alive ({:?}) must be shorter than idle_timeout ({:?})",
+                self.keep_alive, self.idle_timeout
+            )));
         }
-        Ok(())
+        let idle = quinn::IdleTimeout::try_from(self.idle_timeout).map_err(|_| {
+            TransportError::Limits(format!("idle_timeout {:?} is too large", self.idle_timeout))
+        })?;
+        let mut t = quinn::TransportConfig::default();
+        t.max_concurrent_bidi_streams(self.max_bidi_streams.into());
+        t.max_concurrent_uni_streams(0u32.into());
+        t.max_idle_timeout(Some(idle));
+        t.keep_alive_interval((!self.keep_alive.is_zero()).then_some(self.keep_alive));
+        // Large dense shards travel in one stream: open the windows wide.
+        t.stream_receive_window((64u32 << 20).into());
+        t.receive_window((256u32 << 20).into());
+        t.send_window(256 << 20);
+        Ok(Arc::new(t))
     }
 }
 
@@ -101,19 +150,12 @@ pub fn read_pem(path: &Path) -> Result<String, TransportError> {
     })
 }
 
-fn transport_config() -> Arc<quinn::TransportConfig> {
-    let mut t = quinn::TransportConfig::default();
-    t.max_concurrent_bidi_streams(1024u32.into());
-    t.max_concurrent_uni_streams(0u32.into());
-    t.keep_alive_interval(Some(Duration::from_secs(2)));
-    if let Ok(idle) = Duration::from_secs(60).try_into() {
-        t.max_idle_timeout(Some(idle));
-    }
-    // Large dense shards travel in one stream: open the windows wide.
-    t.stream_receive_window((64u32 << 20).into());
-    t.receive_window((256u32 << 20).into());
-    t.send_window(256 << 20);
-    Arc::new(t)
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn tls_err(context: &str) -> impl FnOnce(rustls::Error) -> TransportError + '_ {
+    move |e| TransportError::Tls(format!("{context}: {e}"))
 }
 
 fn certs_from_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, TransportError> {
@@ -126,32 +168,72 @@ fn certs_from_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, TransportEr
     Ok(certs)
 }
 
-/// A QUIC server endpoint bound to `addr` (TLS 1.3 with the given certificate).
+fn key_from_pem(pem: &str) -> Result<PrivateKeyDer<'static>, TransportError> {
+    PrivateKeyDer::from_pem_slice(pem.as_bytes())
+        .map_err(|e| TransportError::Tls(format!("bad private key PEM: {e}")))
+}
+
+fn roots_from_pem(ca_pem: &str) -> Result<Arc<RootCertStore>, TransportError> {
+    let mut roots = RootCertStore::empty();
+    for cert in certs_from_pem(ca_pem)? {
+        roots
+            .add(cert)
+            .map_err(tls_err("unusable CA certificate"))?;
+    }
+    Ok(Arc::new(roots))
+}
+
+/// A QUIC server endpoint bound to `addr`: TLS 1.3 with the given certificate,
+/// and every client must present a certificate chaining to `client_ca_pem`.
 pub fn server_endpoint(
     addr: SocketAddr,
     cert_pem: &str,
     key_pem: &str,
+    client_ca_pem: &str,
+    limits: &EndpointLimits,
 ) -> Result<Endpoint, TransportError> {
-    let certs = certs_from_pem(cert_pem)?;
-    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
-        .map_err(|e| TransportError::Tls(format!("bad private key PEM: {e}")))?;
-    let mut cfg = quinn::ServerConfig::with_single_cert(certs, key)
-        .map_err(|e| TransportError::Tls(e.to_string()))?;
-    cfg.transport_config(transport_config());
+    let provider = provider();
+    let verifier = WebPkiClientVerifier::builder_with_provider(
+        roots_from_pem(client_ca_pem)?,
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| TransportError::Tls(format!("client certificate verifier: {e}")))?;
+    let tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err("TLS 1.3"))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs_from_pem(cert_pem)?, key_from_pem(key_pem)?)
+        .map_err(tls_err("server certificate"))?;
+    let crypto = QuicServerConfig::try_from(tls)
+        .map_err(|e| TransportError::Tls(format!("QUIC server TLS: {e}")))?;
+    let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    cfg.transport_config(limits.transport_config()?);
     Ok(Endpoint::server(cfg, addr)?)
 }
 
-/// A QUIC client endpoint that trusts only the certificates in `ca_pem`.
-pub fn client_endpoint(ca_pem: &str, ipv6: bool) -> Result<Endpoint, TransportError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in certs_from_pem(ca_pem)? {
-        roots
-            .add(cert)
-            .map_err(|e| TransportError::Tls(format!("unusable CA certificate: {e}")))?;
-    }
-    let mut cfg = quinn::ClientConfig::with_root_certificates(Arc::new(roots))
-        .map_err(|e| TransportError::Tls(e.to_string()))?;
-    cfg.transport_config(transport_config());
+/// A QUIC client endpoint that trusts only the certificates in `ca_pem` and
+/// presents `identity` (a worker certificate) to servers. Binds an ephemeral
+/// port on the IPv6 or IPv4 wildcard address.
+pub fn client_endpoint(
+    ca_pem: &str,
+    identity: &CertPair,
+    ipv6: bool,
+    limits: &EndpointLimits,
+) -> Result<Endpoint, TransportError> {
+    let tls = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err("TLS 1.3"))?
+        .with_root_certificates(roots_from_pem(ca_pem)?)
+        .with_client_auth_cert(
+            certs_from_pem(&identity.cert_pem)?,
+            key_from_pem(&identity.key_pem)?,
+        )
+        .map_err(tls_err("client certificate"))?;
+    let crypto = QuicClientConfig::try_from(tls)
+        .map_err(|e| TransportError::Tls(format!("QUIC client TLS: {e}")))?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
+    cfg.transport_config(limits.transport_config()?);
     let bind: SocketAddr = if ipv6 {
         "[::]:0".parse().expect("literal address")
     } else {
@@ -162,22 +244,45 @@ pub fn client_endpoint(ca_pem: &str, ipv6: bool) -> Result<Endpoint, TransportEr
     Ok(ep)
 }
 
-/// Connect and finish the TLS handshake.
+/// The worker rank of the peer's client certificate (server side): the
+/// certificate already chained to the cluster CA during the handshake; this
+/// reads the rank it carries (see [`pki::rank_from_cert_der`]).
+pub fn peer_rank(conn: &Connection) -> Result<u32, TransportError> {
+    let identity = conn.peer_identity().ok_or(TransportError::NoPeerIdentity)?;
+    let chain = identity
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .map_err(|_| TransportError::NoPeerIdentity)?;
+    let leaf = chain.first().ok_or(TransportError::NoPeerIdentity)?;
+    pki::rank_from_cert_der(leaf).map_err(TransportError::PeerIdentity)
+}
+
+/// Connect and finish the TLS handshake within `timeout`.
+///
+/// In TLS 1.3 the client finishes its side of the handshake before the server
+/// has checked the client certificate: a server that refuses our certificate
+/// closes the connection right after, so the first call on it fails with the
+/// server's reason.
 pub async fn connect(
     endpoint: &Endpoint,
     addr: SocketAddr,
     server_name: &str,
+    timeout: Duration,
 ) -> Result<Connection, TransportError> {
+    let connect_err = |message: String| TransportError::Connect {
+        addr: addr.to_string(),
+        message,
+    };
     let connecting = endpoint
         .connect(addr, server_name)
-        .map_err(|e| TransportError::Connect {
+        .map_err(|e| connect_err(e.to_string()))?;
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(connect_err(e.to_string())),
+        Err(_) => Err(TransportError::ConnectTimeout {
             addr: addr.to_string(),
-            message: e.to_string(),
-        })?;
-    connecting.await.map_err(|e| TransportError::Connect {
-        addr: addr.to_string(),
-        message: e.to_string(),
-    })
+            timeout,
+        }),
+    }
 }
 
 /// Resolve `host:port` (names allowed) to a socket address.
@@ -195,17 +300,39 @@ pub async fn resolve(host_port: &str) -> Result<SocketAddr, TransportError> {
         })
 }
 
+/// Initial payload buffer of [`read_frame`]; it grows as bytes arrive.
+const INITIAL_FRAME_BUFFER: usize = 64 << 10;
+
 /// Read one frame's payload, refusing frames larger than `limit`.
+///
+/// Memory follows the bytes that actually arrive, not the length the header
+/// declares: a peer that announces a huge frame and sends little costs little.
 pub async fn read_frame(recv: &mut RecvStream, limit: usize) -> Result<Vec<u8>, TransportError> {
     let mut header = [0u8; FRAME_HEADER_BYTES];
     recv.read_exact(&mut header)
         .await
-        .map_err(|e| TransportError::Read(e.to_string()))?;
+        .map_err(|e| TransportError::Read(format!("frame header: {e}")))?;
     let len = frame_len(header, limit)?;
-    let mut payload = vec![0u8; len];
-    recv.read_exact(&mut payload)
-        .await
-        .map_err(|e| TransportError::Read(e.to_string()))?;
+    let mut payload = Vec::with_capacity(len.min(INITIAL_FRAME_BUFFER));
+    while payload.len() < len {
+        let chunk = recv
+            .read_chunk(len - payload.len(), true)
+            .await
+            .map_err(|e| TransportError::Read(e.to_string()))?
+            .ok_or_else(|| {
+                TransportError::Read(format!(
+                    "stream ended after {} of {len} frame bytes",
+                    payload.len()
+                ))
+            })?;
+        let need = payload.len() + chunk.bytes.len();
+        if need > payload.capacity() {
+            // Double, but never past the declared length.
+            let target = need.max(payload.capacity() * 2).min(len);
+            payload.reserve_exact(target - payload.len());
+        }
+        payload.extend_from_slice(&chunk.bytes);
+    }
     Ok(payload)
 }
 
@@ -239,4 +366,240 @@ pub async fn call_raw(
     write_frame(&mut send, frame).await?;
     let payload = read_frame(&mut recv, limit).await?;
     Ok(decode_response(&payload)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pki::ClusterCa;
+    use crate::protocol::{decode_request, encode_response};
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    struct Cluster {
+        ca: ClusterCa,
+        server: Endpoint,
+        addr: SocketAddr,
+    }
+
+    fn cluster() -> Cluster {
+        let ca = ClusterCa::generate("test cluster CA").unwrap();
+        let id = ca
+            .issue_server(&["localhost".into(), "127.0.0.1".into()])
+            .unwrap();
+        let server = server_endpoint(
+            "127.0.0.1:0".parse().unwrap(),
+            &id.cert_pem,
+            &id.key_pem,
+            ca.cert_pem(),
+            &EndpointLimits::default(),
+        )
+        .unwrap();
+        let addr = server.local_addr().unwrap();
+        Cluster { ca, server, addr }
+    }
+
+    fn client(trusted_ca_pem: &str, identity: &CertPair) -> Endpoint {
+        client_endpoint(trusted_ca_pem, identity, false, &EndpointLimits::default()).unwrap()
+    }
+
+    /// Connect `client` while the server accepts: (client side, server side).
+    async fn handshake(
+        cluster: &Cluster,
+        client: &Endpoint,
+    ) -> (
+        Result<Connection, TransportError>,
+        Result<Connection, quinn::ConnectionError>,
+    ) {
+        tokio::join!(connect(client, cluster.addr, "localhost", WAIT), async {
+            cluster.server.accept().await.expect("endpoint open").await
+        })
+    }
+
+    /// The server refused the client: it never got a connection, and the
+    /// client either failed to connect or saw the server close it.
+    async fn assert_refused(
+        client_side: Result<Connection, TransportError>,
+        server_side: Result<Connection, quinn::ConnectionError>,
+    ) {
+        assert!(server_side.is_err(), "server accepted the client");
+        if let Ok(conn) = client_side {
+            let reason = conn.closed().await;
+            assert!(
+                !matches!(reason, quinn::ConnectionError::TimedOut),
+                "{reason}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn worker_cert_from_cluster_ca_names_its_rank() {
+        let cluster = cluster();
+        let worker = cluster.ca.issue_worker(5).unwrap();
+        let ep = client(cluster.ca.cert_pem(), &worker);
+        let (client_side, server_side) = handshake(&cluster, &ep).await;
+        let _conn = client_side.unwrap();
+        assert_eq!(peer_rank(&server_side.unwrap()).unwrap(), 5);
+    }
+
+    #[tokio::test]
+    async fn client_cert_from_another_ca_is_refused() {
+        let cluster = cluster();
+        let stranger = ClusterCa::generate("test cluster CA").unwrap();
+        let ep = client(cluster.ca.cert_pem(), &stranger.issue_worker(1).unwrap());
+        let (client_side, server_side) = handshake(&cluster, &ep).await;
+        assert_refused(client_side, server_side).await;
+    }
+
+    #[tokio::test]
+    async fn client_without_certificate_is_refused() {
+        let cluster = cluster();
+        let roots = roots_from_pem(cluster.ca.cert_pem()).unwrap();
+        let tls = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let crypto = QuicClientConfig::try_from(tls).unwrap();
+        let mut ep = Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+        let (client_side, server_side) = handshake(&cluster, &ep).await;
+        assert_refused(client_side, server_side).await;
+    }
+
+    #[tokio::test]
+    async fn client_trusting_another_ca_cannot_connect() {
+        let cluster = cluster();
+        let other = ClusterCa::generate("test cluster CA").unwrap();
+        let ep = client(other.cert_pem(), &cluster.ca.issue_worker(0).unwrap());
+        let (client_side, server_side) = handshake(&cluster, &ep).await;
+        let err = client_side.unwrap_err();
+        assert!(matches!(err, TransportError::Connect { .. }), "{err}");
+        assert!(server_side.is_err());
+    }
+
+    #[tokio::test]
+    async fn server_cert_is_not_a_client_identity() {
+        let cluster = cluster();
+        let server_id = cluster.ca.issue_server(&["localhost".into()]).unwrap();
+        let ep = client(cluster.ca.cert_pem(), &server_id);
+        let (client_side, server_side) = handshake(&cluster, &ep).await;
+        // Its serverAuth-only usage fails the client verifier; were it ever
+        // accepted, it still names no rank.
+        match &server_side {
+            Ok(conn) => assert!(peer_rank(conn).is_err()),
+            Err(_) => assert_refused(client_side, server_side).await,
+        }
+    }
+
+    #[tokio::test]
+    async fn connect_gives_up_after_the_timeout() {
+        // A socket that never answers.
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let cluster = cluster();
+        let ep = client(cluster.ca.cert_pem(), &cluster.ca.issue_worker(0).unwrap());
+        let addr = silent.local_addr().unwrap();
+        let err = connect(&ep, addr, "localhost", Duration::from_millis(50))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, TransportError::ConnectTimeout { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("did not finish within"), "{err}");
+    }
+
+    /// A connected pair on a fresh cluster, with the endpoints that keep it
+    /// alive: (cluster, client endpoint, client side, server side).
+    async fn connected() -> (Cluster, Endpoint, Connection, Connection) {
+        let cluster = cluster();
+        let ep = client(cluster.ca.cert_pem(), &cluster.ca.issue_worker(2).unwrap());
+        let (client_side, server_side) = handshake(&cluster, &ep).await;
+        let (c, s) = (client_side.unwrap(), server_side.unwrap());
+        (cluster, ep, c, s)
+    }
+
+    /// Send raw bytes on a new stream from the client, read one frame on the
+    /// server.
+    async fn send_and_read(bytes: Vec<u8>, limit: usize) -> Result<Vec<u8>, TransportError> {
+        let (_cluster, _ep, client, server) = connected().await;
+        let writer = async {
+            let (mut send, _recv) = client.open_bi().await.unwrap();
+            write_frame(&mut send, &bytes).await.unwrap();
+            send
+        };
+        let reader = async {
+            let (_send, mut recv) = server.accept_bi().await.unwrap();
+            read_frame(&mut recv, limit).await
+        };
+        let (_send, read) = tokio::join!(writer, reader);
+        read
+    }
+
+    #[tokio::test]
+    async fn read_frame_refuses_a_short_stream_claiming_a_huge_frame() {
+        let mut bytes = (256u32 << 20).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[7u8; 10]);
+        let err = send_and_read(bytes, 512 << 20).await.unwrap_err();
+        assert!(matches!(err, TransportError::Read(_)), "{err}");
+        assert!(err.to_string().contains("after 10 of 268435456"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn read_frame_enforces_the_limit() {
+        let mut bytes = 1000u32.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&[1u8; 1000]);
+        let err = send_and_read(bytes, 999).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::Protocol(ProtocolError::FrameTooLarge { .. })
+            ),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn read_frame_reads_a_large_frame_whole() {
+        let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&payload);
+        let read = send_and_read(bytes, 4 << 20).await.unwrap();
+        assert_eq!(read, payload);
+    }
+
+    #[tokio::test]
+    async fn call_round_trips_over_mutual_tls() {
+        let (_cluster, _ep, client, server) = connected().await;
+        let serve = async {
+            let (mut send, mut recv) = server.accept_bi().await.unwrap();
+            let req = decode_request(&read_frame(&mut recv, 1 << 20).await.unwrap()).unwrap();
+            assert_eq!(req, Request::Bye);
+            let frame = encode_response(&Response::ByeAck).unwrap();
+            write_frame(&mut send, &frame).await.unwrap();
+            send
+        };
+        let (_send, reply) = tokio::join!(serve, call(&client, &Request::Bye, 1 << 20));
+        assert_eq!(reply.unwrap().0, Response::ByeAck);
+    }
+
+    #[test]
+    fn limits_are_checked() {
+        assert!(EndpointLimits::default().transport_config().is_ok());
+        let zero_idle = EndpointLimits {
+            idle_timeout: Duration::ZERO,
+            ..Default::default()
+        };
+        assert!(zero_idle.transport_config().is_err());
+        let slow_keep_alive = EndpointLimits {
+            keep_alive: Duration::from_secs(10),
+            ..Default::default()
+        };
+        assert!(slow_keep_alive.transport_config().is_err());
+        let no_keep_alive = EndpointLimits {
+            keep_alive: Duration::ZERO,
+            ..Default::default()
+        };
+        assert!(no_keep_alive.transport_config().is_ok());
+    }
 }

@@ -1,0 +1,601 @@
+//! Who is in the cluster, as one server process sees it: a sans-IO state
+//! machine like [`crate::core`].
+//!
+//! [`Membership`] admits connections (caps on total and unauthenticated
+//! ones), checks each Hello against the rank in the client certificate and
+//! the cluster's settings, refuses a second connection for a rank that is
+//! alive, rate-limits requests per connection, drops workers that fall
+//! silent or never arrive, and decides when the server exits: cleanly when
+//! every rank has said goodbye, with an error when no worker joined in time
+//! or every worker has been gone too long. The caller passes the time with
+//! every event; shard cores learn of joins and departures from its actions.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use ps_server::membership::{Hello, MemberAction, Membership, MembershipSettings};
+//! let t0 = Instant::now();
+//! let mut m = Membership::new(MembershipSettings { workers: 1, ..MembershipSettings::default() }, t0);
+//! assert!(m.connection_opened(1, t0).is_ok());
+//! let hello = Hello { protocol_version: ps_shared::protocol::PROTOCOL_VERSION, token: "t0ken-123".into(), worker_rank: 0, workers: 1, num_params: 10, layout_hash: 7 };
+//! let settings = MembershipSettings { workers: 1, token: "t0ken-123".into(), num_params: 10, layout_hash: 7, ..MembershipSettings::default() };
+//! let mut m = Membership::new(settings, t0);
+//! m.connection_opened(1, t0).unwrap();
+//! let actions = m.hello(1, 0, &hello, t0).unwrap();
+//! assert!(matches!(actions[..], [MemberAction::Joined { rank: 0, conn: 1 }]));
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use ps_shared::protocol::{ErrorCode, PROTOCOL_VERSION};
+
+use crate::core::ConnId;
+
+/// The fields of a Hello the server checks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Hello {
+    pub protocol_version: u32,
+    pub token: String,
+    pub worker_rank: u32,
+    pub workers: u32,
+    pub num_params: u64,
+    pub layout_hash: u64,
+}
+
+/// Membership policy.
+#[derive(Debug, Clone)]
+pub struct MembershipSettings {
+    pub workers: u32,
+    pub token: String,
+    pub num_params: u64,
+    pub layout_hash: u64,
+    pub max_connections: usize,
+    pub max_unauthenticated: usize,
+    /// Requests per second per connection (burst 1 s); 0 = unlimited.
+    pub max_requests_per_sec: u32,
+    /// A live rank silent this long is dropped.
+    pub worker_timeout: Duration,
+    /// No worker at all by then: exit with an error; a rank not joined by
+    /// then leaves the barrier.
+    pub join_timeout: Duration,
+    /// Every worker gone (unfinished) this long: exit with an error.
+    pub all_gone_grace: Duration,
+    /// Exit once every rank said goodbye.
+    pub exit_when_done: bool,
+}
+
+impl Default for MembershipSettings {
+    fn default() -> Self {
+        Self {
+            workers: 2,
+            token: String::new(),
+            num_params: 0,
+            layout_hash: 0,
+            max_connections: 256,
+            max_unauthenticated: 32,
+            max_requests_per_sec: 0,
+            worker_timeout: Duration::from_secs(10),
+            join_timeout: Duration::from_secs(300),
+            all_gone_grace: Duration::from_secs(60),
+            exit_when_done: true,
+        }
+    }
+}
+
+/// What the caller must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MemberAction {
+    /// Tell every local shard that `rank` is in the barrier on `conn`.
+    Joined { rank: u32, conn: ConnId },
+    /// Tell every local shard that `rank` left (`conn`: the connection it was
+    /// on, if it had one); `why` is for the log.
+    Left {
+        rank: u32,
+        conn: Option<ConnId>,
+        why: String,
+    },
+    /// Close this connection.
+    Close { conn: ConnId, why: String },
+    /// Stop the server: `ok` when every worker finished, else an error.
+    Exit { ok: bool, message: String },
+}
+
+/// A refusal with its code and message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+fn refused(code: ErrorCode, message: impl Into<String>) -> Refused {
+    Refused {
+        code,
+        message: message.into(),
+    }
+}
+
+struct Conn {
+    rank: Option<u32>,
+    last_seen: Instant,
+    /// Request budget (token bucket, burst 1 s).
+    tokens: f64,
+    refilled: Instant,
+}
+
+/// State of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RankState {
+    /// Expected, never connected.
+    Pending,
+    /// Connected on this connection.
+    Live(ConnId),
+    /// Left without finishing (dead, silent, or never came); may come back.
+    Gone,
+    /// Said goodbye.
+    Finished,
+}
+
+/// The server process's view of the workers.
+pub struct Membership {
+    s: MembershipSettings,
+    started: Instant,
+    conns: HashMap<ConnId, Conn>,
+    ranks: BTreeMap<u32, RankState>,
+    ever_joined: bool,
+    /// Since when no rank has been live (after the first join).
+    all_gone_since: Option<Instant>,
+    exited: bool,
+}
+
+impl Membership {
+    pub fn new(settings: MembershipSettings, now: Instant) -> Self {
+        Self {
+            ranks: (0..settings.workers).map(|r| (r, RankState::Pending)).collect(),
+            s: settings,
+            started: now,
+            conns: HashMap::new(),
+            ever_joined: false,
+            all_gone_since: None,
+            exited: false,
+        }
+    }
+
+    /// Open connections, and those not yet past Hello.
+    pub fn connections(&self) -> (usize, usize) {
+        let unauth = self.conns.values().filter(|c| c.rank.is_none()).count();
+        (self.conns.len(), unauth)
+    }
+
+    /// Ranks connected now.
+    pub fn live(&self) -> BTreeSet<u32> {
+        self.ranks
+            .iter()
+            .filter(|(_, s)| matches!(s, RankState::Live(_)))
+            .map(|(r, _)| *r)
+            .collect()
+    }
+
+    /// Ranks that said goodbye.
+    pub fn finished(&self) -> usize {
+        self.ranks.values().filter(|s| **s == RankState::Finished).count()
+    }
+
+    /// A QUIC connection arrived (before TLS completes): admit it or refuse.
+    pub fn connection_opened(&mut self, conn: ConnId, now: Instant) -> Result<(), Refused> {
+        let (total, unauth) = self.connections();
+        if total >= self.s.max_connections {
+            return Err(refused(
+                ErrorCode::RateLimited,
+                format!("server has {total} connections (server.max_connections)"),
+            ));
+        }
+        if unauth >= self.s.max_unauthenticated {
+            return Err(refused(
+                ErrorCode::RateLimited,
+                format!("{unauth} connections have not said Hello yet (server.max_unauthenticated)"),
+            ));
+        }
+        self.conns.insert(
+            conn,
+            Conn {
+                rank: None,
+                last_seen: now,
+                tokens: f64::from(self.s.max_requests_per_sec),
+                refilled: now,
+            },
+        );
+        Ok(())
+    }
+
+    /// Check a Hello from `conn` whose client certificate names `cert_rank`.
+    pub fn hello(
+        &mut self,
+        conn: ConnId,
+        cert_rank: u32,
+        hello: &Hello,
+        now: Instant,
+    ) -> Result<Vec<MemberAction>, Refused> {
+        let Some(c) = self.conns.get(&conn) else {
+            return Err(refused(ErrorCode::Internal, "unknown connection"));
+        };
+        if c.rank.is_some() {
+            return Err(refused(ErrorCode::BadFrame, "Hello was already said on this connection"));
+        }
+        if hello.protocol_version != PROTOCOL_VERSION {
+            return Err(refused(
+                ErrorCode::VersionMismatch,
+                format!(
+                    "client speaks protocol {}, server speaks {PROTOCOL_VERSION}",
+                    hello.protocol_version
+                ),
+            ));
+        }
+        if !tokens_equal(&hello.token, &self.s.token) {
+            return Err(refused(ErrorCode::Unauthorized, "wrong cluster token"));
+        }
+        if hello.worker_rank != cert_rank {
+            return Err(refused(
+                ErrorCode::Unauthorized,
+                format!(
+                    "Hello claims rank {} but the client certificate is for rank {cert_rank}",
+                    hello.worker_rank
+                ),
+            ));
+        }
+        if hello.workers != self.s.workers {
+            return Err(refused(
+                ErrorCode::WorkerCountMismatch,
+                format!(
+                    "worker is configured for cluster.workers = {}, this server for {}",
+                    hello.workers, self.s.workers
+                ),
+            ));
+        }
+        if cert_rank >= self.s.workers {
+            return Err(refused(
+                ErrorCode::UnknownWorker,
+                format!("rank {cert_rank} but the cluster has {} workers", self.s.workers),
+            ));
+        }
+        if hello.num_params != self.s.num_params || hello.layout_hash != self.s.layout_hash {
+            return Err(refused(
+                ErrorCode::LayoutMismatch,
+                format!(
+                    "worker model has {} parameters (layout {:x}), server has {} ({:x}): use the same [model] config",
+                    hello.num_params, hello.layout_hash, self.s.num_params, self.s.layout_hash
+                ),
+            ));
+        }
+        if let Some(RankState::Live(other)) = self.ranks.get(&cert_rank) {
+            if self.conns.contains_key(other) {
+                return Err(refused(
+                    ErrorCode::RankInUse,
+                    format!("rank {cert_rank} is already connected and alive"),
+                ));
+            }
+        }
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.rank = Some(cert_rank);
+            c.last_seen = now;
+        }
+        self.ranks.insert(cert_rank, RankState::Live(conn));
+        self.ever_joined = true;
+        self.all_gone_since = None;
+        Ok(vec![MemberAction::Joined {
+            rank: cert_rank,
+            conn,
+        }])
+    }
+
+    /// A request arrived on `conn`: note the activity; `false` when the
+    /// connection is over its request budget.
+    pub fn request(&mut self, conn: ConnId, now: Instant) -> bool {
+        let rate = f64::from(self.s.max_requests_per_sec);
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return false;
+        };
+        c.last_seen = now;
+        if rate == 0.0 {
+            return true;
+        }
+        let dt = now.saturating_duration_since(c.refilled).as_secs_f64();
+        c.refilled = now;
+        c.tokens = (c.tokens + dt * rate).min(rate);
+        if c.tokens >= 1.0 {
+            c.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The authenticated rank of `conn`.
+    pub fn rank_of(&self, conn: ConnId) -> Option<u32> {
+        self.conns.get(&conn).and_then(|c| c.rank)
+    }
+
+    /// `conn`'s worker said goodbye.
+    pub fn bye(&mut self, conn: ConnId, now: Instant) -> Vec<MemberAction> {
+        let mut out = Vec::new();
+        let Some(rank) = self.rank_of(conn) else {
+            return out;
+        };
+        if self.ranks.get(&rank) == Some(&RankState::Live(conn)) {
+            self.ranks.insert(rank, RankState::Finished);
+            out.push(MemberAction::Left {
+                rank,
+                conn: Some(conn),
+                why: "finished".into(),
+            });
+        }
+        self.check_exit(now, &mut out);
+        out
+    }
+
+    /// `conn` closed (or failed).
+    pub fn connection_closed(&mut self, conn: ConnId, why: &str, now: Instant) -> Vec<MemberAction> {
+        let mut out = Vec::new();
+        let Some(c) = self.conns.remove(&conn) else {
+            return out;
+        };
+        if let Some(rank) = c.rank {
+            if self.ranks.get(&rank) == Some(&RankState::Live(conn)) {
+                self.ranks.insert(rank, RankState::Gone);
+                out.push(MemberAction::Left {
+                    rank,
+                    conn: Some(conn),
+                    why: format!("connection lost before goodbye ({why})"),
+                });
+            }
+        }
+        self.check_exit(now, &mut out);
+        out
+    }
+
+    /// Timer: silent ranks, ranks that never came, and the exit rules.
+    pub fn tick(&mut self, now: Instant) -> Vec<MemberAction> {
+        let mut out = Vec::new();
+        let silent: Vec<(u32, ConnId)> = self
+            .ranks
+            .iter()
+            .filter_map(|(r, s)| match s {
+                RankState::Live(c) => Some((*r, *c)),
+                _ => None,
+            })
+            .filter(|(_, c)| {
+                self.conns
+                    .get(c)
+                    .is_some_and(|c| now.saturating_duration_since(c.last_seen) > self.s.worker_timeout)
+            })
+            .collect();
+        for (rank, conn) in silent {
+            self.ranks.insert(rank, RankState::Gone);
+            out.push(MemberAction::Left {
+                rank,
+                conn: Some(conn),
+                why: format!("silent for more than {:?} (server.worker_timeout_secs)", self.s.worker_timeout),
+            });
+            out.push(MemberAction::Close {
+                conn,
+                why: "silent too long".into(),
+            });
+        }
+        if now.saturating_duration_since(self.started) > self.s.join_timeout {
+            let never: Vec<u32> = self
+                .ranks
+                .iter()
+                .filter(|(_, s)| **s == RankState::Pending)
+                .map(|(r, _)| *r)
+                .collect();
+            for rank in never {
+                self.ranks.insert(rank, RankState::Gone);
+                out.push(MemberAction::Left {
+                    rank,
+                    conn: None,
+                    why: format!(
+                        "never joined within {:?} (server.join_timeout_secs); the others go on without it",
+                        self.s.join_timeout
+                    ),
+                });
+            }
+        }
+        self.check_exit(now, &mut out);
+        out
+    }
+
+    fn check_exit(&mut self, now: Instant, out: &mut Vec<MemberAction>) {
+        if self.exited {
+            return;
+        }
+        let finished = self.finished();
+        if finished as u32 == self.s.workers {
+            if self.s.exit_when_done {
+                self.exited = true;
+                out.push(MemberAction::Exit {
+                    ok: true,
+                    message: "every worker finished".into(),
+                });
+            }
+            return;
+        }
+        if !self.ever_joined {
+            if now.saturating_duration_since(self.started) > self.s.join_timeout {
+                self.exited = true;
+                out.push(MemberAction::Exit {
+                    ok: false,
+                    message: format!(
+                        "no worker joined within {:?} (server.join_timeout_secs)",
+                        self.s.join_timeout
+                    ),
+                });
+            }
+            return;
+        }
+        let any_live = self.ranks.values().any(|s| matches!(s, RankState::Live(_)));
+        if any_live {
+            self.all_gone_since = None;
+            return;
+        }
+        let since = *self.all_gone_since.get_or_insert(now);
+        if now.saturating_duration_since(since) > self.s.all_gone_grace {
+            self.exited = true;
+            out.push(MemberAction::Exit {
+                ok: false,
+                message: format!(
+                    "every worker has been gone for more than {:?} ({finished} of {} finished; server.all_gone_grace_secs)",
+                    self.s.all_gone_grace, self.s.workers
+                ),
+            });
+        }
+    }
+}
+
+fn tokens_equal(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(workers: u32) -> MembershipSettings {
+        MembershipSettings {
+            workers,
+            token: "secret-token".into(),
+            num_params: 100,
+            layout_hash: 42,
+            max_connections: 4,
+            max_unauthenticated: 2,
+            max_requests_per_sec: 10,
+            worker_timeout: Duration::from_secs(3),
+            join_timeout: Duration::from_secs(30),
+            all_gone_grace: Duration::from_secs(20),
+            exit_when_done: true,
+        }
+    }
+
+    fn hello(rank: u32, workers: u32) -> Hello {
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            token: "secret-token".into(),
+            worker_rank: rank,
+            workers,
+            num_params: 100,
+            layout_hash: 42,
+        }
+    }
+
+    fn secs(t0: Instant, s: u64) -> Instant {
+        t0 + Duration::from_secs(s)
+    }
+
+    #[test]
+    fn hello_checks_name_their_cause() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(settings(2), t0);
+        let cases = [
+            (Hello { token: "nope-nope".into(), ..hello(0, 2) }, 0, ErrorCode::Unauthorized),
+            (hello(1, 2), 0, ErrorCode::Unauthorized), // claims 1, certificate says 0
+            (hello(0, 4), 0, ErrorCode::WorkerCountMismatch),
+            (hello(7, 2), 7, ErrorCode::UnknownWorker),
+            (Hello { protocol_version: 1, ..hello(0, 2) }, 0, ErrorCode::VersionMismatch),
+            (Hello { num_params: 1, ..hello(0, 2) }, 0, ErrorCode::LayoutMismatch),
+        ];
+        for (i, (h, cert, code)) in cases.into_iter().enumerate() {
+            let conn = i as ConnId;
+            m.connection_opened(conn, t0).unwrap();
+            assert_eq!(m.hello(conn, cert, &h, t0).unwrap_err().code, code, "case {i}");
+            m.connection_closed(conn, "refused", t0);
+        }
+        assert!(m.live().is_empty());
+    }
+
+    #[test]
+    fn a_live_rank_cannot_be_taken_over() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(settings(2), t0);
+        m.connection_opened(1, t0).unwrap();
+        m.hello(1, 0, &hello(0, 2), t0).unwrap();
+        m.connection_opened(2, t0).unwrap();
+        assert_eq!(m.hello(2, 0, &hello(0, 2), t0).unwrap_err().code, ErrorCode::RankInUse);
+        // Once the first connection is gone, the rank may come back.
+        let left = m.connection_closed(1, "timed out", t0);
+        assert!(matches!(left[..], [MemberAction::Left { rank: 0, conn: Some(1), .. }]));
+        let joined = m.hello(2, 0, &hello(0, 2), t0).unwrap();
+        assert_eq!(joined, vec![MemberAction::Joined { rank: 0, conn: 2 }]);
+    }
+
+    #[test]
+    fn connection_caps_hold_before_authentication() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(settings(2), t0);
+        m.connection_opened(1, t0).unwrap();
+        m.connection_opened(2, t0).unwrap();
+        // Two unauthenticated already: the third is refused.
+        assert!(m.connection_opened(3, t0).is_err());
+        m.hello(1, 0, &hello(0, 2), t0).unwrap();
+        m.connection_opened(3, t0).unwrap();
+        m.hello(3, 1, &hello(1, 2), t0).unwrap();
+        m.connection_opened(4, t0).unwrap();
+        // Four in all: the fifth is refused.
+        assert!(m.connection_opened(5, t0).is_err());
+        assert_eq!(m.connections(), (4, 2));
+    }
+
+    #[test]
+    fn request_budget_refills_with_time() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(settings(1), t0);
+        m.connection_opened(1, t0).unwrap();
+        let passed = (0..30).filter(|_| m.request(1, t0)).count();
+        assert_eq!(passed, 10, "burst of one second at 10/s");
+        assert!(!m.request(1, t0));
+        assert!(m.request(1, t0 + Duration::from_millis(150)), "refilled after 0.15 s");
+    }
+
+    #[test]
+    fn silent_ranks_are_dropped_and_never_joined_ranks_leave_the_barrier() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(settings(2), t0);
+        m.connection_opened(1, t0).unwrap();
+        m.hello(1, 0, &hello(0, 2), t0).unwrap();
+        assert!(m.tick(secs(t0, 2)).is_empty());
+        let acts = m.tick(secs(t0, 4));
+        assert!(acts.contains(&MemberAction::Close { conn: 1, why: "silent too long".into() }));
+        assert!(matches!(acts[0], MemberAction::Left { rank: 0, conn: Some(1), .. }));
+        // Rank 1 never came: after the join timeout it leaves the barrier.
+        let acts = m.tick(secs(t0, 31));
+        assert!(acts.iter().any(|a| matches!(a, MemberAction::Left { rank: 1, conn: None, .. })));
+    }
+
+    #[test]
+    fn ends_are_never_silent() {
+        let t0 = Instant::now();
+        // Nobody joins: an error after the join timeout.
+        let mut m = Membership::new(settings(2), t0);
+        assert!(m.tick(secs(t0, 29)).is_empty());
+        let acts = m.tick(secs(t0, 31));
+        assert!(acts.iter().any(|a| matches!(a, MemberAction::Exit { ok: false, message } if message.contains("no worker joined"))));
+        // Everyone leaves without finishing: an error after the grace period.
+        let mut m = Membership::new(settings(2), t0);
+        for (conn, rank) in [(1, 0), (2, 1)] {
+            m.connection_opened(conn, t0).unwrap();
+            m.hello(conn, rank, &hello(rank, 2), t0).unwrap();
+        }
+        m.bye(1, secs(t0, 1));
+        m.connection_closed(2, "reset", secs(t0, 2));
+        assert!(!m.tick(secs(t0, 21)).iter().any(|a| matches!(a, MemberAction::Exit { .. })));
+        let acts = m.tick(secs(t0, 23));
+        assert!(acts.iter().any(|a| matches!(a, MemberAction::Exit { ok: false, message } if message.contains("1 of 2 finished"))));
+        // Everyone finishes: a clean exit.
+        let mut m = Membership::new(settings(2), t0);
+        for (conn, rank) in [(1, 0), (2, 1)] {
+            m.connection_opened(conn, t0).unwrap();
+            m.hello(conn, rank, &hello(rank, 2), t0).unwrap();
+        }
+        m.bye(1, t0);
+        let acts = m.bye(2, t0);
+        assert!(acts.iter().any(|a| matches!(a, MemberAction::Exit { ok: true, .. })));
+    }
+}

@@ -1,203 +1,288 @@
-//! `ShardActor`: one actix actor per parameter shard.
+//! `ShardActor`: the actix actor that drives one [`ShardCore`].
 //!
-//! The actor owns a [`ShardState`] and only moves messages in and out of it.
-//! Pulls that ask for a version the shard has not reached yet are parked and
-//! answered the moment the barrier completes. Each actor runs on its own
-//! arbiter (thread), so shards aggregate and update in parallel, and each
-//! update is itself parallel over chunks.
+//! The actor holds no policy. It numbers incoming requests, feeds them to the
+//! core with the current time, and carries out the core's actions: it sends
+//! replies through the requests' one-shot channels, writes checkpoints to the
+//! object store, and publishes the shard's version for whoever waits on it.
+//! A timer feeds the core `Tick`s so deadlines and the recovery window pass
+//! even when no request arrives. Each actor runs on its own arbiter (thread),
+//! so shards aggregate and update in parallel.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use object_store::{path::Path as ObjectPath, ObjectStore};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
-use crate::checkpoint::save;
 use ps_shared::protocol::{Response, WireGrad};
 
-use crate::shard::{Refusal, ShardState};
+use crate::checkpoint::{save, ShardCheckpoint};
+use crate::core::{Action, ConnId, CoreStats, Event, RecoveryReport, ReplyId, ShardCore};
 
-pub struct ShardActor {
-    state: ShardState,
-    parked: Vec<ParkedPull>,
-    checkpoints: Option<CheckpointTarget>,
-    layout_hash: u64,
-    /// A checkpoint write is under way (at most one at a time).
-    saving: bool,
-    last_saved: u64,
-}
-
-/// Where and how often a shard checkpoints.
+/// Where a shard checkpoints.
 #[derive(Clone)]
 pub struct CheckpointTarget {
     pub store: Arc<dyn ObjectStore>,
     pub prefix: ObjectPath,
-    pub every: u64,
 }
 
-struct ParkedPull {
-    worker: u32,
-    have_version: Option<u64>,
-    min_version: u64,
-    reply: oneshot::Sender<Response>,
+pub struct ShardActor {
+    core: ShardCore,
+    replies: HashMap<ReplyId, oneshot::Sender<Response>>,
+    next_reply: ReplyId,
+    checkpoints: Option<CheckpointTarget>,
+    tick: Duration,
+    version: watch::Sender<u64>,
+    /// Thread CPU time spent handling pushes (aggregation and updates).
+    cpu: Duration,
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec we pass.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
 }
 
 impl ShardActor {
-    pub fn new(state: ShardState, checkpoints: Option<CheckpointTarget>, layout_hash: u64) -> Self {
-        let last_saved = state.version();
+    pub fn new(
+        core: ShardCore,
+        checkpoints: Option<CheckpointTarget>,
+        tick: Duration,
+        version: watch::Sender<u64>,
+    ) -> Self {
         Self {
-            state,
-            parked: Vec::new(),
+            core,
+            replies: HashMap::new(),
+            next_reply: 0,
             checkpoints,
-            layout_hash,
-            saving: false,
-            last_saved,
+            tick,
+            version,
+            cpu: Duration::ZERO,
         }
     }
 
-    /// Start a checkpoint write when one is due and none is under way. The
-    /// snapshot is taken now; training goes on while it is written.
-    fn maybe_checkpoint(&mut self, ctx: &mut Context<Self>) {
-        let Some(target) = &self.checkpoints else {
+    fn feed(&mut self, event: Event, ctx: &mut Context<Self>) {
+        let actions = self.core.handle(event, Instant::now());
+        self.carry_out(actions, ctx);
+    }
+
+    fn carry_out(&mut self, actions: Vec<Action>, ctx: &mut Context<Self>) {
+        for action in actions {
+            match action {
+                Action::Reply { to, response } => {
+                    if let Some(tx) = self.replies.remove(&to) {
+                        let _ = tx.send(response);
+                    }
+                }
+                Action::Applied { version, .. } => {
+                    self.version.send_replace(version);
+                }
+                Action::Recovered(report) => {
+                    self.version.send_replace(report.version);
+                }
+                Action::Checkpoint(snapshot) => self.spawn_checkpoint(snapshot, ctx),
+            }
+        }
+        // Replies the core dropped (closed connections) free their slots.
+        self.replies.retain(|_, tx| !tx.is_closed());
+    }
+
+    fn spawn_checkpoint(&mut self, snapshot: ShardCheckpoint, ctx: &mut Context<Self>) {
+        let version = snapshot.version;
+        let Some(target) = self.checkpoints.clone() else {
+            self.feed(Event::CheckpointDone { version, ok: true }, ctx);
             return;
         };
-        let version = self.state.version();
-        if self.saving || target.every == 0 || version < self.last_saved + target.every {
-            return;
-        }
-        self.saving = true;
-        let snapshot = self.state.snapshot(self.layout_hash);
-        let target = target.clone();
-        let shard = self.state.id();
+        let shard = snapshot.shard;
         let write = async move { save(&target.store, &target.prefix, &snapshot).await };
-        ctx.spawn(write.into_actor(self).map(move |result, actor, _| {
-            actor.saving = false;
-            match result {
+        ctx.spawn(write.into_actor(self).map(move |result, actor, ctx| {
+            let ok = match result {
                 Ok(()) => {
-                    actor.last_saved = version;
                     tracing::info!(shard, version, "checkpoint published");
+                    true
                 }
-                Err(e) => tracing::error!(shard, version, "checkpoint failed: {e}"),
-            }
+                Err(e) => {
+                    tracing::error!(shard, version, "checkpoint failed: {e}");
+                    false
+                }
+            };
+            actor.feed(Event::CheckpointDone { version, ok }, ctx);
         }));
-    }
-
-    fn release_parked(&mut self) {
-        let parked = std::mem::take(&mut self.parked);
-        for p in parked {
-            match self.state.pull(p.worker, p.have_version, p.min_version) {
-                Some(resp) => {
-                    let _ = p.reply.send(resp);
-                }
-                None => self.parked.push(p),
-            }
-        }
     }
 }
 
 impl Actor for ShardActor {
     type Context = Context<Self>;
-}
 
-/// Offer initial parameter values.
-#[derive(Message)]
-#[rtype(result = "Result<bool, Refusal>")]
-pub struct InitShard(pub Vec<f32>);
-
-impl Handler<InitShard> for ShardActor {
-    type Result = Result<bool, Refusal>;
-    fn handle(&mut self, msg: InitShard, _: &mut Context<Self>) -> Self::Result {
-        let accepted = self.state.init(msg.0)?;
-        self.release_parked();
-        Ok(accepted)
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.tick, |actor, ctx| actor.feed(Event::Tick, ctx));
     }
 }
 
-/// A worker's gradient for a step.
-#[derive(Message)]
-#[rtype(result = "Result<(), Refusal>")]
-pub struct PushGrad {
-    pub worker: u32,
-    pub step: u64,
-    pub grad: WireGrad,
+/// A request for this shard from an authenticated connection.
+#[derive(Debug)]
+pub enum ShardRequest {
+    Offer {
+        version: u64,
+        next_step: u64,
+        values: Vec<f32>,
+    },
+    Step {
+        step: u64,
+        have_version: Option<u64>,
+        grad: WireGrad,
+    },
 }
 
-impl Handler<PushGrad> for ShardActor {
-    type Result = Result<(), Refusal>;
-    fn handle(&mut self, msg: PushGrad, ctx: &mut Context<Self>) -> Self::Result {
-        if self.state.push(msg.worker, msg.step, msg.grad)? {
-            self.release_parked();
-            self.maybe_checkpoint(ctx);
-        }
-        Ok(())
-    }
-}
-
-/// Ask for parameters at `min_version` or later; the receiver resolves when ready.
+/// Deliver a request; the receiver resolves with the reply (it closes
+/// without one when the connection closed first).
 #[derive(Message)]
 #[rtype(result = "oneshot::Receiver<Response>")]
-pub struct PullParams {
-    pub worker: u32,
-    pub have_version: Option<u64>,
-    pub min_version: u64,
+pub struct Deliver {
+    pub conn: ConnId,
+    pub rank: u32,
+    pub request: ShardRequest,
 }
 
-impl Handler<PullParams> for ShardActor {
-    type Result = MessageResult<PullParams>;
-    fn handle(&mut self, msg: PullParams, _: &mut Context<Self>) -> Self::Result {
+impl Handler<Deliver> for ShardActor {
+    type Result = MessageResult<Deliver>;
+    fn handle(&mut self, msg: Deliver, ctx: &mut Context<Self>) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        match self
-            .state
-            .pull(msg.worker, msg.have_version, msg.min_version)
-        {
-            Some(resp) => {
-                let _ = tx.send(resp);
-            }
-            None => self.parked.push(ParkedPull {
-                worker: msg.worker,
-                have_version: msg.have_version,
-                min_version: msg.min_version,
-                reply: tx,
-            }),
-        }
+        let reply = self.next_reply;
+        self.next_reply += 1;
+        self.replies.insert(reply, tx);
+        let Deliver {
+            conn,
+            rank,
+            request,
+        } = msg;
+        let event = match request {
+            ShardRequest::Offer {
+                version,
+                next_step,
+                values,
+            } => Event::Offer {
+                reply,
+                conn,
+                rank,
+                version,
+                next_step,
+                values,
+            },
+            ShardRequest::Step {
+                step,
+                have_version,
+                grad,
+            } => Event::Step {
+                reply,
+                conn,
+                rank,
+                step,
+                have_version,
+                grad,
+            },
+        };
+        let t0 = thread_cpu_time();
+        let actions = self.core.handle(event, Instant::now());
+        self.cpu += thread_cpu_time().saturating_sub(t0);
+        self.carry_out(actions, ctx);
         MessageResult(rx)
     }
 }
 
-/// A worker left the cluster: it no longer holds up the barrier.
-#[derive(Message)]
+/// Membership news for the shard.
+#[derive(Message, Debug, Clone)]
 #[rtype(result = "()")]
-pub struct WorkerLeft(pub u32);
+pub enum MemberNews {
+    Joined { rank: u32, conn: ConnId },
+    Left { rank: u32, conn: Option<ConnId> },
+    ConnClosed { conn: ConnId },
+}
 
-impl Handler<WorkerLeft> for ShardActor {
+impl Handler<MemberNews> for ShardActor {
     type Result = ();
-    fn handle(&mut self, msg: WorkerLeft, ctx: &mut Context<Self>) {
-        self.state.leave(msg.0);
-        // Leaving can complete a step or relax the SSP bound.
-        self.release_parked();
-        self.maybe_checkpoint(ctx);
+    fn handle(&mut self, msg: MemberNews, ctx: &mut Context<Self>) {
+        let event = match msg {
+            MemberNews::Joined { rank, conn } => Event::Joined { rank, conn },
+            MemberNews::Left { rank, conn } => Event::Left { rank, conn },
+            MemberNews::ConnClosed { conn } => Event::ConnClosed { conn },
+        };
+        self.feed(event, ctx);
     }
 }
 
-/// A worker (re)joined the cluster.
+/// Stop serving: answer what waits and write a final checkpoint (when
+/// checkpoints are configured). Resolves once the checkpoint is written.
 #[derive(Message)]
-#[rtype(result = "()")]
-pub struct WorkerJoined(pub u32);
+#[rtype(result = "Option<u64>")]
+pub struct Shutdown;
 
-impl Handler<WorkerJoined> for ShardActor {
-    type Result = ();
-    fn handle(&mut self, msg: WorkerJoined, _: &mut Context<Self>) {
-        self.state.join(msg.0);
-        self.release_parked();
+impl Handler<Shutdown> for ShardActor {
+    type Result = ResponseActFuture<Self, Option<u64>>;
+    fn handle(&mut self, _: Shutdown, _: &mut Context<Self>) -> Self::Result {
+        let actions = self.core.handle(Event::Shutdown, Instant::now());
+        let mut snapshot = None;
+        for action in actions {
+            match action {
+                Action::Reply { to, response } => {
+                    if let Some(tx) = self.replies.remove(&to) {
+                        let _ = tx.send(response);
+                    }
+                }
+                Action::Checkpoint(s) => snapshot = Some(s),
+                _ => {}
+            }
+        }
+        let target = self.checkpoints.clone();
+        Box::pin(
+            async move {
+                let (Some(target), Some(snapshot)) = (target, snapshot) else {
+                    return None;
+                };
+                let version = snapshot.version;
+                match save(&target.store, &target.prefix, &snapshot).await {
+                    Ok(()) => Some(version),
+                    Err(e) => {
+                        tracing::error!(shard = snapshot.shard, "final checkpoint failed: {e}");
+                        None
+                    }
+                }
+            }
+            .into_actor(self)
+            .map(|saved, actor, ctx| {
+                if let Some(version) = saved {
+                    actor.feed(Event::CheckpointDone { version, ok: true }, ctx);
+                }
+                saved
+            }),
+        )
     }
 }
 
-/// A snapshot of the shard for status and tests.
+/// A snapshot of the shard for status, tests and benchmarks.
 #[derive(Debug, Clone)]
 pub struct ShardStatus {
     pub shard: u32,
     pub version: u64,
+    pub serving: bool,
     pub params: Vec<f32>,
+    pub stats: CoreStats,
+    /// Thread CPU time spent on pushes and updates.
+    pub cpu: Duration,
+    pub recovery: Option<RecoveryReport>,
 }
 
 #[derive(Message)]
@@ -208,9 +293,13 @@ impl Handler<GetStatus> for ShardActor {
     type Result = MessageResult<GetStatus>;
     fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> Self::Result {
         MessageResult(ShardStatus {
-            shard: self.state.id(),
-            version: self.state.version(),
-            params: self.state.params().to_vec(),
+            shard: self.core.id(),
+            version: self.core.version(),
+            serving: self.core.is_serving(),
+            params: self.core.params().to_vec(),
+            stats: self.core.stats(),
+            cpu: self.cpu,
+            recovery: self.core.recovery_report().cloned(),
         })
     }
 }

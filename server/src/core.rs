@@ -171,12 +171,18 @@ pub enum Event {
 /// An output of the core.
 #[derive(Debug)]
 pub enum Action {
-    Reply { to: ReplyId, response: Response },
+    Reply {
+        to: ReplyId,
+        response: Response,
+    },
     /// Write this snapshot (at most one write is outstanding).
     Checkpoint(ShardCheckpoint),
     /// An update was applied, touching `entries` parameters (all of them
     /// when the update was dense).
-    Applied { version: u64, entries: usize },
+    Applied {
+        version: u64,
+        entries: usize,
+    },
     /// The shard decided where it starts from.
     Recovered(RecoveryReport),
 }
@@ -310,7 +316,11 @@ impl ShardCore {
     /// A shard that starts by collecting offers; `checkpoint` is the latest
     /// checkpoint of this shard, if one was found (checked by the caller to be
     /// of this shard and layout).
-    pub fn new(setup: ShardSetup, settings: CoreSettings, checkpoint: Option<ShardCheckpoint>) -> Self {
+    pub fn new(
+        setup: ShardSetup,
+        settings: CoreSettings,
+        checkpoint: Option<ShardCheckpoint>,
+    ) -> Self {
         let len = setup.hi - setup.lo;
         let rule = setup.rule;
         let moves_untouched = rule.momentum > 0.0 || rule.weight_decay > 0.0 || rule.lars.is_some();
@@ -622,7 +632,9 @@ impl ShardCore {
         if rec.offers.is_empty() || !(everyone || window_over) {
             return;
         }
-        let Some(rec) = self.recovery.take() else { return };
+        let Some(rec) = self.recovery.take() else {
+            return;
+        };
         let report = self.decide(rec);
         tracing::info!(shard = self.id(), ?report, "shard starts");
         self.recovered = Some(report.clone());
@@ -643,7 +655,10 @@ impl ShardCore {
         // version, the largest group, then the lowest rank.
         let mut groups: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
         for o in &offers {
-            groups.entry((o.version, o.checksum)).or_default().push(o.rank);
+            groups
+                .entry((o.version, o.checksum))
+                .or_default()
+                .push(o.rank);
         }
         let mut versions: Vec<u64> = groups.keys().map(|(v, _)| *v).collect();
         versions.dedup();
@@ -652,7 +667,9 @@ impl ShardCore {
             groups
                 .iter()
                 .filter(|((gv, _), _)| *gv == v)
-                .map(|((_, sum), ranks)| (*sum, ranks.len(), ranks.iter().min().copied().unwrap_or(0)))
+                .map(|((_, sum), ranks)| {
+                    (*sum, ranks.len(), ranks.iter().min().copied().unwrap_or(0))
+                })
                 .collect::<Vec<_>>()
         };
         // Newest version whose copies all agree; if none agrees anywhere, the
@@ -756,7 +773,11 @@ impl ShardCore {
                 if values.len() != self.len() {
                     return Err(refusal(
                         ErrorCode::WrongLength,
-                        format!("dense push of {} values for a shard of {}", values.len(), self.len()),
+                        format!(
+                            "dense push of {} values for a shard of {}",
+                            values.len(),
+                            self.len()
+                        ),
                     ));
                 }
                 values
@@ -810,7 +831,9 @@ impl ShardCore {
             NormPolicy::Clip => {
                 self.stats.clipped += 1;
                 let scale = (f64::from(bound) / norm) as f32;
-                let clip = |v: WireValues| WireValues::F32(v.into_f32().into_iter().map(|x| x * scale).collect());
+                let clip = |v: WireValues| {
+                    WireValues::F32(v.into_f32().into_iter().map(|x| x * scale).collect())
+                };
                 Ok(match grad {
                     WireGrad::Dense(v) => WireGrad::Dense(clip(v)),
                     WireGrad::Sparse { indices, values } => WireGrad::Sparse {
@@ -861,14 +884,20 @@ impl ShardCore {
             return refuse(
                 out,
                 ErrorCode::UnknownWorker,
-                format!("worker {rank} is not in shard {}'s barrier on this connection", self.id()),
+                format!(
+                    "worker {rank} is not in shard {}'s barrier on this connection",
+                    self.id()
+                ),
             );
         }
         let grad = match self.check_push(grad) {
             Ok(g) => g,
             Err(response) => {
                 self.stats.refused += 1;
-                out.push(Action::Reply { to: reply, response });
+                out.push(Action::Reply {
+                    to: reply,
+                    response,
+                });
                 return;
             }
         };
@@ -878,7 +907,10 @@ impl ShardCore {
             return refuse(
                 out,
                 ErrorCode::WrongStep,
-                format!("push for step {step}, shard {} expects step {expected} from worker {rank}", self.id()),
+                format!(
+                    "push for step {step}, shard {} expects step {expected} from worker {rank}",
+                    self.id()
+                ),
             );
         }
         if step < expected {
@@ -900,7 +932,15 @@ impl ShardCore {
                     self.accumulate(grad);
                     self.pushed.insert(rank);
                 }
-                self.park(reply, conn, rank, have_version, Wait::Applied { step }, now, out);
+                self.park(
+                    reply,
+                    conn,
+                    rank,
+                    have_version,
+                    Wait::Applied { step },
+                    now,
+                    out,
+                );
                 if self.maybe_apply_bsp(out) {
                     self.maybe_checkpoint(out);
                 }
@@ -949,7 +989,11 @@ impl ShardCore {
     }
 
     fn min_live_clock(&self) -> Option<u64> {
-        self.live.keys().filter_map(|w| self.clocks.get(w)).min().copied()
+        self.live
+            .keys()
+            .filter_map(|w| self.clocks.get(w))
+            .min()
+            .copied()
     }
 
     /// BSP: apply once every live rank pushed.
@@ -980,7 +1024,8 @@ impl ShardCore {
             }
             entries = self.touched.len();
             self.stats.sparse_updates += 1;
-            self.changes.push_back(Some(std::mem::take(&mut self.touched)));
+            self.changes
+                .push_back(Some(std::mem::take(&mut self.touched)));
         } else {
             if let Err(e) = fused_update(
                 &mut self.params,
@@ -1127,9 +1172,19 @@ mod tests {
     /// A serving core whose ranks `0..workers` joined on connections `100 + rank`.
     fn serving(workers: u32, momentum: f32, mode: Mode) -> (ShardCore, Instant) {
         let t0 = Instant::now();
-        let mut c = ShardCore::new(setup(workers, momentum, mode), CoreSettings::default(), None);
+        let mut c = ShardCore::new(
+            setup(workers, momentum, mode),
+            CoreSettings::default(),
+            None,
+        );
         for r in 0..workers {
-            c.handle(Event::Joined { rank: r, conn: 100 + u64::from(r) }, t0);
+            c.handle(
+                Event::Joined {
+                    rank: r,
+                    conn: 100 + u64::from(r),
+                },
+                t0,
+            );
         }
         for r in 0..workers {
             c.handle(offer(r, 0, vec![0.0; 8]), t0);
@@ -1186,13 +1241,23 @@ mod tests {
         assert_eq!(c.stats().duplicate_pushes, 1);
         let acts = c.handle(step(3, 1, 0, sparse(vec![1, 3], vec![4.0, 2.0])), t0);
         let r = replies(&acts);
-        assert_eq!(r.len(), 3, "both parked replies of rank 0 and rank 1's reply");
+        assert_eq!(
+            r.len(),
+            3,
+            "both parked replies of rank 0 and rank 1's reply"
+        );
         assert_eq!(c.version(), 1);
         assert_eq!(c.params()[1], -3.0, "average of 2 and 4");
         assert_eq!(c.params()[3], -1.0);
         for (_, resp) in r {
             match resp {
-                Response::Params { version: 1, next_step: 1, update: ParamUpdate::Sparse { indices, values }, live_workers: 2, .. } => {
+                Response::Params {
+                    version: 1,
+                    next_step: 1,
+                    update: ParamUpdate::Sparse { indices, values },
+                    live_workers: 2,
+                    ..
+                } => {
                     assert_eq!(indices, &vec![1, 3]);
                     assert_eq!(values, &vec![-3.0, -1.0]);
                 }
@@ -1201,7 +1266,10 @@ mod tests {
         }
         // A push for a step already applied is answered at once, not applied.
         let acts = c.handle(step(4, 0, 0, sparse(vec![1], vec![100.0])), t0);
-        assert!(matches!(replies(&acts)[..], [(4, Response::Params { version: 1, .. })]));
+        assert!(matches!(
+            replies(&acts)[..],
+            [(4, Response::Params { version: 1, .. })]
+        ));
         assert_eq!(c.params()[1], -3.0);
         // A push from the future is refused.
         let acts = c.handle(step(5, 0, 3, sparse(vec![1], vec![1.0])), t0);
@@ -1212,14 +1280,27 @@ mod tests {
     fn sparse_momentum_free_updates_touch_only_pushed_entries() {
         let (mut c, t0) = serving(1, 0.0, Mode::Bsp);
         let acts = c.handle(step(1, 0, 0, sparse(vec![2, 5], vec![1.0, 1.0])), t0);
-        assert!(acts.iter().any(|a| matches!(a, Action::Applied { version: 1, entries: 2 })));
+        assert!(acts.iter().any(|a| matches!(
+            a,
+            Action::Applied {
+                version: 1,
+                entries: 2
+            }
+        )));
         assert_eq!(c.stats().sparse_updates, 1);
         let (mut c, t0) = serving(1, 0.9, Mode::Bsp);
         let acts = c.handle(step(1, 0, 0, sparse(vec![2], vec![1.0])), t0);
-        assert!(acts.iter().any(|a| matches!(a, Action::Applied { entries: 8, .. })), "momentum moves every entry");
+        assert!(
+            acts.iter()
+                .any(|a| matches!(a, Action::Applied { entries: 8, .. })),
+            "momentum moves every entry"
+        );
         assert!(matches!(
             replies(&acts)[0].1,
-            Response::Params { update: ParamUpdate::Dense(_), .. }
+            Response::Params {
+                update: ParamUpdate::Dense(_),
+                ..
+            }
         ));
     }
 
@@ -1234,7 +1315,10 @@ mod tests {
             (sparse(vec![1, 2], vec![1.0]), ErrorCode::WrongLength),
             (sparse(vec![1], vec![f32::NAN]), ErrorCode::NonFinite),
             (sparse(vec![1], vec![f32::INFINITY]), ErrorCode::NonFinite),
-            (WireGrad::Dense(WireValues::F32(vec![0.0; 3])), ErrorCode::WrongLength),
+            (
+                WireGrad::Dense(WireValues::F32(vec![0.0; 3])),
+                ErrorCode::WrongLength,
+            ),
         ];
         for (i, (grad, want)) in cases.into_iter().enumerate() {
             let acts = c.handle(step(10 + i as u64, 1, 0, grad), t0);
@@ -1242,7 +1326,14 @@ mod tests {
         }
         // A rank on a connection that is not its barrier connection.
         let acts = c.handle(
-            Event::Step { reply: 20, conn: 555, rank: 1, step: 0, have_version: None, grad: sparse(vec![1], vec![1.0]) },
+            Event::Step {
+                reply: 20,
+                conn: 555,
+                rank: 1,
+                step: 0,
+                have_version: None,
+                grad: sparse(vec![1], vec![1.0]),
+            },
             t0,
         );
         assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::UnknownWorker));
@@ -1274,7 +1365,9 @@ mod tests {
         let acts = c.handle(Event::Tick, t0 + Duration::from_secs(5));
         let r = replies(&acts);
         assert_eq!(r.len(), 2);
-        assert!(r.iter().all(|(_, resp)| code(resp) == Some(ErrorCode::Timeout)));
+        assert!(r
+            .iter()
+            .all(|(_, resp)| code(resp) == Some(ErrorCode::Timeout)));
         assert_eq!(c.stats().timeouts, 2);
         // A closed connection takes its parked replies with it.
         c.handle(step(4, 0, 0, sparse(vec![1], vec![1.0])), t0);
@@ -1289,11 +1382,36 @@ mod tests {
         c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0);
         // Rank 1 reconnected on 201 before its old connection 101 was seen to die.
         c.handle(Event::Joined { rank: 1, conn: 201 }, t0);
-        c.handle(Event::Left { rank: 1, conn: Some(101) }, t0);
-        assert_eq!(c.version(), 0, "the stale connection's departure changes nothing");
-        let acts = c.handle(Event::Left { rank: 1, conn: Some(201) }, t0);
+        c.handle(
+            Event::Left {
+                rank: 1,
+                conn: Some(101),
+            },
+            t0,
+        );
+        assert_eq!(
+            c.version(),
+            0,
+            "the stale connection's departure changes nothing"
+        );
+        let acts = c.handle(
+            Event::Left {
+                rank: 1,
+                conn: Some(201),
+            },
+            t0,
+        );
         assert_eq!(c.version(), 1);
-        assert!(matches!(replies(&acts)[..], [(1, Response::Params { live_workers: 1, .. })]));
+        assert!(matches!(
+            replies(&acts)[..],
+            [(
+                1,
+                Response::Params {
+                    live_workers: 1,
+                    ..
+                }
+            )]
+        ));
         assert_eq!(c.params()[0], -1.0);
     }
 
@@ -1303,22 +1421,73 @@ mod tests {
         c.handle(step(1, 1, 0, sparse(vec![0], vec![2.0])), t0);
         // Rank 1 dies after its push; its replacement joins on a new connection.
         c.handle(Event::ConnClosed { conn: 101 }, t0);
-        c.handle(Event::Left { rank: 1, conn: Some(101) }, t0);
+        c.handle(
+            Event::Left {
+                rank: 1,
+                conn: Some(101),
+            },
+            t0,
+        );
         // Rank 0 alone completes step 0 (with rank 1's push in it).
         let acts = c.handle(step(2, 0, 0, sparse(vec![0], vec![4.0])), t0);
         assert_eq!(replies(&acts).len(), 1);
         assert_eq!(c.params()[0], -3.0);
         c.handle(Event::Joined { rank: 1, conn: 301 }, t0);
-        let acts = c.handle(Event::Offer { reply: 3, conn: 301, rank: 1, version: 0, next_step: 0, values: vec![9.0; 8] }, t0);
+        let acts = c.handle(
+            Event::Offer {
+                reply: 3,
+                conn: 301,
+                rank: 1,
+                version: 0,
+                next_step: 0,
+                values: vec![9.0; 8],
+            },
+            t0,
+        );
         match replies(&acts)[..] {
-            [(3, Response::Params { version: 1, next_step: 1, update: ParamUpdate::Dense(v), .. })] => assert_eq!(v[0], -3.0),
+            [(
+                3,
+                Response::Params {
+                    version: 1,
+                    next_step: 1,
+                    update: ParamUpdate::Dense(v),
+                    ..
+                },
+            )] => assert_eq!(v[0], -3.0),
             ref other => panic!("{other:?}"),
         }
         // Its retry of step 0 is answered, not refused; step 1 waits for both.
-        let acts = c.handle(Event::Step { reply: 4, conn: 301, rank: 1, step: 0, have_version: Some(1), grad: sparse(vec![0], vec![1.0]) }, t0);
-        assert!(matches!(replies(&acts)[..], [(4, Response::Params { version: 1, .. })]));
-        assert!(replies(&c.handle(Event::Step { reply: 5, conn: 301, rank: 1, step: 1, have_version: Some(1), grad: sparse(vec![0], vec![1.0]) }, t0)).is_empty());
-        assert_eq!(replies(&c.handle(step(6, 0, 1, sparse(vec![0], vec![1.0])), t0)).len(), 2);
+        let acts = c.handle(
+            Event::Step {
+                reply: 4,
+                conn: 301,
+                rank: 1,
+                step: 0,
+                have_version: Some(1),
+                grad: sparse(vec![0], vec![1.0]),
+            },
+            t0,
+        );
+        assert!(matches!(
+            replies(&acts)[..],
+            [(4, Response::Params { version: 1, .. })]
+        ));
+        assert!(replies(&c.handle(
+            Event::Step {
+                reply: 5,
+                conn: 301,
+                rank: 1,
+                step: 1,
+                have_version: Some(1),
+                grad: sparse(vec![0], vec![1.0])
+            },
+            t0
+        ))
+        .is_empty());
+        assert_eq!(
+            replies(&c.handle(step(6, 0, 1, sparse(vec![0], vec![1.0])), t0)).len(),
+            2
+        );
     }
 
     #[test]
@@ -1330,15 +1499,23 @@ mod tests {
         // A step before the shard serves is refused with a hint.
         let acts = c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0);
         assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::NotInitialized));
-        assert!(c.handle(Event::Tick, t0 + Duration::from_secs(9)).is_empty());
+        assert!(c
+            .handle(Event::Tick, t0 + Duration::from_secs(9))
+            .is_empty());
         let acts = c.handle(Event::Tick, t0 + Duration::from_secs(10));
         let report = acts.iter().find_map(|a| match a {
             Action::Recovered(r) => Some(r.clone()),
             _ => None,
         });
         let report = report.expect("decided after the window");
-        assert_eq!((report.source, report.version, report.offers), (RecoverySource::Fresh, 0, 1));
-        assert!(matches!(replies(&acts)[..], [(9000, Response::Params { version: 0, .. })]));
+        assert_eq!(
+            (report.source, report.version, report.offers),
+            (RecoverySource::Fresh, 0, 1)
+        );
+        assert!(matches!(
+            replies(&acts)[..],
+            [(9000, Response::Params { version: 0, .. })]
+        ));
         assert_eq!(c.params(), &[1.0; 8]);
     }
 
@@ -1358,7 +1535,13 @@ mod tests {
         let run = |ck: Option<ShardCheckpoint>, offers: Vec<(u32, u64, f32)>, momentum: f32| {
             let mut c = ShardCore::new(setup(3, momentum, Mode::Bsp), CoreSettings::default(), ck);
             for (rank, _, _) in &offers {
-                c.handle(Event::Joined { rank: *rank, conn: 100 + u64::from(*rank) }, t0);
+                c.handle(
+                    Event::Joined {
+                        rank: *rank,
+                        conn: 100 + u64::from(*rank),
+                    },
+                    t0,
+                );
             }
             let mut report = None;
             for (rank, version, value) in offers {
@@ -1369,16 +1552,21 @@ mod tests {
                 }
             }
             let report = report.or_else(|| {
-                c.handle(Event::Tick, t0 + Duration::from_secs(60)).into_iter().find_map(|a| match a {
-                    Action::Recovered(r) => Some(r),
-                    _ => None,
-                })
+                c.handle(Event::Tick, t0 + Duration::from_secs(60))
+                    .into_iter()
+                    .find_map(|a| match a {
+                        Action::Recovered(r) => Some(r),
+                        _ => None,
+                    })
             });
             (c, report.expect("decided"))
         };
         // The server died after replying to two of three workers: version 8 wins, 0 lost.
         let (c, r) = run(None, vec![(0, 8, 8.0), (1, 8, 8.0), (2, 7, 7.0)], 0.0);
-        assert_eq!((r.source, r.version, r.agreeing, r.updates_lost), (RecoverySource::Workers, 8, 2, 0));
+        assert_eq!(
+            (r.source, r.version, r.agreeing, r.updates_lost),
+            (RecoverySource::Workers, 8, 2, 0)
+        );
         assert_eq!(c.params(), &[8.0; 8]);
         assert_eq!(c.version(), 8);
         // Copies at the newest version disagree: the newest consistent one wins.
@@ -1386,22 +1574,49 @@ mod tests {
         assert_eq!((r.version, r.updates_lost), (8, 1));
         assert_eq!(c.params(), &[8.0; 8]);
         // A checkpoint newer than every copy wins; momentum comes from it.
-        let (c, r) = run(Some(ckpt(12, vec![12.0; 8], vec![0.5; 8])), vec![(0, 10, 10.0), (1, 10, 10.0), (2, 10, 10.0)], 0.9);
-        assert_eq!((r.source, r.version, r.momentum_updates_lost), (RecoverySource::Checkpoint, 12, 0));
+        let (c, r) = run(
+            Some(ckpt(12, vec![12.0; 8], vec![0.5; 8])),
+            vec![(0, 10, 10.0), (1, 10, 10.0), (2, 10, 10.0)],
+            0.9,
+        );
+        assert_eq!(
+            (r.source, r.version, r.momentum_updates_lost),
+            (RecoverySource::Checkpoint, 12, 0)
+        );
         assert_eq!(c.params(), &[12.0; 8]);
         // Copies newer than the checkpoint win; the momentum is that old.
-        let (c, r) = run(Some(ckpt(10, vec![10.0; 8], vec![0.5; 8])), vec![(0, 14, 14.0), (1, 14, 14.0), (2, 14, 14.0)], 0.9);
-        assert_eq!((r.source, r.version, r.checkpoint_version, r.momentum_updates_lost, r.updates_lost), (RecoverySource::Workers, 14, Some(10), 4, 0));
+        let (c, r) = run(
+            Some(ckpt(10, vec![10.0; 8], vec![0.5; 8])),
+            vec![(0, 14, 14.0), (1, 14, 14.0), (2, 14, 14.0)],
+            0.9,
+        );
+        assert_eq!(
+            (
+                r.source,
+                r.version,
+                r.checkpoint_version,
+                r.momentum_updates_lost,
+                r.updates_lost
+            ),
+            (RecoverySource::Workers, 14, Some(10), 4, 0)
+        );
         assert_eq!(c.snapshot().momentum, vec![0.5; 8]);
         // A checkpoint at the chosen version that differs is reported.
-        let (_, r) = run(Some(ckpt(14, vec![1.0; 8], vec![])), vec![(0, 14, 14.0), (1, 14, 14.0), (2, 14, 14.0)], 0.0);
+        let (_, r) = run(
+            Some(ckpt(14, vec![1.0; 8], vec![])),
+            vec![(0, 14, 14.0), (1, 14, 14.0), (2, 14, 14.0)],
+            0.0,
+        );
         assert!(r.checkpoint_mismatch);
     }
 
     #[test]
     fn gradient_norm_is_bounded() {
         let t0 = Instant::now();
-        let mut settings = CoreSettings { max_grad_norm: 1.0, ..CoreSettings::default() };
+        let mut settings = CoreSettings {
+            max_grad_norm: 1.0,
+            ..CoreSettings::default()
+        };
         let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings.clone(), None);
         c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
@@ -1421,22 +1636,56 @@ mod tests {
     fn asp_answers_at_once_and_ssp_bounds_staleness() {
         let (mut c, t0) = serving(2, 0.0, Mode::Asp);
         let acts = c.handle(step(1, 0, 0, sparse(vec![0], vec![2.0])), t0);
-        assert!(matches!(replies(&acts)[..], [(1, Response::Params { version: 1, next_step: 1, .. })]));
+        assert!(matches!(
+            replies(&acts)[..],
+            [(
+                1,
+                Response::Params {
+                    version: 1,
+                    next_step: 1,
+                    ..
+                }
+            )]
+        ));
         let (mut c, t0) = serving(2, 0.0, Mode::Ssp { staleness: 1 });
-        assert_eq!(replies(&c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0)).len(), 1, "step 1 is within the bound");
-        assert!(replies(&c.handle(step(2, 0, 1, sparse(vec![0], vec![1.0])), t0)).is_empty(), "step 2 would be 2 ahead");
+        assert_eq!(
+            replies(&c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0)).len(),
+            1,
+            "step 1 is within the bound"
+        );
+        assert!(
+            replies(&c.handle(step(2, 0, 1, sparse(vec![0], vec![1.0])), t0)).is_empty(),
+            "step 2 would be 2 ahead"
+        );
         let acts = c.handle(step(3, 1, 0, sparse(vec![1], vec![1.0])), t0);
-        assert_eq!(replies(&acts).len(), 2, "rank 1 catching up releases rank 0");
+        assert_eq!(
+            replies(&acts).len(),
+            2,
+            "rank 1 catching up releases rank 0"
+        );
         // A departed slow worker does not hold the others back.
         let (mut c, t0) = serving(2, 0.0, Mode::Ssp { staleness: 0 });
         assert!(replies(&c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0)).is_empty());
-        assert_eq!(replies(&c.handle(Event::Left { rank: 1, conn: Some(101) }, t0)).len(), 1);
+        assert_eq!(
+            replies(&c.handle(
+                Event::Left {
+                    rank: 1,
+                    conn: Some(101)
+                },
+                t0
+            ))
+            .len(),
+            1
+        );
     }
 
     #[test]
     fn checkpoints_are_due_every_n_updates_and_on_shutdown() {
         let t0 = Instant::now();
-        let settings = CoreSettings { checkpoint_every: 2, ..CoreSettings::default() };
+        let settings = CoreSettings {
+            checkpoint_every: 2,
+            ..CoreSettings::default()
+        };
         let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings, None);
         c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
@@ -1445,12 +1694,20 @@ mod tests {
             for a in c.handle(step(s, 0, s, sparse(vec![0], vec![1.0])), t0) {
                 if let Action::Checkpoint(ck) = a {
                     written.push(ck.version);
-                    c.handle(Event::CheckpointDone { version: ck.version, ok: true }, t0);
+                    c.handle(
+                        Event::CheckpointDone {
+                            version: ck.version,
+                            ok: true,
+                        },
+                        t0,
+                    );
                 }
             }
         }
         assert_eq!(written, vec![2, 4]);
         let acts = c.handle(Event::Shutdown, t0);
-        assert!(acts.iter().any(|a| matches!(a, Action::Checkpoint(ck) if ck.version == 5)));
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::Checkpoint(ck) if ck.version == 5)));
     }
 }

@@ -1,12 +1,16 @@
 //! The Stratus parameter server.
 //!
-//! * [`shard`]: one shard's parameters, optimizer state and BSP barrier (plain struct).
+//! * [`core`]: `ShardCore`, every policy of one shard as a sans-IO state
+//!   machine (barrier, parked replies, staleness, recovery, checkpoints).
+//! * [`membership`]: who is in the cluster, as a sans-IO state machine.
 //! * [`optimizer`]: the fused, parallel update kernels.
-//! * [`actor`]: `ShardActor`, the actix actor around a shard.
-//! * [`net`]: the QUIC endpoint of a server process.
+//! * [`actor`]: `ShardActor`, the actix actor that drives a shard core.
+//! * [`checkpoint`]: shard checkpoints in an object store.
+//! * [`net`]: the QUIC endpoint of a server process; it only moves bytes.
 
 pub mod actor;
 pub mod checkpoint;
+pub mod core;
+pub mod membership;
 pub mod net;
 pub mod optimizer;
-pub mod shard;

@@ -6,9 +6,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use ps_shared::cli::{describe_error, init_logging};
+use ps_shared::cli::{describe_error, init_logging, stop_signal};
 use ps_shared::config::ClusterConfig;
-use ps_shared::transport::{read_pem, DevCert};
+use ps_shared::pki::{ensure_cluster_pki, PkiPaths};
+use ps_shared::transport::read_pem;
 
 /// Stratus parameter server: serves this process's shards of the flat
 /// parameter space to the workers over QUIC (TLS 1.3).
@@ -40,12 +41,14 @@ struct Cli {
 enum Command {
     /// Serve shards (the default when no subcommand is given).
     Run,
-    /// Write a self-signed development certificate and key (tls.cert / tls.key).
+    /// Write the cluster CA (tls.ca, tls.ca_key), the server certificate
+    /// (tls.cert, tls.key) and one client certificate per worker rank
+    /// (tls.worker_cert, tls.worker_key); existing files are kept.
     Certs {
-        /// Extra DNS names or IP addresses for the certificate.
+        /// Extra DNS names or IP addresses for the server certificate.
         #[arg(long = "name")]
         names: Vec<String>,
-        /// Overwrite existing files.
+        /// Replace existing files (a new CA invalidates every certificate).
         #[arg(long)]
         force: bool,
     },
@@ -66,18 +69,12 @@ fn run() -> anyhow::Result<()> {
     let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
     match cli.command.unwrap_or(Command::Run) {
         Command::Certs { names, force } => {
-            let written = write_certs(&cfg, &names, force)?;
-            if written {
-                println!(
-                    "wrote {} and {}",
-                    cfg.tls.cert.display(),
-                    cfg.tls.key.display()
-                );
-            } else {
-                println!(
-                    "{} already exists (use --force to replace it)",
-                    cfg.tls.cert.display()
-                );
+            let report = write_certs(&cfg, &names, force)?;
+            for path in &report.written {
+                println!("wrote {}", path.display());
+            }
+            for path in &report.kept {
+                println!("kept {} (use --force to replace it)", path.display());
             }
             Ok(())
         }
@@ -89,11 +86,25 @@ fn run() -> anyhow::Result<()> {
     }
 }
 
-/// Write the dev certificate when missing (or forced); returns whether it wrote.
-fn write_certs(cfg: &ClusterConfig, extra: &[String], force: bool) -> anyhow::Result<bool> {
-    if !force && exists(&cfg.tls.cert) && exists(&cfg.tls.key) {
-        return Ok(false);
+/// The cluster's certificate files, as the config names them.
+fn pki_paths(cfg: &ClusterConfig) -> PkiPaths {
+    let t = &cfg.tls;
+    PkiPaths {
+        ca_cert: t.ca.clone(),
+        ca_key: t.ca_key.clone(),
+        server_cert: t.cert.clone(),
+        server_key: t.key.clone(),
+        worker_cert: t.worker_cert.clone(),
+        worker_key: t.worker_key.clone(),
     }
+}
+
+/// Create the CA and whatever certificate is missing (or all, with `force`).
+fn write_certs(
+    cfg: &ClusterConfig,
+    extra: &[String],
+    force: bool,
+) -> anyhow::Result<ps_shared::pki::PkiReport> {
     let mut names = vec![
         cfg.tls.server_name.clone(),
         "localhost".to_string(),
@@ -108,9 +119,12 @@ fn write_certs(cfg: &ClusterConfig, extra: &[String], force: bool) -> anyhow::Re
     names.extend(extra.iter().cloned());
     names.sort();
     names.dedup();
-    let cert = DevCert::generate(&names)?;
-    cert.write(&cfg.tls.cert, &cfg.tls.key)?;
-    Ok(true)
+    Ok(ensure_cluster_pki(
+        &pki_paths(cfg),
+        &names,
+        cfg.cluster.workers as u32,
+        force,
+    )?)
 }
 
 fn exists(p: &Path) -> bool {
@@ -130,34 +144,45 @@ fn serve(cfg: &ClusterConfig, index: usize, listen: Option<SocketAddr>) -> anyho
             format!("cluster.servers[{index}] = `{entry}` is not an IP:port; pass --listen")
         })?,
     };
-    if !exists(&cfg.tls.cert) || !exists(&cfg.tls.key) {
+    let missing = [&cfg.tls.cert, &cfg.tls.key, &cfg.tls.ca]
+        .into_iter()
+        .any(|p| !exists(p));
+    if missing || cfg.tls.generate_if_missing {
         if cfg.tls.generate_if_missing {
-            write_certs(cfg, &[], false)?;
-            tracing::info!(cert = %cfg.tls.cert.display(), "generated a self-signed dev certificate");
+            let report = write_certs(cfg, &[], false)?;
+            for path in &report.written {
+                tracing::info!(path = %path.display(), "generated");
+            }
         } else {
             bail!(
-                "TLS certificate {} or key {} is missing (run `ps-server certs` or set tls.generate_if_missing)",
+                "TLS certificate {}, key {} or CA {} is missing (run `ps-server certs` or set tls.generate_if_missing)",
                 cfg.tls.cert.display(),
-                cfg.tls.key.display()
+                cfg.tls.key.display(),
+                cfg.tls.ca.display()
             );
         }
     }
-    let cert_pem = read_pem(&cfg.tls.cert)?;
-    let key_pem = read_pem(&cfg.tls.key)?;
+    let tls = ps_server::net::ServerTls {
+        cert_pem: read_pem(&cfg.tls.cert)?,
+        key_pem: read_pem(&cfg.tls.key)?,
+        ca_pem: read_pem(&cfg.tls.ca)?,
+    };
     let system = actix::System::new();
     system.block_on(async move {
-        let server = ps_server::net::start(cfg, index, listen, &cert_pem, &key_pem).await?;
-        tokio::select! {
-            _ = server_wait(server) => {}
-            _ = tokio::signal::ctrl_c() => {
-                tracing::info!("interrupted; shutting down");
+        let server = ps_server::net::start(cfg, index, listen, &tls).await?;
+        let stop = tokio::select! {
+            _ = server.decided() => None,
+            name = stop_signal() => Some(name),
+        };
+        match stop {
+            None => server.wait().await.map_err(|e| anyhow::anyhow!("{e}"))?,
+            Some(name) => {
+                tracing::info!("{name}: writing final checkpoints and telling the workers");
+                let saved = server.shutdown().await;
+                tracing::info!(?saved, "stopped; checkpointed versions per shard");
             }
         }
         anyhow::Ok(())
     })?;
     Ok(())
-}
-
-async fn server_wait(server: ps_server::net::RunningServer) {
-    server.wait().await;
 }

@@ -150,7 +150,9 @@ pub struct Membership {
 impl Membership {
     pub fn new(settings: MembershipSettings, now: Instant) -> Self {
         Self {
-            ranks: (0..settings.workers).map(|r| (r, RankState::Pending)).collect(),
+            ranks: (0..settings.workers)
+                .map(|r| (r, RankState::Pending))
+                .collect(),
             s: settings,
             started: now,
             conns: HashMap::new(),
@@ -177,7 +179,10 @@ impl Membership {
 
     /// Ranks that said goodbye.
     pub fn finished(&self) -> usize {
-        self.ranks.values().filter(|s| **s == RankState::Finished).count()
+        self.ranks
+            .values()
+            .filter(|s| **s == RankState::Finished)
+            .count()
     }
 
     /// A QUIC connection arrived (before TLS completes): admit it or refuse.
@@ -192,7 +197,9 @@ impl Membership {
         if unauth >= self.s.max_unauthenticated {
             return Err(refused(
                 ErrorCode::RateLimited,
-                format!("{unauth} connections have not said Hello yet (server.max_unauthenticated)"),
+                format!(
+                    "{unauth} connections have not said Hello yet (server.max_unauthenticated)"
+                ),
             ));
         }
         self.conns.insert(
@@ -219,7 +226,10 @@ impl Membership {
             return Err(refused(ErrorCode::Internal, "unknown connection"));
         };
         if c.rank.is_some() {
-            return Err(refused(ErrorCode::BadFrame, "Hello was already said on this connection"));
+            return Err(refused(
+                ErrorCode::BadFrame,
+                "Hello was already said on this connection",
+            ));
         }
         if hello.protocol_version != PROTOCOL_VERSION {
             return Err(refused(
@@ -254,7 +264,10 @@ impl Membership {
         if cert_rank >= self.s.workers {
             return Err(refused(
                 ErrorCode::UnknownWorker,
-                format!("rank {cert_rank} but the cluster has {} workers", self.s.workers),
+                format!(
+                    "rank {cert_rank} but the cluster has {} workers",
+                    self.s.workers
+                ),
             ));
         }
         if hello.num_params != self.s.num_params || hello.layout_hash != self.s.layout_hash {
@@ -333,7 +346,12 @@ impl Membership {
     }
 
     /// `conn` closed (or failed).
-    pub fn connection_closed(&mut self, conn: ConnId, why: &str, now: Instant) -> Vec<MemberAction> {
+    pub fn connection_closed(
+        &mut self,
+        conn: ConnId,
+        why: &str,
+        now: Instant,
+    ) -> Vec<MemberAction> {
         let mut out = Vec::new();
         let Some(c) = self.conns.remove(&conn) else {
             return out;
@@ -363,9 +381,9 @@ impl Membership {
                 _ => None,
             })
             .filter(|(_, c)| {
-                self.conns
-                    .get(c)
-                    .is_some_and(|c| now.saturating_duration_since(c.last_seen) > self.s.worker_timeout)
+                self.conns.get(c).is_some_and(|c| {
+                    now.saturating_duration_since(c.last_seen) > self.s.worker_timeout
+                })
             })
             .collect();
         for (rank, conn) in silent {
@@ -373,7 +391,10 @@ impl Membership {
             out.push(MemberAction::Left {
                 rank,
                 conn: Some(conn),
-                why: format!("silent for more than {:?} (server.worker_timeout_secs)", self.s.worker_timeout),
+                why: format!(
+                    "silent for more than {:?} (server.worker_timeout_secs)",
+                    self.s.worker_timeout
+                ),
             });
             out.push(MemberAction::Close {
                 conn,
@@ -495,17 +516,42 @@ mod tests {
         let t0 = Instant::now();
         let mut m = Membership::new(settings(2), t0);
         let cases = [
-            (Hello { token: "nope-nope".into(), ..hello(0, 2) }, 0, ErrorCode::Unauthorized),
+            (
+                Hello {
+                    token: "nope-nope".into(),
+                    ..hello(0, 2)
+                },
+                0,
+                ErrorCode::Unauthorized,
+            ),
             (hello(1, 2), 0, ErrorCode::Unauthorized), // claims 1, certificate says 0
             (hello(0, 4), 0, ErrorCode::WorkerCountMismatch),
             (hello(7, 2), 7, ErrorCode::UnknownWorker),
-            (Hello { protocol_version: 1, ..hello(0, 2) }, 0, ErrorCode::VersionMismatch),
-            (Hello { num_params: 1, ..hello(0, 2) }, 0, ErrorCode::LayoutMismatch),
+            (
+                Hello {
+                    protocol_version: 1,
+                    ..hello(0, 2)
+                },
+                0,
+                ErrorCode::VersionMismatch,
+            ),
+            (
+                Hello {
+                    num_params: 1,
+                    ..hello(0, 2)
+                },
+                0,
+                ErrorCode::LayoutMismatch,
+            ),
         ];
         for (i, (h, cert, code)) in cases.into_iter().enumerate() {
             let conn = i as ConnId;
             m.connection_opened(conn, t0).unwrap();
-            assert_eq!(m.hello(conn, cert, &h, t0).unwrap_err().code, code, "case {i}");
+            assert_eq!(
+                m.hello(conn, cert, &h, t0).unwrap_err().code,
+                code,
+                "case {i}"
+            );
             m.connection_closed(conn, "refused", t0);
         }
         assert!(m.live().is_empty());
@@ -518,10 +564,20 @@ mod tests {
         m.connection_opened(1, t0).unwrap();
         m.hello(1, 0, &hello(0, 2), t0).unwrap();
         m.connection_opened(2, t0).unwrap();
-        assert_eq!(m.hello(2, 0, &hello(0, 2), t0).unwrap_err().code, ErrorCode::RankInUse);
+        assert_eq!(
+            m.hello(2, 0, &hello(0, 2), t0).unwrap_err().code,
+            ErrorCode::RankInUse
+        );
         // Once the first connection is gone, the rank may come back.
         let left = m.connection_closed(1, "timed out", t0);
-        assert!(matches!(left[..], [MemberAction::Left { rank: 0, conn: Some(1), .. }]));
+        assert!(matches!(
+            left[..],
+            [MemberAction::Left {
+                rank: 0,
+                conn: Some(1),
+                ..
+            }]
+        ));
         let joined = m.hello(2, 0, &hello(0, 2), t0).unwrap();
         assert_eq!(joined, vec![MemberAction::Joined { rank: 0, conn: 2 }]);
     }
@@ -551,7 +607,10 @@ mod tests {
         let passed = (0..30).filter(|_| m.request(1, t0)).count();
         assert_eq!(passed, 10, "burst of one second at 10/s");
         assert!(!m.request(1, t0));
-        assert!(m.request(1, t0 + Duration::from_millis(150)), "refilled after 0.15 s");
+        assert!(
+            m.request(1, t0 + Duration::from_millis(150)),
+            "refilled after 0.15 s"
+        );
     }
 
     #[test]
@@ -562,11 +621,28 @@ mod tests {
         m.hello(1, 0, &hello(0, 2), t0).unwrap();
         assert!(m.tick(secs(t0, 2)).is_empty());
         let acts = m.tick(secs(t0, 4));
-        assert!(acts.contains(&MemberAction::Close { conn: 1, why: "silent too long".into() }));
-        assert!(matches!(acts[0], MemberAction::Left { rank: 0, conn: Some(1), .. }));
+        assert!(acts.contains(&MemberAction::Close {
+            conn: 1,
+            why: "silent too long".into()
+        }));
+        assert!(matches!(
+            acts[0],
+            MemberAction::Left {
+                rank: 0,
+                conn: Some(1),
+                ..
+            }
+        ));
         // Rank 1 never came: after the join timeout it leaves the barrier.
         let acts = m.tick(secs(t0, 31));
-        assert!(acts.iter().any(|a| matches!(a, MemberAction::Left { rank: 1, conn: None, .. })));
+        assert!(acts.iter().any(|a| matches!(
+            a,
+            MemberAction::Left {
+                rank: 1,
+                conn: None,
+                ..
+            }
+        )));
     }
 
     #[test]
@@ -585,7 +661,10 @@ mod tests {
         }
         m.bye(1, secs(t0, 1));
         m.connection_closed(2, "reset", secs(t0, 2));
-        assert!(!m.tick(secs(t0, 21)).iter().any(|a| matches!(a, MemberAction::Exit { .. })));
+        assert!(!m
+            .tick(secs(t0, 21))
+            .iter()
+            .any(|a| matches!(a, MemberAction::Exit { .. })));
         let acts = m.tick(secs(t0, 23));
         assert!(acts.iter().any(|a| matches!(a, MemberAction::Exit { ok: false, message } if message.contains("1 of 2 finished"))));
         // Everyone finishes: a clean exit.
@@ -596,6 +675,8 @@ mod tests {
         }
         m.bye(1, t0);
         let acts = m.bye(2, t0);
-        assert!(acts.iter().any(|a| matches!(a, MemberAction::Exit { ok: true, .. })));
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, MemberAction::Exit { ok: true, .. })));
     }
 }

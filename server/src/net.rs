@@ -1,48 +1,56 @@
-//! A ps-server process: a QUIC endpoint in front of this process's shard actors.
+//! A ps-server process: a QUIC endpoint in front of this process's shard
+//! actors. This module only moves bytes: it accepts connections, reads and
+//! decodes frames under size limits and deadlines, feeds the
+//! [`Membership`] and [`crate::core::ShardCore`] state machines, and writes
+//! what they answer. Every policy lives in those two.
 //!
-//! A connection must open with a `Hello` carrying the protocol version, the
-//! cluster token and the model layout fingerprint; anything else, or a wrong
-//! value, is answered with a typed error and the connection is closed. After
-//! that every stream is one request, dispatched to the shard actor it names.
+//! Connections, TLS and decoding run on a multi-threaded tokio runtime of
+//! `server.io_threads` threads, so shards never queue behind one another's
+//! I/O; each shard actor runs on an arbiter of its own.
+//!
+//! A connection must present a client certificate issued by the cluster CA
+//! (the rank is read from it), finish TLS and send a Hello of at most
+//! [`MAX_HELLO_BYTES`] within `server.hello_timeout_secs`; after that every
+//! stream carries one request and its reply.
 //!
 //! ```no_run
-//! # async fn demo() -> anyhow::Result<()> {
-//! use ps_shared::{config::ClusterConfig, transport::DevCert};
+//! # async fn demo(tls: ps_server::net::ServerTls) -> anyhow::Result<()> {
+//! use ps_shared::config::ClusterConfig;
 //! let cfg = ClusterConfig::embedded_default()?;
-//! let cert = DevCert::generate(&["localhost".into()])?;
-//! let server = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse()?, &cert.cert_pem, &cert.key_pem).await?;
+//! let server = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse()?, &tls).await?;
 //! println!("listening on {}", server.local_addr());
-//! server.wait().await;
+//! server.wait().await?;
 //! # Ok(()) }
 //! ```
 
-use std::cell::RefCell;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::rc::Rc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use quinn::{Connection, Endpoint, RecvStream, SendStream};
+use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
 use tokio::sync::watch;
-use tokio::time::Instant;
 
-use ps_shared::config::{ClusterConfig, SyncMode};
+use ps_shared::config::{ClusterConfig, GradNormPolicy, SyncMode};
 use ps_shared::dataset::open_bucket;
 use ps_shared::protocol::{
-    decode_request, encode_response, ErrorCode, Request, Response, ShardRange, PROTOCOL_VERSION,
+    close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
+    MAX_HELLO_BYTES,
 };
 use ps_shared::shard::ShardMap;
-use ps_shared::transport::{self, read_frame, write_frame, TransportError};
+use ps_shared::transport::{self, read_frame, write_frame, EndpointLimits, TransportError};
 
 use crate::actor::{
-    CheckpointTarget, GetStatus, InitShard, PullParams, PushGrad, ShardActor, ShardStatus,
-    WorkerJoined, WorkerLeft,
+    CheckpointTarget, Deliver, GetStatus, MemberNews, ShardActor, ShardRequest, ShardStatus,
+    Shutdown,
 };
 use crate::checkpoint::{load_latest, CheckpointError};
+use crate::core::{ConnId, CoreSettings, Mode, NormPolicy, ShardCore, ShardSetup};
+use crate::membership::{Hello, MemberAction, Membership, MembershipSettings};
 use crate::optimizer::UpdateRule;
-use crate::shard::{Mode, ShardSetup, ShardState};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -54,7 +62,7 @@ pub enum ServerError {
     Transport(#[from] TransportError),
     #[error("cannot open checkpoint store {url}: {message}")]
     CheckpointStore { url: String, message: String },
-    #[error("cannot restore shard {shard}: {message}")]
+    #[error("checkpoint of shard {shard} does not fit: {message}")]
     Restore { shard: usize, message: String },
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
@@ -63,106 +71,95 @@ pub enum ServerError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("cannot start the I/O runtime: {0}")]
+    Runtime(std::io::Error),
 }
 
-struct ServerCtx {
+/// TLS material of a server: its certificate and key, and the cluster CA
+/// that client certificates must chain to.
+#[derive(Clone)]
+pub struct ServerTls {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub ca_pem: String,
+}
+
+/// Why a server stopped with an error.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct ServerExit(pub String);
+
+/// State shared by the connection tasks.
+struct Ctx {
     index: u32,
-    token: String,
     workers: u32,
-    num_params: u64,
-    layout_hash: u64,
     max_frame: usize,
-    exit_when_done: bool,
+    request_timeout: Duration,
+    hello_timeout: Duration,
     shards: HashMap<u32, Addr<ShardActor>>,
     welcome: Vec<ShardRange>,
-    finished: RefCell<BTreeSet<u32>>,
-    members: RefCell<Members>,
-    worker_timeout: Duration,
-    max_rps: u32,
-    done: watch::Sender<bool>,
+    membership: Mutex<Membership>,
+    conns: Mutex<HashMap<ConnId, Connection>>,
+    next_conn: AtomicU64,
+    outcome: watch::Sender<Option<Result<(), ServerExit>>>,
 }
 
-/// Liveness of the workers as seen by this server process.
-struct Members {
-    last_seen: HashMap<u32, Instant>,
-    /// Open connections per rank: a restarted worker may connect before its
-    /// old connection is seen to be dead.
-    connections: HashMap<u32, usize>,
-    /// Ranks dropped from the barrier (dead connection or silent too long).
-    dropped: BTreeSet<u32>,
-}
-
-/// Requests per second allowed on one connection (token bucket, burst 1 s).
-struct RequestBudget {
-    rate: f64,
-    tokens: f64,
-    last: Instant,
-}
-
-impl RequestBudget {
-    fn new(rate: u32) -> Self {
-        Self {
-            rate: f64::from(rate),
-            tokens: f64::from(rate),
-            last: Instant::now(),
-        }
+impl Ctx {
+    fn membership(&self) -> MutexGuard<'_, Membership> {
+        self.membership.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn take(&mut self) -> bool {
-        if self.rate == 0.0 {
-            return true;
-        }
-        let now = Instant::now();
-        self.tokens =
-            (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate).min(self.rate);
-        self.last = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
-}
-
-impl ServerCtx {
-    /// Note activity from `rank`; a dropped worker that speaks again is readmitted.
-    async fn seen(&self, rank: u32) {
-        let was_dropped = {
-            let mut m = self.members.borrow_mut();
-            m.last_seen.insert(rank, Instant::now());
-            m.dropped.contains(&rank)
-        };
-        if was_dropped {
-            self.admit(rank).await;
-        }
+    fn conns(&self) -> MutexGuard<'_, HashMap<ConnId, Connection>> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Drop a worker from every local barrier (it may rejoin with a new Hello).
-    async fn drop_worker(&self, rank: u32, why: &str) {
-        if self.finished.borrow().contains(&rank) || !self.members.borrow_mut().dropped.insert(rank)
-        {
-            return;
-        }
-        tracing::warn!(rank, "dropping worker from the barrier: {why}");
+    fn broadcast(&self, news: MemberNews) {
         for addr in self.shards.values() {
-            let _ = addr.send(WorkerLeft(rank)).await;
+            addr.do_send(news.clone());
         }
     }
 
-    /// Readmit a worker that was dropped.
-    async fn admit(&self, rank: u32) {
-        let readmitted = {
-            let mut m = self.members.borrow_mut();
-            m.last_seen.insert(rank, Instant::now());
-            m.dropped.remove(&rank)
-        };
-        if readmitted {
-            tracing::info!(rank, "worker rejoined");
-            for addr in self.shards.values() {
-                let _ = addr.send(WorkerJoined(rank)).await;
+    /// Carry out what membership decided.
+    fn apply(&self, actions: Vec<MemberAction>) {
+        for action in actions {
+            match action {
+                MemberAction::Joined { rank, conn } => {
+                    tracing::info!(rank, conn, "worker joined");
+                    self.broadcast(MemberNews::Joined { rank, conn });
+                }
+                MemberAction::Left { rank, conn, why } => {
+                    if why == "finished" {
+                        tracing::info!(rank, "worker finished");
+                    } else {
+                        tracing::warn!(rank, "worker left the barrier: {why}");
+                    }
+                    self.broadcast(MemberNews::Left { rank, conn });
+                }
+                MemberAction::Close { conn, why } => {
+                    if let Some(c) = self.conns().get(&conn) {
+                        c.close(close::EVICTED.into(), why.as_bytes());
+                    }
+                }
+                MemberAction::Exit { ok, message } => {
+                    if ok {
+                        tracing::info!("{message}; shutting down");
+                    } else {
+                        tracing::error!("{message}; shutting down");
+                    }
+                    let outcome = if ok { Ok(()) } else { Err(ServerExit(message)) };
+                    self.outcome.send_replace(Some(outcome));
+                }
             }
         }
+    }
+
+    fn closed(&self, conn: ConnId, why: &str) {
+        self.conns().remove(&conn);
+        let actions = self
+            .membership()
+            .connection_closed(conn, why, Instant::now());
+        self.broadcast(MemberNews::ConnClosed { conn });
+        self.apply(actions);
     }
 }
 
@@ -170,9 +167,22 @@ impl ServerCtx {
 pub struct RunningServer {
     endpoint: Endpoint,
     local_addr: SocketAddr,
-    ctx: Rc<ServerCtx>,
-    done: watch::Receiver<bool>,
+    ctx: Arc<Ctx>,
+    outcome: watch::Receiver<Option<Result<(), ServerExit>>>,
+    versions: Vec<watch::Receiver<u64>>,
     arbiters: Vec<Arbiter>,
+    io: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        for a in &self.arbiters {
+            a.stop();
+        }
+        if let Some(rt) = self.io.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 impl RunningServer {
@@ -180,33 +190,49 @@ impl RunningServer {
         self.local_addr
     }
 
-    /// Resolves once every worker has said goodbye (with `exit_when_done`),
-    /// then closes the endpoint and stops the shard arbiters.
-    pub async fn wait(mut self) {
-        while !*self.done.borrow() {
-            if self.done.changed().await.is_err() {
-                break;
-            }
-        }
-        // Let the last replies leave: workers close their connections after
-        // their goodbye is acknowledged.
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-        while self.endpoint.open_connections() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        self.shutdown().await;
+    /// Resolves when the server decides to stop: `Ok` once every worker said
+    /// goodbye, an error when no worker joined in time or every worker has
+    /// been gone too long. Then closes the endpoint and stops the shards.
+    pub async fn wait(mut self) -> Result<(), ServerExit> {
+        let outcome = match self.outcome.wait_for(|o| o.is_some()).await {
+            Ok(o) => o.clone().unwrap_or(Ok(())),
+            Err(_) => Err(ServerExit("server state dropped".into())),
+        };
+        // Let the last replies leave: workers close after their goodbye.
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.endpoint.wait_idle()).await;
+        self.endpoint.close(close::BYE.into(), b"done");
+        outcome
     }
 
-    /// Close the endpoint and stop the shards now.
-    pub async fn shutdown(self) {
-        self.endpoint.close(0u32.into(), b"server shutting down");
-        self.endpoint.wait_idle().await;
-        for a in &self.arbiters {
-            a.stop();
-        }
+    /// Resolves once the server has decided to stop (see [`Self::wait`]).
+    pub async fn decided(&self) {
+        let mut rx = self.outcome.clone();
+        let _ = rx.wait_for(|o| o.is_some()).await;
     }
 
-    /// Current state of every local shard (for tests and status).
+    /// Stop now, as a crash would: no final checkpoint, connections dropped.
+    pub async fn abort(self) {
+        self.endpoint
+            .close(close::ABORTED.into(), b"server stopped");
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+    }
+
+    /// Stop cleanly: answer what waits, write a final checkpoint of every
+    /// shard (when checkpoints are configured), then close every connection
+    /// with the "shutting down" code so workers wait for a restart. Returns
+    /// the checkpointed versions.
+    pub async fn shutdown(self) -> Vec<Option<u64>> {
+        let mut saved = Vec::new();
+        for addr in self.ctx.shards.values() {
+            saved.push(addr.send(Shutdown).await.ok().flatten());
+        }
+        self.endpoint
+            .close(close::SHUTTING_DOWN.into(), b"server shutting down");
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        saved
+    }
+
+    /// Current state of every local shard.
     pub async fn status(&self) -> Vec<ShardStatus> {
         let mut out = Vec::new();
         for addr in self.ctx.shards.values() {
@@ -216,6 +242,19 @@ impl RunningServer {
         }
         out.sort_by_key(|s| s.shard);
         out
+    }
+
+    /// Wait until every local shard reached `version` (an event, not a poll).
+    pub async fn reached(&self, version: u64) {
+        for rx in &self.versions {
+            let mut rx = rx.clone();
+            let _ = rx.wait_for(|v| *v >= version).await;
+        }
+    }
+
+    /// Open connections and those not yet past Hello.
+    pub fn connections(&self) -> (usize, usize) {
+        self.ctx.membership().connections()
     }
 }
 
@@ -231,15 +270,28 @@ fn segments_within(range: &Range<usize>, tensors: &[Range<usize>]) -> Vec<Range<
         .collect()
 }
 
-/// Start server process `index` of the cluster, listening on `listen`,
-/// restoring each shard from its latest checkpoint when checkpoints are
-/// configured. Must be called inside a running actix `System`.
+fn secs(v: f64) -> Duration {
+    Duration::from_secs_f64(v.max(0.0))
+}
+
+/// The transport limits both ends use.
+pub fn endpoint_limits(cfg: &ClusterConfig) -> EndpointLimits {
+    EndpointLimits {
+        idle_timeout: secs(cfg.server.idle_timeout_secs),
+        keep_alive: secs(cfg.server.heartbeat_secs),
+        max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
+    }
+}
+
+/// Start server process `index` of the cluster, listening on `listen`.
+/// Each shard starts from the workers' copies (see [`crate::core`]), checked
+/// against its latest checkpoint when checkpoints are configured. Must be
+/// called inside a running actix `System`.
 pub async fn start(
     cfg: &ClusterConfig,
     index: usize,
     listen: SocketAddr,
-    cert_pem: &str,
-    key_pem: &str,
+    tls: &ServerTls,
 ) -> Result<RunningServer, ServerError> {
     if index >= cfg.cluster.servers.len() {
         return Err(ServerError::BadIndex {
@@ -259,31 +311,42 @@ pub async fn start(
         weight_decay: o.weight_decay,
         lars: (o.lars_eta > 0.0).then_some(o.lars_eta),
     };
-    let mode = match cfg.server.mode {
+    let s = &cfg.server;
+    let mode = match s.mode {
         SyncMode::Bsp => Mode::Bsp,
         SyncMode::Asp => Mode::Asp,
         SyncMode::Ssp => Mode::Ssp {
-            staleness: cfg.server.staleness,
+            staleness: s.staleness,
         },
     };
-    let checkpoints = if cfg.server.checkpoint_url.trim().is_empty() {
+    let checkpoints = if s.checkpoint_url.trim().is_empty() {
         None
     } else {
         let (store, prefix) =
-            open_bucket(&cfg.server.checkpoint_url).map_err(|e| ServerError::CheckpointStore {
-                url: cfg.server.checkpoint_url.clone(),
+            open_bucket(&s.checkpoint_url).map_err(|e| ServerError::CheckpointStore {
+                url: s.checkpoint_url.clone(),
                 message: e.to_string(),
             })?;
-        Some(CheckpointTarget {
-            store,
-            prefix,
-            every: cfg.server.checkpoint_every,
-        })
+        Some(CheckpointTarget { store, prefix })
     };
     let layout_hash = cfg.model.layout_hash();
+    let settings = CoreSettings {
+        request_timeout: secs(s.request_timeout_secs),
+        recovery_window: secs(s.recovery_window_secs),
+        max_parked_per_conn: 4,
+        max_grad_norm: s.max_grad_norm,
+        norm_policy: match s.grad_norm_policy {
+            GradNormPolicy::Clip => NormPolicy::Clip,
+            GradNormPolicy::Refuse => NormPolicy::Refuse,
+        },
+        checkpoint_every: s.checkpoint_every,
+        layout_hash,
+    };
+    let tick = secs((s.heartbeat_secs / 2.0).min(0.5));
     let mut shards = HashMap::new();
     let mut welcome = Vec::new();
     let mut arbiters = Vec::new();
+    let mut versions = Vec::new();
     for shard in cfg.shards_of_server(index) {
         let range = map
             .range(shard)
@@ -297,20 +360,32 @@ pub async fn start(
             workers: cfg.cluster.workers as u32,
             mode,
         };
-        let mut state = ShardState::new(setup);
+        let mut checkpoint = None;
         if let Some(target) = &checkpoints {
             if let Some(ckpt) = load_latest(&target.store, &target.prefix, shard as u32).await? {
-                let version = ckpt.version;
-                state
-                    .restore(ckpt, layout_hash)
-                    .map_err(|message| ServerError::Restore { shard, message })?;
-                tracing::info!(shard, version, "restored from checkpoint");
+                if ckpt.lo as usize != range.start
+                    || ckpt.hi as usize != range.end
+                    || ckpt.layout_hash != layout_hash
+                {
+                    return Err(ServerError::Restore {
+                        shard,
+                        message: format!(
+                            "it covers [{}, {}) of layout {:x}, this shard is [{}, {}) of layout {layout_hash:x}",
+                            ckpt.lo, ckpt.hi, ckpt.layout_hash, range.start, range.end
+                        ),
+                    });
+                }
+                tracing::info!(shard, version = ckpt.version, "found a checkpoint");
+                checkpoint = Some(ckpt);
             }
         }
+        let core = ShardCore::new(setup, settings.clone(), checkpoint);
+        let (version_tx, version_rx) = watch::channel(0);
+        versions.push(version_rx);
         let arbiter = Arbiter::new();
         let target = checkpoints.clone();
         let addr = ShardActor::start_in_arbiter(&arbiter.handle(), move |_| {
-            ShardActor::new(state, target, layout_hash)
+            ShardActor::new(core, target, tick, version_tx)
         });
         arbiters.push(arbiter);
         shards.insert(shard as u32, addr);
@@ -320,93 +395,87 @@ pub async fn start(
             hi: range.end as u64,
         });
     }
-    let endpoint = transport::server_endpoint(listen, cert_pem, key_pem).map_err(|e| match e {
-        TransportError::Socket(source) => ServerError::Bind {
-            addr: listen,
-            source,
-        },
-        other => ServerError::Transport(other),
-    })?;
+    let io = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(s.io_threads)
+        .thread_name(format!("ps-server-{index}-io"))
+        .enable_all()
+        .build()
+        .map_err(ServerError::Runtime)?;
+    let limits = endpoint_limits(cfg);
+    let endpoint = {
+        let _guard = io.enter();
+        transport::server_endpoint(listen, &tls.cert_pem, &tls.key_pem, &tls.ca_pem, &limits)
+            .map_err(|e| match e {
+                TransportError::Socket(source) => ServerError::Bind {
+                    addr: listen,
+                    source,
+                },
+                other => ServerError::Transport(other),
+            })?
+    };
     let local_addr = endpoint.local_addr().map_err(TransportError::from)?;
-    let (done_tx, done_rx) = watch::channel(false);
-    let ctx = Rc::new(ServerCtx {
+    let now = Instant::now();
+    let membership = Membership::new(
+        MembershipSettings {
+            workers: cfg.cluster.workers as u32,
+            token: cfg.cluster.token.clone(),
+            num_params: num_params as u64,
+            layout_hash,
+            max_connections: s.max_connections,
+            max_unauthenticated: s.max_unauthenticated,
+            max_requests_per_sec: s.max_requests_per_sec,
+            worker_timeout: secs(s.worker_timeout_secs),
+            join_timeout: secs(s.join_timeout_secs),
+            all_gone_grace: secs(s.all_gone_grace_secs),
+            exit_when_done: s.exit_when_done,
+        },
+        now,
+    );
+    let (outcome_tx, outcome_rx) = watch::channel(None);
+    let ctx = Arc::new(Ctx {
         index: index as u32,
-        token: cfg.cluster.token.clone(),
         workers: cfg.cluster.workers as u32,
-        num_params: num_params as u64,
-        layout_hash: cfg.model.layout_hash(),
-        max_frame: cfg.server.max_frame_bytes,
-        exit_when_done: cfg.server.exit_when_done,
+        max_frame: s.max_frame_bytes,
+        request_timeout: secs(s.request_timeout_secs),
+        hello_timeout: secs(s.hello_timeout_secs),
         shards,
         welcome,
-        finished: RefCell::new(BTreeSet::new()),
-        members: RefCell::new(Members {
-            last_seen: HashMap::new(),
-            connections: HashMap::new(),
-            dropped: BTreeSet::new(),
-        }),
-        worker_timeout: Duration::from_secs_f64(cfg.server.worker_timeout_secs),
-        max_rps: cfg.server.max_requests_per_sec,
-        done: done_tx,
+        membership: Mutex::new(membership),
+        conns: Mutex::new(HashMap::new()),
+        next_conn: AtomicU64::new(1),
+        outcome: outcome_tx,
     });
-    // Watchdog: drop workers that went silent (no request and no heartbeat).
-    let watch_ctx = ctx.clone();
-    let tick = Duration::from_secs_f64(cfg.server.heartbeat_secs / 2.0);
-    let started = Instant::now();
-    actix::spawn(async move {
+    let tick_ctx = ctx.clone();
+    io.spawn(async move {
         let mut interval = tokio::time::interval(tick);
         loop {
             interval.tick().await;
-            if *watch_ctx.done.borrow() {
-                return;
-            }
-            let now = Instant::now();
-            let silent: Vec<u32> = (0..watch_ctx.workers)
-                .filter(|rank| {
-                    let members = watch_ctx.members.borrow();
-                    let seen = members.last_seen.get(rank).copied().unwrap_or(started);
-                    !members.dropped.contains(rank)
-                        && now.duration_since(seen) > watch_ctx.worker_timeout
-                })
-                .collect();
-            for rank in silent {
-                watch_ctx
-                    .drop_worker(rank, "no heartbeat within server.worker_timeout_secs")
-                    .await;
-            }
+            let actions = tick_ctx.membership().tick(Instant::now());
+            tick_ctx.apply(actions);
         }
     });
     tracing::info!(
         %local_addr,
         server = index,
         shards = ?ctx.welcome.iter().map(|s| (s.shard, s.lo, s.hi)).collect::<Vec<_>>(),
-        "ps-server listening (QUIC, TLS 1.3)"
+        "ps-server listening (QUIC, TLS 1.3, client certificates)"
     );
     let accept_ep = endpoint.clone();
     let accept_ctx = ctx.clone();
-    actix::spawn(async move {
+    io.spawn(async move {
         while let Some(incoming) = accept_ep.accept().await {
-            let ctx = accept_ctx.clone();
-            actix::spawn(async move {
-                match incoming.await {
-                    Ok(conn) => serve_connection(conn, ctx).await,
-                    Err(e) => tracing::warn!("handshake failed: {e}"),
-                }
-            });
+            tokio::spawn(serve_connection(incoming, accept_ctx.clone()));
         }
     });
     Ok(RunningServer {
         endpoint,
         local_addr,
         ctx,
-        done: done_rx,
+        outcome: outcome_rx,
+        versions,
         arbiters,
+        io: Some(io),
     })
-}
-
-fn tokens_equal(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn reply(send: &mut SendStream, resp: &Response) {
@@ -420,148 +489,138 @@ async fn reply(send: &mut SendStream, resp: &Response) {
     }
 }
 
-/// Check a Hello; on success the worker's rank.
-fn check_hello(ctx: &ServerCtx, req: Request) -> Result<u32, Response> {
-    match req {
-        Request::Hello {
-            protocol_version,
-            token,
-            worker_rank,
-            num_params,
-            layout_hash,
-        } => {
-            if protocol_version != PROTOCOL_VERSION {
-                return Err(Response::error(
-                    ErrorCode::VersionMismatch,
-                    format!(
-                        "client speaks protocol {protocol_version}, server speaks {PROTOCOL_VERSION}"
-                    ),
-                ));
-            }
-            if !tokens_equal(&token, &ctx.token) {
-                return Err(Response::error(
-                    ErrorCode::Unauthorized,
-                    "wrong cluster token",
-                ));
-            }
-            if worker_rank >= ctx.workers {
-                return Err(Response::error(
-                    ErrorCode::UnknownWorker,
-                    format!(
-                        "rank {worker_rank} but the cluster has {} workers",
-                        ctx.workers
-                    ),
-                ));
-            }
-            if num_params != ctx.num_params || layout_hash != ctx.layout_hash {
-                return Err(Response::error(
-                    ErrorCode::LayoutMismatch,
-                    format!(
-                        "worker model has {num_params} parameters (layout {layout_hash:x}), server has {} ({:x}): use the same [model] config",
-                        ctx.num_params, ctx.layout_hash
-                    ),
-                ));
-            }
-            Ok(worker_rank)
+/// TLS, the certificate's rank and the Hello, all within the Hello deadline.
+async fn authenticate(
+    incoming: Incoming,
+    conn_id: ConnId,
+    ctx: &Ctx,
+) -> Result<(Connection, u32), (Option<Connection>, String)> {
+    let conn = incoming
+        .await
+        .map_err(|e| (None, format!("handshake failed: {e}")))?;
+    let cert_rank = match transport::peer_rank(&conn) {
+        Ok(r) => r,
+        Err(e) => {
+            return Err((Some(conn), format!("no usable worker certificate: {e}")));
         }
-        _ => Err(Response::error(
-            ErrorCode::Unauthorized,
-            "the first request on a connection must be Hello",
-        )),
-    }
-}
-
-async fn serve_connection(conn: Connection, ctx: Rc<ServerCtx>) {
-    let peer = conn.remote_address();
-    let rank = match authenticate(&conn, &ctx).await {
-        Some(rank) => rank,
-        None => return,
     };
-    tracing::info!(%peer, rank, "worker connected");
-    *ctx.members
-        .borrow_mut()
-        .connections
-        .entry(rank)
-        .or_insert(0) += 1;
-    ctx.admit(rank).await;
-    let mut budget = RequestBudget::new(ctx.max_rps);
-    loop {
-        match conn.accept_bi().await {
-            Ok((mut send, recv)) => {
-                if !budget.take() {
-                    let resp = Response::error(
-                        ErrorCode::RateLimited,
-                        format!("more than {} requests per second", ctx.max_rps),
-                    );
-                    actix::spawn(async move { reply(&mut send, &resp).await });
-                    continue;
-                }
-                let ctx = ctx.clone();
-                actix::spawn(serve_stream(send, recv, ctx, rank));
-            }
-            Err(e) => {
-                // A worker that vanished must not hold the barrier forever,
-                // unless it is still (or again) connected on another connection.
-                let still_open = {
-                    let mut m = ctx.members.borrow_mut();
-                    let open = m.connections.entry(rank).or_insert(1);
-                    *open = open.saturating_sub(1);
-                    *open
-                };
-                if still_open > 0 {
-                    return;
-                }
-                ctx.drop_worker(
-                    rank,
-                    &format!("connection from {peer} lost before goodbye ({e})"),
-                )
-                .await;
-                return;
-            }
-        }
-    }
-}
-
-async fn authenticate(conn: &Connection, ctx: &ServerCtx) -> Option<u32> {
-    let (mut send, mut recv) = conn.accept_bi().await.ok()?;
-    let verdict = match read_frame(&mut recv, ctx.max_frame).await {
+    let (mut send, mut recv) = conn
+        .accept_bi()
+        .await
+        .map_err(|e| (Some(conn.clone()), format!("no Hello stream: {e}")))?;
+    let verdict = match read_frame(&mut recv, MAX_HELLO_BYTES).await {
         Ok(payload) => match decode_request(&payload) {
-            Ok(req) => check_hello(ctx, req),
+            Ok(Request::Hello {
+                protocol_version,
+                token,
+                worker_rank,
+                workers,
+                num_params,
+                layout_hash,
+            }) => {
+                let hello = Hello {
+                    protocol_version,
+                    token,
+                    worker_rank,
+                    workers,
+                    num_params,
+                    layout_hash,
+                };
+                ctx.membership()
+                    .hello(conn_id, cert_rank, &hello, Instant::now())
+                    .map_err(|r| Response::error(r.code, r.message))
+            }
+            Ok(_) => Err(Response::error(
+                ErrorCode::Unauthorized,
+                "the first request on a connection must be Hello",
+            )),
             Err(e) => Err(Response::error(ErrorCode::BadFrame, e.to_string())),
         },
         Err(e) => Err(Response::error(ErrorCode::BadFrame, e.to_string())),
     };
     match verdict {
-        Ok(rank) => {
+        Ok(actions) => {
+            ctx.conns().insert(conn_id, conn.clone());
+            ctx.apply(actions);
             let welcome = Response::Welcome {
                 server_index: ctx.index,
                 shards: ctx.welcome.clone(),
                 workers: ctx.workers,
             };
             reply(&mut send, &welcome).await;
-            Some(rank)
+            Ok((conn, cert_rank))
         }
         Err(resp) => {
-            tracing::warn!(peer = %conn.remote_address(), "refused connection: {resp:?}");
+            let why = format!("{resp:?}");
             reply(&mut send, &resp).await;
             // Give the refusal a moment to leave before closing.
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), send.stopped()).await;
-            conn.close(1u32.into(), b"refused");
-            None
+            let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
+            Err((Some(conn), why))
         }
     }
 }
 
-async fn serve_stream(mut send: SendStream, mut recv: RecvStream, ctx: Rc<ServerCtx>, rank: u32) {
-    let resp = match read_frame(&mut recv, ctx.max_frame).await {
-        Ok(payload) => match decode_request(&payload) {
-            Ok(req) => {
-                ctx.seen(rank).await;
-                dispatch(&ctx, rank, req).await
+async fn serve_connection(incoming: Incoming, ctx: Arc<Ctx>) {
+    let conn_id = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
+    let peer = incoming.remote_address();
+    if let Err(r) = ctx.membership().connection_opened(conn_id, Instant::now()) {
+        tracing::warn!(%peer, "refused connection: {}", r.message);
+        incoming.refuse();
+        return;
+    }
+    let auth = tokio::time::timeout(ctx.hello_timeout, authenticate(incoming, conn_id, &ctx)).await;
+    let (conn, rank) = match auth {
+        Ok(Ok(ok)) => ok,
+        Ok(Err((conn, why))) => {
+            tracing::warn!(%peer, "refused connection: {why}");
+            if let Some(c) = conn {
+                c.close(close::REFUSED.into(), b"refused");
             }
+            ctx.closed(conn_id, &why);
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(%peer, "no Hello within {:?}; closing", ctx.hello_timeout);
+            ctx.closed(conn_id, "no Hello in time");
+            return;
+        }
+    };
+    tracing::info!(%peer, rank, "worker connected");
+    loop {
+        match conn.accept_bi().await {
+            Ok((send, recv)) => {
+                tokio::spawn(serve_stream(send, recv, ctx.clone(), conn_id, rank));
+            }
+            Err(e) => {
+                ctx.closed(conn_id, &e.to_string());
+                return;
+            }
+        }
+    }
+}
+
+async fn serve_stream(
+    mut send: SendStream,
+    mut recv: RecvStream,
+    ctx: Arc<Ctx>,
+    conn: ConnId,
+    rank: u32,
+) {
+    let read =
+        tokio::time::timeout(ctx.request_timeout, read_frame(&mut recv, ctx.max_frame)).await;
+    let resp = match read {
+        Err(_) => Response::error(ErrorCode::Timeout, "request not received in time"),
+        Ok(Err(e)) => Response::error(ErrorCode::BadFrame, e.to_string()),
+        Ok(Ok(payload)) => match decode_request(&payload) {
             Err(e) => Response::error(ErrorCode::BadFrame, e.to_string()),
+            Ok(req) => {
+                if ctx.membership().request(conn, Instant::now()) {
+                    dispatch(&ctx, conn, rank, req).await
+                } else {
+                    Response::error(ErrorCode::RateLimited, "over server.max_requests_per_sec")
+                }
+            }
         },
-        Err(e) => Response::error(ErrorCode::BadFrame, e.to_string()),
     };
     if let Response::Error { code, message } = &resp {
         tracing::warn!(rank, ?code, "refused request: {message}");
@@ -569,113 +628,70 @@ async fn serve_stream(mut send: SendStream, mut recv: RecvStream, ctx: Rc<Server
     reply(&mut send, &resp).await;
 }
 
-fn shard_addr(ctx: &ServerCtx, shard: u32) -> Result<&Addr<ShardActor>, Response> {
-    ctx.shards.get(&shard).ok_or_else(|| {
-        Response::error(
+async fn to_shard(
+    ctx: &Ctx,
+    conn: ConnId,
+    rank: u32,
+    shard: u32,
+    request: ShardRequest,
+) -> Response {
+    let Some(addr) = ctx.shards.get(&shard) else {
+        return Response::error(
             ErrorCode::UnknownShard,
             format!("shard {shard} is not served by server {}", ctx.index),
-        )
+        );
+    };
+    let rx = match addr
+        .send(Deliver {
+            conn,
+            rank,
+            request,
+        })
+        .await
+    {
+        Ok(rx) => rx,
+        Err(e) => {
+            return Response::error(ErrorCode::ShuttingDown, format!("shard unavailable: {e}"))
+        }
+    };
+    rx.await.unwrap_or_else(|_| {
+        Response::error(ErrorCode::ShuttingDown, "the shard dropped the request")
     })
 }
 
-fn mailbox_gone(e: MailboxError) -> Response {
-    Response::error(ErrorCode::ShuttingDown, format!("shard unavailable: {e}"))
-}
-
-async fn dispatch(ctx: &ServerCtx, rank: u32, req: Request) -> Response {
+async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response {
     match req {
-        Request::Hello { .. } => Response::Welcome {
-            server_index: ctx.index,
-            shards: ctx.welcome.clone(),
-            workers: ctx.workers,
-        },
-        Request::Init { shard, values } => {
-            let addr = match shard_addr(ctx, shard) {
-                Ok(a) => a,
-                Err(r) => return r,
+        Request::Hello { .. } => Response::error(ErrorCode::BadFrame, "Hello was already said"),
+        Request::Offer {
+            shard,
+            version,
+            next_step,
+            values,
+        } => {
+            let request = ShardRequest::Offer {
+                version,
+                next_step,
+                values,
             };
-            match addr.send(InitShard(values)).await {
-                Ok(Ok(accepted)) => Response::InitAck { shard, accepted },
-                Ok(Err(refusal)) => refusal.into_response(),
-                Err(e) => mailbox_gone(e),
-            }
+            to_shard(ctx, conn, rank, shard, request).await
         }
-        Request::Push {
+        Request::Step {
             shard,
             step,
-            worker_rank,
+            have_version,
             grad,
         } => {
-            if worker_rank != rank {
-                return Response::error(
-                    ErrorCode::Unauthorized,
-                    format!("connection of worker {rank} pushed as worker {worker_rank}"),
-                );
-            }
-            let addr = match shard_addr(ctx, shard) {
-                Ok(a) => a,
-                Err(r) => return r,
+            let request = ShardRequest::Step {
+                step,
+                have_version,
+                grad,
             };
-            match addr
-                .send(PushGrad {
-                    worker: rank,
-                    step,
-                    grad,
-                })
-                .await
-            {
-                Ok(Ok(())) => Response::PushAck { shard, step },
-                Ok(Err(refusal)) => refusal.into_response(),
-                Err(e) => mailbox_gone(e),
-            }
+            to_shard(ctx, conn, rank, shard, request).await
         }
-        Request::Pull {
-            shard,
-            have_version,
-            min_version,
-        } => {
-            let addr = match shard_addr(ctx, shard) {
-                Ok(a) => a,
-                Err(r) => return r,
-            };
-            match addr
-                .send(PullParams {
-                    worker: rank,
-                    have_version,
-                    min_version,
-                })
-                .await
-            {
-                Ok(rx) => rx.await.unwrap_or_else(|_| {
-                    Response::error(
-                        ErrorCode::ShuttingDown,
-                        "shard stopped before the step completed",
-                    )
-                }),
-                Err(e) => mailbox_gone(e),
-            }
-        }
-        Request::Heartbeat { .. } => Response::HeartbeatAck,
-        Request::Bye { worker_rank } => {
-            if worker_rank != rank {
-                return Response::error(
-                    ErrorCode::Unauthorized,
-                    format!("connection of worker {rank} said goodbye as worker {worker_rank}"),
-                );
-            }
-            for addr in ctx.shards.values() {
-                let _ = addr.send(WorkerLeft(rank)).await;
-            }
-            let all_done = {
-                let mut finished = ctx.finished.borrow_mut();
-                finished.insert(rank);
-                finished.len() as u32 >= ctx.workers
-            };
-            tracing::info!(rank, "worker finished");
-            if all_done && ctx.exit_when_done {
-                tracing::info!("every worker finished; shutting down");
-                let _ = ctx.done.send(true);
-            }
+        Request::Heartbeat => Response::HeartbeatAck,
+        Request::Bye => {
+            let actions = ctx.membership().bye(conn, Instant::now());
+            ctx.apply(actions);
             Response::ByeAck
         }
     }

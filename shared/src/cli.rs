@@ -1,4 +1,4 @@
-//! The binaries' edge: logging setup and one-line error reports.
+//! The binaries' edge: logging setup, one-line error reports, stop signals.
 //!
 //! ```
 //! use ps_shared::cli::describe_error;
@@ -33,6 +33,29 @@ pub fn describe_error(e: &(dyn Error + 'static)) -> String {
         cause = c.source();
     }
     out
+}
+
+/// Resolves on SIGINT or SIGTERM, whichever comes first; returns its name.
+pub async fn stop_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! {
+                _ = tokio::signal::ctrl_c() => "SIGINT",
+                _ = term.recv() => "SIGTERM",
+            },
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                "SIGINT"
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        "interrupt"
+    }
 }
 
 #[cfg(test)]

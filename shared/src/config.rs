@@ -94,19 +94,29 @@ impl Default for ClusterSection {
     }
 }
 
-/// TLS material. QUIC always runs TLS 1.3; there is no plaintext mode.
+/// TLS material. QUIC always runs TLS 1.3 with mutual authentication: the
+/// servers and every worker rank hold certificates issued by one cluster CA,
+/// and a worker's rank is the one in its certificate.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TlsSection {
-    /// Server certificate chain (PEM).
+    /// Server certificate chain (PEM), issued by the cluster CA.
     pub cert: PathBuf,
     /// Server private key (PEM).
     pub key: PathBuf,
-    /// Certificate workers trust (PEM); for self-signed dev certificates this is `cert`.
+    /// The cluster CA certificate (PEM): servers and workers trust only it.
     pub ca: PathBuf,
+    /// The cluster CA key (PEM); only `ps-server certs` (or a first start
+    /// with `generate_if_missing`) reads it, to issue certificates.
+    pub ca_key: PathBuf,
+    /// Worker certificate (PEM); `{rank}` is replaced by the worker's rank.
+    pub worker_cert: String,
+    /// Worker private key (PEM); `{rank}` is replaced by the worker's rank.
+    pub worker_key: String,
     /// Name the workers expect in the server certificate.
     pub server_name: String,
-    /// Generate a self-signed certificate at `cert`/`key` on first start when missing.
+    /// Create the CA and any missing server or worker certificate on a
+    /// server's first start (development clusters).
     pub generate_if_missing: bool,
 }
 
@@ -115,10 +125,21 @@ impl Default for TlsSection {
         Self {
             cert: "certs/server.pem".into(),
             key: "certs/server.key".into(),
-            ca: "certs/server.pem".into(),
+            ca: "certs/ca.pem".into(),
+            ca_key: "certs/ca.key".into(),
+            worker_cert: "certs/worker-{rank}.pem".into(),
+            worker_key: "certs/worker-{rank}.key".into(),
             server_name: "localhost".into(),
             generate_if_missing: true,
         }
+    }
+}
+
+impl TlsSection {
+    /// Certificate and key paths of worker `rank`.
+    pub fn worker_paths(&self, rank: u32) -> (PathBuf, PathBuf) {
+        let fill = |t: &str| PathBuf::from(t.replace("{rank}", &rank.to_string()));
+        (fill(&self.worker_cert), fill(&self.worker_key))
     }
 }
 
@@ -425,6 +446,16 @@ pub enum SyncMode {
     Ssp,
 }
 
+/// What the server does with a push whose norm exceeds `server.max_grad_norm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GradNormPolicy {
+    /// Scale the push down to the bound.
+    Clip,
+    /// Refuse the push with a typed error.
+    Refuse,
+}
+
 /// Server-process settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -447,8 +478,35 @@ pub struct ServerSection {
     pub exit_when_done: bool,
     /// Largest frame accepted on the wire, in bytes.
     pub max_frame_bytes: usize,
-    /// Seconds a worker waits for the first connection before giving up.
+    /// Seconds a worker keeps trying to reach a server (at start, and after
+    /// losing it) before it gives up with an error.
     pub connect_timeout_secs: u64,
+    /// Seconds a new connection has to finish TLS and send its Hello.
+    pub hello_timeout_secs: f64,
+    /// Deadline of every request: a reply that cannot be given within it
+    /// (e.g. a barrier waiting for a stuck worker) is answered with Timeout.
+    pub request_timeout_secs: f64,
+    /// QUIC idle timeout: a peer silent this long (keep-alives included) is
+    /// dead. Keep-alives go out every `heartbeat_secs`.
+    pub idle_timeout_secs: f64,
+    /// Connections a server accepts at once, and unauthenticated ones among them.
+    pub max_connections: usize,
+    pub max_unauthenticated: usize,
+    /// A server with no worker after this many seconds exits with an error;
+    /// a rank that has not joined by then leaves the barrier.
+    pub join_timeout_secs: f64,
+    /// A server whose workers have all been gone (without finishing) this
+    /// long exits with an error.
+    pub all_gone_grace_secs: f64,
+    /// A starting shard waits this long after the first worker's offer for
+    /// the other workers' copies (it decides at once when all have offered).
+    pub recovery_window_secs: f64,
+    /// Largest L2 norm of one worker's push to one shard (0 = no bound).
+    pub max_grad_norm: f32,
+    /// `clip` (scale down to the bound) or `refuse`.
+    pub grad_norm_policy: GradNormPolicy,
+    /// Threads that run QUIC I/O and decoding.
+    pub io_threads: usize,
 }
 
 impl Default for ServerSection {
@@ -464,6 +522,17 @@ impl Default for ServerSection {
             exit_when_done: true,
             max_frame_bytes: 256 << 20,
             connect_timeout_secs: 30,
+            hello_timeout_secs: 5.0,
+            request_timeout_secs: 120.0,
+            idle_timeout_secs: 5.0,
+            max_connections: 256,
+            max_unauthenticated: 32,
+            join_timeout_secs: 300.0,
+            all_gone_grace_secs: 60.0,
+            recovery_window_secs: 10.0,
+            max_grad_norm: 0.0,
+            grad_norm_policy: GradNormPolicy::Clip,
+            io_threads: 2,
         }
     }
 }
@@ -662,6 +731,54 @@ impl ClusterConfig {
         }
         if s.connect_timeout_secs == 0 {
             return Err(invalid("server.connect_timeout_secs", "must be >= 1"));
+        }
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        for (field, v) in [
+            ("server.hello_timeout_secs", s.hello_timeout_secs),
+            ("server.request_timeout_secs", s.request_timeout_secs),
+            ("server.join_timeout_secs", s.join_timeout_secs),
+            ("server.all_gone_grace_secs", s.all_gone_grace_secs),
+            ("server.recovery_window_secs", s.recovery_window_secs),
+        ] {
+            if !positive(v) {
+                return Err(invalid(field, "must be a positive number of seconds"));
+            }
+        }
+        if !(s.idle_timeout_secs.is_finite() && s.idle_timeout_secs >= 2.0 * s.heartbeat_secs) {
+            return Err(invalid(
+                "server.idle_timeout_secs",
+                "must be at least twice server.heartbeat_secs (keep-alives go out every heartbeat)",
+            ));
+        }
+        if s.max_connections == 0 || s.max_unauthenticated == 0 {
+            return Err(invalid(
+                "server.max_connections",
+                "max_connections and max_unauthenticated must be >= 1",
+            ));
+        }
+        if s.max_connections < c.workers {
+            return Err(invalid(
+                "server.max_connections",
+                format!(
+                    "{} is fewer than cluster.workers = {}",
+                    s.max_connections, c.workers
+                ),
+            ));
+        }
+        if !(s.max_grad_norm.is_finite() && s.max_grad_norm >= 0.0) {
+            return Err(invalid(
+                "server.max_grad_norm",
+                "must be >= 0 (0 = no bound)",
+            ));
+        }
+        if s.io_threads == 0 || s.io_threads > 256 {
+            return Err(invalid("server.io_threads", "must be in 1..=256"));
+        }
+        if !self.tls.worker_cert.contains("{rank}") || !self.tls.worker_key.contains("{rank}") {
+            return Err(invalid(
+                "tls.worker_cert",
+                "tls.worker_cert and tls.worker_key must contain {rank}",
+            ));
         }
         self.loader.validate().map_err(|m| invalid("loader", m))?;
         self.bucket_sim

@@ -9,7 +9,7 @@
 //!
 //! ```
 //! use ps_shared::protocol::{decode_request, encode_request, Request};
-//! let req = Request::Bye { worker_rank: 3 };
+//! let req = Request::Heartbeat;
 //! let frame = encode_request(&req).unwrap();
 //! assert_eq!(decode_request(&frame[4..]).unwrap(), req);
 //! assert!(decode_request(&[1, 2, 3]).is_err());
@@ -22,10 +22,27 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::sparse::{values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
+
+/// Largest Hello frame a server reads before the client is authenticated.
+pub const MAX_HELLO_BYTES: usize = 4096;
+
+/// QUIC application close codes.
+pub mod close {
+    /// The worker said goodbye.
+    pub const BYE: u32 = 0;
+    /// The Hello was refused.
+    pub const REFUSED: u32 = 1;
+    /// The server is shutting down (a restart may follow): reconnect.
+    pub const SHUTTING_DOWN: u32 = 2;
+    /// The server dropped the worker (silent too long).
+    pub const EVICTED: u32 = 3;
+    /// The worker stopped without a goodbye.
+    pub const ABORTED: u32 = 4;
+}
 
 /// Values of a sparse or dense payload, optionally as f16 bits.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -105,37 +122,43 @@ pub enum ParamUpdate {
     Sparse { indices: Vec<u32>, values: Vec<f32> },
 }
 
-/// A worker's request.
+/// A worker's request. The rank is never a field: the server takes it from
+/// the connection's client certificate.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub enum Request {
-    /// First message on a connection: authenticates the worker.
+    /// First message on a connection.
     Hello {
         protocol_version: u32,
         token: String,
+        /// Must equal the rank in the client certificate.
         worker_rank: u32,
+        /// The worker count this worker was configured with.
+        workers: u32,
         num_params: u64,
         layout_hash: u64,
     },
-    /// Offer initial values for a shard; the first offer wins.
-    Init { shard: u32, values: Vec<f32> },
-    /// The worker's gradient for `step` on `shard`.
-    Push {
+    /// The worker's copy of a shard at `version`; the reply is the shard's
+    /// parameters (once a starting shard has decided where it starts from).
+    Offer {
+        shard: u32,
+        version: u64,
+        /// The step this worker pushes next to this shard.
+        next_step: u64,
+        values: Vec<f32>,
+    },
+    /// The gradient of `step` for `shard`; the worker holds `have_version`.
+    /// The reply is the parameters for the next step (a sparse delta from
+    /// `have_version` when that is cheaper).
+    Step {
         shard: u32,
         step: u64,
-        worker_rank: u32,
+        have_version: Option<u64>,
         grad: WireGrad,
     },
-    /// Parameters of `shard` once its version reaches `min_version`; the
-    /// worker holds `have_version` (sparse replies are relative to it).
-    Pull {
-        shard: u32,
-        have_version: Option<u64>,
-        min_version: u64,
-    },
     /// The worker is done; it leaves the barrier.
-    Bye { worker_rank: u32 },
+    Bye,
     /// Liveness signal, sent periodically while the worker runs.
-    Heartbeat { worker_rank: u32 },
+    Heartbeat,
 }
 
 /// One contiguous shard a server owns.
@@ -159,11 +182,20 @@ pub enum ErrorCode {
     WrongLength,
     NonFinite,
     WrongStep,
-    DuplicatePush,
     NotInitialized,
     ShuttingDown,
     RateLimited,
     Internal,
+    /// A parked reply waited past its deadline.
+    Timeout,
+    /// Too many requests waiting on one shard from one connection.
+    TooManyPending,
+    /// A push whose norm exceeds `server.max_grad_norm` (refuse policy).
+    GradientTooLarge,
+    /// Another live connection already speaks for this rank.
+    RankInUse,
+    /// The worker's `cluster.workers` differs from the server's.
+    WorkerCountMismatch,
 }
 
 /// A server's response.
@@ -174,19 +206,13 @@ pub enum Response {
         shards: Vec<ShardRange>,
         workers: u32,
     },
-    InitAck {
-        shard: u32,
-        accepted: bool,
-    },
-    PushAck {
-        shard: u32,
-        step: u64,
-    },
     Params {
         shard: u32,
         version: u64,
         /// The step this worker pushes next to this shard.
         next_step: u64,
+        /// Workers connected to this shard's barrier when the reply left.
+        live_workers: u32,
         update: ParamUpdate,
     },
     ByeAck,
@@ -298,35 +324,33 @@ mod tests {
             protocol_version: PROTOCOL_VERSION,
             token: "secret-token".into(),
             worker_rank: 1,
+            workers: 2,
             num_params: 1234,
             layout_hash: 99,
         });
-        round_trip_req(Request::Init {
+        round_trip_req(Request::Offer {
             shard: 0,
+            version: 3,
+            next_step: 3,
             values: vec![1.0, -2.0, 3.5],
         });
-        round_trip_req(Request::Push {
+        round_trip_req(Request::Step {
             shard: 1,
             step: 7,
-            worker_rank: 0,
+            have_version: Some(7),
             grad: WireGrad::Sparse {
                 indices: vec![0, 5, 9],
                 values: WireValues::F32(vec![0.5, -0.25, 1.0]),
             },
         });
-        round_trip_req(Request::Push {
+        round_trip_req(Request::Step {
             shard: 1,
             step: 7,
-            worker_rank: 0,
+            have_version: None,
             grad: WireGrad::Dense(WireValues::F16(vec![0x3c00, 0xbc00])),
         });
-        round_trip_req(Request::Pull {
-            shard: 3,
-            have_version: Some(4),
-            min_version: 5,
-        });
-        round_trip_req(Request::Bye { worker_rank: 2 });
-        round_trip_req(Request::Heartbeat { worker_rank: 2 });
+        round_trip_req(Request::Bye);
+        round_trip_req(Request::Heartbeat);
     }
 
     proptest::proptest! {
@@ -346,10 +370,10 @@ mod tests {
             values in proptest::collection::vec(-1e3f32..1e3, 0..64),
             flips in proptest::collection::vec((proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()), 1..8),
         ) {
-            let req = Request::Push {
+            let req = Request::Step {
                 shard: 1,
                 step: 9,
-                worker_rank: 0,
+                have_version: Some(9),
                 grad: WireGrad::Sparse {
                     indices: (0..values.len() as u32).collect(),
                     values: WireValues::F32(values),
@@ -380,6 +404,7 @@ mod tests {
                 shard: 0,
                 version: 3,
                 next_step: 3,
+                live_workers: 2,
                 update: ParamUpdate::Sparse {
                     indices: vec![1, 2],
                     values: vec![0.1, 0.2],
@@ -389,6 +414,7 @@ mod tests {
                 shard: 0,
                 version: 3,
                 next_step: 2,
+                live_workers: 1,
                 update: ParamUpdate::Dense(vec![0.0; 17]),
             },
             Response::HeartbeatAck,
@@ -402,8 +428,10 @@ mod tests {
 
     #[test]
     fn malformed_frames_are_rejected() {
-        let frame = encode_request(&Request::Init {
+        let frame = encode_request(&Request::Offer {
             shard: 0,
+            version: 0,
+            next_step: 0,
             values: vec![1.0; 64],
         })
         .unwrap();

@@ -3,10 +3,61 @@
 use std::sync::Arc;
 
 use object_store::{memory::InMemory, path::Path, ObjectStore};
+use ps_server::net::ServerTls;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataset::{synthetic, write_dataset, SyntheticSpec};
-use ps_shared::transport::DevCert;
+use ps_shared::pki::{CertPair, ClusterCa};
+use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_worker, WorkerOptions, WorkerReport};
+
+/// A cluster CA with a loopback server certificate and one client
+/// certificate per worker rank, all in memory.
+pub struct TestPki {
+    pub ca: ClusterCa,
+    pub server: ServerTls,
+    workers: Vec<CertPair>,
+}
+
+impl TestPki {
+    pub fn new(workers: u32) -> Self {
+        let ca = ClusterCa::generate("stratus test CA").expect("generate a CA");
+        let server = ca
+            .issue_server(&["localhost".into(), "127.0.0.1".into()])
+            .expect("issue a server certificate");
+        let workers = (0..workers)
+            .map(|r| ca.issue_worker(r).expect("issue a worker certificate"))
+            .collect();
+        Self {
+            server: ServerTls {
+                cert_pem: server.cert_pem,
+                key_pem: server.key_pem,
+                ca_pem: ca.cert_pem().to_string(),
+            },
+            ca,
+            workers,
+        }
+    }
+
+    /// TLS material of worker `rank`.
+    pub fn worker(&self, rank: u32) -> WorkerTls {
+        WorkerTls {
+            ca_pem: self.server.ca_pem.clone(),
+            identity: self.workers[rank as usize].clone(),
+        }
+    }
+
+    /// Options for worker `rank` (no progress bar, no fault injection).
+    pub fn options(&self, rank: u32) -> WorkerOptions {
+        WorkerOptions {
+            rank,
+            tls: self.worker(rank),
+            progress: false,
+            epoch_lines: false,
+            crash_after_steps: None,
+            stop: None,
+        }
+    }
+}
 
 /// A synthetic dataset written to an in-memory bucket.
 pub async fn synthetic_bucket(spec: &SyntheticSpec) -> (Arc<dyn ObjectStore>, Path) {
@@ -48,14 +99,13 @@ pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterC
 /// Start server process 0 of `cfg` on a free loopback port.
 pub async fn start_loopback_server(
     cfg: &ClusterConfig,
-    cert: &DevCert,
+    pki: &TestPki,
 ) -> ps_server::net::RunningServer {
     ps_server::net::start(
         cfg,
         0,
         "127.0.0.1:0".parse().expect("loopback address"),
-        &cert.cert_pem,
-        &cert.key_pem,
+        &pki.server,
     )
     .await
     .expect("start a server on loopback")
@@ -71,30 +121,21 @@ pub fn run_cluster(
     store: Arc<dyn ObjectStore>,
     prefix: Path,
 ) -> anyhow::Result<Vec<WorkerReport>> {
-    let cert = DevCert::generate(&["localhost".into()])?;
+    let pki = TestPki::new(cfg.cluster.workers as u32);
     let system = actix::System::new();
     system.block_on(async move {
         // One server process per entry of cluster.servers, each on a free port.
         let mut servers = Vec::new();
         for index in 0..cfg.cluster.servers.len() {
-            let server = ps_server::net::start(
-                &cfg,
-                index,
-                "127.0.0.1:0".parse()?,
-                &cert.cert_pem,
-                &cert.key_pem,
-            )
-            .await?;
+            let server =
+                ps_server::net::start(&cfg, index, "127.0.0.1:0".parse()?, &pki.server).await?;
             servers.push(server);
         }
         cfg.cluster.servers = servers.iter().map(|s| s.local_addr().to_string()).collect();
         let workers = (0..cfg.cluster.workers as u32).map(|rank| {
             let opts = WorkerOptions {
-                rank,
-                ca_pem: cert.cert_pem.clone(),
-                progress: false,
                 epoch_lines: true,
-                crash_after_steps: None,
+                ..pki.options(rank)
             };
             run_worker(&cfg, opts, store.clone(), prefix.clone())
         });
@@ -111,7 +152,7 @@ pub fn run_cluster(
             Ok(r) => r,
             Err(e) => {
                 for server in servers {
-                    server.shutdown().await;
+                    server.abort().await;
                 }
                 return Err(e);
             }
@@ -120,7 +161,7 @@ pub fn run_cluster(
         for server in servers {
             tokio::time::timeout(std::time::Duration::from_secs(30), server.wait())
                 .await
-                .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))?;
+                .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))??;
         }
         Ok(reports)
     })

@@ -1,27 +1,39 @@
 //! Talking to the parameter servers: `Comm` (plain async) and `CommActor`.
 //!
-//! A worker holds one QUIC connection per server process. A step's gradient is
-//! split by shard range and every shard gets its push and then its pull on
-//! streams of their own, all shards concurrently; the pull names the version
-//! the worker already holds so the server can answer with a sparse delta.
+//! A worker holds one QUIC connection per server process, authenticated by
+//! its own client certificate. A step is **one round trip per shard**: the
+//! `Step` request carries the gradient of step `t` and the version the worker
+//! holds, and its reply carries the parameters for step `t + 1` (a sparse
+//! delta when that is cheaper). All shards go concurrently.
+//!
+//! Every request has a deadline. When a server is lost (its connection dies,
+//! or it closes with "shutting down"), the worker redials it for up to
+//! `server.connect_timeout_secs`, offers its copy of that server's shards
+//! (a restarted server rebuilds them from the workers' copies) and sends the
+//! step again; `Step` is idempotent on the server, so a retry never counts a
+//! push twice. A server that stays unreachable ends the run with an error
+//! naming it.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use futures::future::try_join_all;
+use futures::future::{join_all, try_join_all};
 use quinn::Connection;
 
 use ps_shared::config::ClusterConfig;
 use ps_shared::link::LinkLimiter;
+use ps_shared::pki::CertPair;
 use ps_shared::protocol::{
-    encode_request, ErrorCode, ParamUpdate, Request, Response, ShardRange, WireGrad, WireValues,
-    PROTOCOL_VERSION,
+    close, encode_request, ErrorCode, ParamUpdate, Request, Response, ShardRange, WireGrad,
+    WireValues, PROTOCOL_VERSION,
 };
 use ps_shared::shard::ShardMap;
 use ps_shared::sparse::SparseGrad;
-use ps_shared::transport::{self, TransportError};
+use ps_shared::transport::{self, EndpointLimits, TransportError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
@@ -37,12 +49,22 @@ pub enum CommError {
     Unexpected { what: &'static str, reply: String },
     #[error("cluster layout disagrees: {0}")]
     Layout(String),
-    #[error("could not reach server {addr} within {secs} s: {last}")]
+    #[error("could not reach server {addr} within {secs} s (server.connect_timeout_secs): {last}")]
     Unreachable {
         addr: String,
         secs: u64,
         last: String,
     },
+    #[error(
+        "no reply from server {addr} to {what} within {secs:.0} s (server.request_timeout_secs)"
+    )]
+    Deadline {
+        addr: String,
+        what: &'static str,
+        secs: f64,
+    },
+    #[error("gave up on step after {attempts} attempts: {last}")]
+    GaveUp { attempts: u32, last: String },
 }
 
 fn refused(what: &'static str, resp: Response) -> CommError {
@@ -56,6 +78,31 @@ fn refused(what: &'static str, resp: Response) -> CommError {
             what,
             reply: format!("{other:?}"),
         },
+    }
+}
+
+impl CommError {
+    /// Whether reconnecting and offering again may fix it.
+    fn needs_reconnect(&self) -> bool {
+        match self {
+            CommError::Transport(_) | CommError::Deadline { .. } => true,
+            CommError::Refused { code, .. } => matches!(
+                code,
+                ErrorCode::UnknownWorker | ErrorCode::ShuttingDown | ErrorCode::NotInitialized
+            ),
+            _ => false,
+        }
+    }
+
+    /// Whether simply sending the (idempotent) request again may fix it.
+    fn retry_as_is(&self) -> bool {
+        matches!(
+            self,
+            CommError::Refused {
+                code: ErrorCode::Timeout | ErrorCode::RateLimited,
+                ..
+            }
+        )
     }
 }
 
@@ -73,11 +120,25 @@ pub struct ShardUpdate {
     pub update: ParamUpdate,
 }
 
-/// Bytes moved by one exchange.
+/// Bytes moved and round trips made by one exchange.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Traffic {
     pub pushed: u64,
     pub pulled: u64,
+    /// Request/reply round trips to shards (Offer and Step).
+    pub round_trips: u64,
+    /// Fewest workers connected to any shard's barrier in the replies.
+    pub live_workers: u32,
+}
+
+/// The worker's current flat parameters (what it offers a restarted server).
+pub type ParamSource = Rc<dyn Fn() -> Pin<Box<dyn Future<Output = Vec<f32>>>>>;
+
+/// TLS material of a worker: the cluster CA and the rank's certificate.
+#[derive(Clone, Debug)]
+pub struct WorkerTls {
+    pub ca_pem: String,
+    pub identity: CertPair,
 }
 
 struct Link {
@@ -85,34 +146,54 @@ struct Link {
     conn: Connection,
 }
 
-/// What reconnecting needs.
+/// What (re)connecting needs.
 struct Dialer {
     hello: Request,
     server_name: String,
-    ca_pem: String,
-    timeout: Duration,
+    tls: WorkerTls,
+    limits: EndpointLimits,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    max_frame: usize,
 }
 
-/// Times a failed exchange is recovered (reconnect and/or resync) before giving up.
-const MAX_RECOVERIES: u32 = 5;
+/// Attempts of one step before giving up (each may include a reconnect
+/// bounded by `server.connect_timeout_secs`).
+const MAX_ATTEMPTS: u32 = 8;
+
+/// What one shard's request left behind.
+struct ShardReply {
+    update: ParamUpdate,
+    version: u64,
+    next_step: u64,
+    live_workers: u32,
+    pushed: u64,
+    pulled: u64,
+}
 
 /// Connections to every server process and the shard routing.
 pub struct Comm {
     rank: u32,
     links: RefCell<Vec<Link>>,
+    /// Serialises reconnects of one link.
+    dialing: Vec<futures::lock::Mutex<()>>,
     dialer: Dialer,
-    /// The step each shard expects from this worker next.
-    next_steps: RefCell<Vec<u64>>,
-    recoveries: std::cell::Cell<u64>,
-    heartbeat: Duration,
     map: ShardMap,
     /// Which link serves each shard.
     route: Vec<usize>,
+    /// The version of each shard the worker holds once it applied what the
+    /// last call returned.
     versions: RefCell<Vec<Option<u64>>>,
-    max_frame: usize,
+    /// The versions the trainer holds (applied), for offers.
+    held: RefCell<Vec<Option<u64>>>,
+    /// The step each shard expects from this worker next.
+    next_steps: RefCell<Vec<u64>>,
+    recoveries: Cell<u64>,
+    round_trips: Cell<u64>,
+    heartbeat: Duration,
     f16: bool,
-    /// Simulated link limits (`[link]`); a no-op when unlimited.
     link: LinkLimiter,
+    params: ParamSource,
 }
 
 fn update_bytes(u: &ParamUpdate) -> u64 {
@@ -122,31 +203,73 @@ fn update_bytes(u: &ParamUpdate) -> u64 {
     }
 }
 
+/// `newer` applied on top of `older` (both for the same shard).
+fn merge_updates(older: ParamUpdate, newer: ParamUpdate) -> ParamUpdate {
+    match (older, newer) {
+        (_, dense @ ParamUpdate::Dense(_)) => dense,
+        (ParamUpdate::Dense(mut base), ParamUpdate::Sparse { indices, values }) => {
+            for (i, v) in indices.iter().zip(values) {
+                if let Some(slot) = base.get_mut(*i as usize) {
+                    *slot = v;
+                }
+            }
+            ParamUpdate::Dense(base)
+        }
+        (
+            ParamUpdate::Sparse {
+                indices: ia,
+                values: va,
+            },
+            ParamUpdate::Sparse {
+                indices: ib,
+                values: vb,
+            },
+        ) => {
+            let mut merged: std::collections::BTreeMap<u32, f32> = ia.into_iter().zip(va).collect();
+            merged.extend(ib.into_iter().zip(vb));
+            let (indices, values) = merged.into_iter().unzip();
+            ParamUpdate::Sparse { indices, values }
+        }
+    }
+}
+
 impl Comm {
     /// Connect to every server (retrying until `server.connect_timeout_secs`),
-    /// authenticate, and check that the servers' shards tile the parameter space.
-    pub async fn connect(cfg: &ClusterConfig, rank: u32, ca_pem: &str) -> Result<Self, CommError> {
+    /// authenticate, and check that the servers' shards tile the parameter
+    /// space. `params` gives the worker's current parameters for offers.
+    pub async fn connect(
+        cfg: &ClusterConfig,
+        rank: u32,
+        tls: WorkerTls,
+        params: ParamSource,
+    ) -> Result<Self, CommError> {
         let num_params = cfg.model.num_params();
         let map = ShardMap::balanced(num_params, cfg.total_shards())
             .map_err(|e| CommError::Layout(e.to_string()))?;
         let mut links = Vec::new();
         let mut route = vec![usize::MAX; map.num_shards()];
-        let hello = Request::Hello {
-            protocol_version: PROTOCOL_VERSION,
-            token: cfg.cluster.token.clone(),
-            worker_rank: rank,
-            num_params: num_params as u64,
-            layout_hash: cfg.model.layout_hash(),
-        };
-        let timeout = Duration::from_secs(cfg.server.connect_timeout_secs);
         let dialer = Dialer {
-            hello,
+            hello: Request::Hello {
+                protocol_version: PROTOCOL_VERSION,
+                token: cfg.cluster.token.clone(),
+                worker_rank: rank,
+                workers: cfg.cluster.workers as u32,
+                num_params: num_params as u64,
+                layout_hash: cfg.model.layout_hash(),
+            },
             server_name: cfg.tls.server_name.clone(),
-            ca_pem: ca_pem.to_string(),
-            timeout,
+            tls,
+            limits: EndpointLimits {
+                idle_timeout: Duration::from_secs_f64(cfg.server.idle_timeout_secs),
+                keep_alive: Duration::from_secs_f64(cfg.server.heartbeat_secs),
+                max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
+            },
+            connect_timeout: Duration::from_secs(cfg.server.connect_timeout_secs),
+            request_timeout: Duration::from_secs_f64(cfg.server.request_timeout_secs),
+            max_frame: cfg.server.max_frame_bytes,
         };
         for (i, server) in cfg.cluster.servers.iter().enumerate() {
-            let (conn, shards) = dialer.dial(server, cfg.server.max_frame_bytes).await?;
+            let (conn, shards) = dialer.dial(server).await?;
             for s in shards {
                 let expected = map.range(s.shard as usize);
                 if expected != Some(s.lo as usize..s.hi as usize) {
@@ -169,22 +292,28 @@ impl Comm {
         }
         Ok(Self {
             rank,
+            dialing: links
+                .iter()
+                .map(|_| futures::lock::Mutex::new(()))
+                .collect(),
             links: RefCell::new(links),
             dialer,
             next_steps: RefCell::new(vec![0; map.num_shards()]),
-            recoveries: std::cell::Cell::new(0),
-            heartbeat: Duration::from_secs_f64(cfg.server.heartbeat_secs),
             versions: RefCell::new(vec![None; map.num_shards()]),
+            held: RefCell::new(vec![None; map.num_shards()]),
+            recoveries: Cell::new(0),
+            round_trips: Cell::new(0),
+            heartbeat: Duration::from_secs_f64(cfg.server.heartbeat_secs),
             map,
             route,
-            max_frame: cfg.server.max_frame_bytes,
             f16: cfg.compression.f16_values,
             link: LinkLimiter::new(&cfg.link),
+            params,
         })
     }
 
-    fn conn(&self, shard: usize) -> Connection {
-        self.links.borrow()[self.route[shard]].conn.clone()
+    pub fn rank(&self) -> u32 {
+        self.rank
     }
 
     /// The step this worker continues from: 0 on a fresh run, the cluster's
@@ -193,121 +322,165 @@ impl Comm {
         self.next_steps.borrow().iter().copied().min().unwrap_or(0)
     }
 
-    /// Reconnections and resyncs so far.
+    /// Reconnections and re-offers so far.
     pub fn recoveries(&self) -> u64 {
         self.recoveries.get()
     }
 
-    /// Replace the connection serving `shard` if it is dead (a restarted
-    /// server): dial again with backoff and say Hello.
-    async fn reconnect(&self, shard: usize) -> Result<(), CommError> {
-        let link = self.route[shard];
-        let (server, current) = {
-            let links = self.links.borrow();
-            (links[link].server.clone(), links[link].conn.clone())
-        };
-        if current.close_reason().is_none() {
-            return Ok(()); // alive, or already replaced by another shard's recovery
-        }
-        tracing::warn!(server, "connection lost; reconnecting");
-        let (conn, _) = self.dialer.dial(&server, self.max_frame).await?;
-        self.links.borrow_mut()[link].conn = conn;
-        Ok(())
+    /// Round trips to shards so far.
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.get()
     }
 
-    /// Forget what this worker holds of `shard` and learn the step it expects,
-    /// so the next pull is a full copy.
-    async fn resync(&self, shard: usize) -> Result<(), CommError> {
-        self.versions.borrow_mut()[shard] = None;
-        self.pull_shard(shard, 0).await?;
-        self.versions.borrow_mut()[shard] = None;
-        Ok(())
+    /// The simulated link's accounting (a no-op link counts nothing).
+    pub fn link(&self) -> &LinkLimiter {
+        &self.link
     }
 
-    /// Send a heartbeat on every connection (errors are left to the next exchange).
-    pub async fn heartbeat(&self) {
-        let req = Request::Heartbeat {
-            worker_rank: self.rank,
-        };
-        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
-        for conn in conns {
-            let call = transport::call(&conn, &req, self.max_frame);
-            let _ = tokio::time::timeout(self.heartbeat, call).await;
-        }
+    fn conn_of(&self, link: usize) -> (String, Connection) {
+        let links = self.links.borrow();
+        (links[link].server.clone(), links[link].conn.clone())
     }
 
-    /// One request to a shard's server through the (simulated) link; returns
-    /// the response and the request's frame size.
-    async fn exchange(&self, shard: usize, req: &Request) -> Result<(Response, usize), CommError> {
+    /// One request to a shard's server through the (simulated) link, under
+    /// the request deadline; returns the response and the request's size.
+    async fn exchange(
+        &self,
+        shard: usize,
+        req: &Request,
+        what: &'static str,
+    ) -> Result<(Response, u64), CommError> {
+        let (server, conn) = self.conn_of(self.route[shard]);
         let frame = encode_request(req).map_err(TransportError::from)?;
         self.link.send(frame.len() as u64).await;
-        let resp = transport::call_raw(&self.conn(shard), &frame, self.max_frame).await?;
+        self.round_trips.set(self.round_trips.get() + 1);
+        let call = transport::call_raw(&conn, &frame, self.dialer.max_frame);
+        let resp = match tokio::time::timeout(self.dialer.request_timeout, call).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(CommError::Deadline {
+                    addr: server,
+                    what,
+                    secs: self.dialer.request_timeout.as_secs_f64(),
+                })
+            }
+        };
         let received = match &resp {
             Response::Params { update, .. } => update_bytes(update) + 32,
             _ => 32,
         };
         self.link.receive(received).await;
-        Ok((resp, frame.len()))
+        Ok((resp, frame.len() as u64))
     }
 
-    async fn pull_shard(
-        &self,
-        shard: usize,
-        min_version: u64,
-    ) -> Result<(ShardUpdate, u64), CommError> {
-        let have = self.versions.borrow()[shard];
-        let req = Request::Pull {
-            shard: shard as u32,
-            have_version: have,
-            min_version,
-        };
-        let (resp, _) = self.exchange(shard, &req).await?;
+    fn shard_reply(
+        what: &'static str,
+        resp: Response,
+        pushed: u64,
+    ) -> Result<ShardReply, CommError> {
         match resp {
             Response::Params {
                 version,
                 next_step,
+                live_workers,
                 update,
                 ..
-            } => {
-                self.versions.borrow_mut()[shard] = Some(version);
-                self.next_steps.borrow_mut()[shard] = next_step;
-                let bytes = update_bytes(&update);
-                let offset = self.map.ranges()[shard].start;
-                Ok((ShardUpdate { offset, update }, bytes))
-            }
-            other => Err(refused("pull", other)),
+            } => Ok(ShardReply {
+                pulled: update_bytes(&update),
+                update,
+                version,
+                next_step,
+                live_workers,
+                pushed,
+            }),
+            other => Err(refused(what, other)),
         }
     }
 
-    /// Offer `initial` as the starting point (the first worker's offer wins) and
-    /// pull the parameters every worker starts from.
-    pub async fn init_and_pull(&self, initial: &[f32]) -> Result<Vec<ShardUpdate>, CommError> {
-        let parts = self.map.split_dense(initial);
-        let jobs = parts.iter().enumerate().map(|(shard, part)| async move {
-            // Init is idempotent (first offer wins); a restarted or rejoining
-            // worker gets the current values and the step to continue from.
-            let req = Request::Init {
-                shard: shard as u32,
-                values: part.to_vec(),
-            };
-            let (resp, _) = self.exchange(shard, &req).await?;
-            match resp {
-                Response::InitAck { .. } => {}
-                other => return Err(refused("init", other)),
-            }
-            self.versions.borrow_mut()[shard] = None;
-            Ok(self.pull_shard(shard, 0).await?.0)
-        });
-        try_join_all(jobs).await
+    /// Offer this worker's copy of `shard` (values from `params`) at the
+    /// version it holds; the reply is the shard's parameters.
+    async fn offer(&self, shard: usize, params: &[f32]) -> Result<ShardReply, CommError> {
+        let range = self.map.ranges()[shard].clone();
+        let req = Request::Offer {
+            shard: shard as u32,
+            version: self.versions.borrow()[shard].unwrap_or(0),
+            next_step: self.next_steps.borrow()[shard],
+            values: params[range].to_vec(),
+        };
+        let (resp, sent) = self.exchange(shard, &req, "offer").await?;
+        Self::shard_reply("offer", resp, sent)
     }
 
-    /// Push this worker's gradient for the next step and pull the parameters
-    /// after it. Each shard is pushed at the step it expects from this worker
-    /// (the steps of different shards differ after a server restart).
-    pub async fn push_pull(
+    /// Offer the initial (or current) parameters to every shard and return
+    /// the parameters every worker starts from.
+    pub async fn join(&self) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
+        let params = (self.params)().await;
+        let shards: Vec<usize> = (0..self.map.num_shards()).collect();
+        let replies = try_join_all(shards.iter().map(|&s| self.offer(s, &params))).await?;
+        let mut traffic = Traffic {
+            live_workers: u32::MAX,
+            ..Traffic::default()
+        };
+        let updates = self.absorb(
+            shards.into_iter().zip(replies).map(|(s, r)| (s, Some(r))),
+            &mut traffic,
+        );
+        Ok((updates, traffic))
+    }
+
+    /// Record replies and turn them into updates for the trainer.
+    fn absorb(
         &self,
-        grad: Outgoing,
-    ) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
+        replies: impl Iterator<Item = (usize, Option<ShardReply>)>,
+        traffic: &mut Traffic,
+    ) -> Vec<ShardUpdate> {
+        let mut out = Vec::new();
+        for (shard, r) in replies {
+            let Some(r) = r else { continue };
+            self.versions.borrow_mut()[shard] = Some(r.version);
+            self.next_steps.borrow_mut()[shard] = r.next_step;
+            traffic.pushed += r.pushed;
+            traffic.pulled += r.pulled;
+            traffic.live_workers = traffic.live_workers.min(r.live_workers);
+            out.push(ShardUpdate {
+                offset: self.map.ranges()[shard].start,
+                update: r.update,
+            });
+        }
+        out
+    }
+
+    /// Replace the connection of `link` if it is dead: redial with backoff
+    /// (up to `server.connect_timeout_secs`) and say Hello. Returns whether
+    /// it reconnected.
+    async fn reconnect(&self, link: usize) -> Result<bool, CommError> {
+        let _only_one = self.dialing[link].lock().await;
+        let (server, conn) = self.conn_of(link);
+        if conn.close_reason().is_none() {
+            return Ok(false);
+        }
+        match conn.close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(c))
+                if c.error_code == close::SHUTTING_DOWN.into() =>
+            {
+                tracing::warn!(
+                    server,
+                    "server is shutting down; waiting up to {:?} for it to come back",
+                    self.dialer.connect_timeout
+                );
+            }
+            reason => tracing::warn!(server, ?reason, "connection lost; reconnecting"),
+        }
+        let (conn, _) = self.dialer.dial(&server).await?;
+        self.links.borrow_mut()[link].conn = conn;
+        self.recoveries.set(self.recoveries.get() + 1);
+        Ok(true)
+    }
+
+    /// Push this worker's gradient for its next step and return the
+    /// parameters after it, one round trip per shard. Recovers from a lost or
+    /// restarted server (reconnect, offer, send the step again).
+    pub async fn step(&self, grad: Outgoing) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
         let per_shard: Vec<WireGrad> = match grad {
             Outgoing::Sparse(g) => self
                 .map
@@ -322,134 +495,212 @@ impl Comm {
                 .map(|part| WireGrad::Dense(WireValues::encode(part.to_vec(), self.f16)))
                 .collect(),
         };
-        let jobs = per_shard
-            .into_iter()
-            .enumerate()
-            .map(|(shard, grad)| self.push_pull_shard(shard, grad));
-        let results = try_join_all(jobs).await?;
-        let mut traffic = Traffic::default();
-        let mut updates = Vec::with_capacity(results.len());
-        for (u, sent, pulled) in results {
-            traffic.pushed += sent;
-            traffic.pulled += pulled;
-            updates.push(u);
+        let n = per_shard.len();
+        let round_trips_before = self.round_trips.get();
+        let mut results: Vec<Option<ShardReply>> = (0..n).map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..n).collect();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let per_shard = &per_shard;
+            let outcomes = join_all(pending.iter().map(|&s| async move {
+                let req = Request::Step {
+                    shard: s as u32,
+                    step: self.next_steps.borrow()[s],
+                    have_version: self.versions.borrow()[s],
+                    grad: per_shard[s].clone(),
+                };
+                let r = match self.exchange(s, &req, "step").await {
+                    Ok((resp, sent)) => Self::shard_reply("step", resp, sent),
+                    Err(e) => Err(e),
+                };
+                (s, r)
+            }))
+            .await;
+            let mut failed_links = std::collections::BTreeSet::new();
+            let mut retry = Vec::new();
+            let mut last = None;
+            for (s, r) in outcomes {
+                match r {
+                    Ok(reply) => {
+                        // Later replies supersede earlier ones of this call.
+                        self.versions.borrow_mut()[s] = Some(reply.version);
+                        self.next_steps.borrow_mut()[s] = reply.next_step;
+                        results[s] = Some(match results[s].take() {
+                            None => reply,
+                            Some(prev) => ShardReply {
+                                update: merge_updates(prev.update, reply.update),
+                                pushed: prev.pushed + reply.pushed,
+                                pulled: prev.pulled + reply.pulled,
+                                ..reply
+                            },
+                        });
+                    }
+                    Err(e) if e.needs_reconnect() => {
+                        failed_links.insert(self.route[s]);
+                        last = Some(e.to_string());
+                    }
+                    Err(e) if e.retry_as_is() => {
+                        retry.push(s);
+                        last = Some(e.to_string());
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            if failed_links.is_empty() && retry.is_empty() {
+                break;
+            }
+            if attempts >= MAX_ATTEMPTS {
+                return Err(CommError::GaveUp {
+                    attempts,
+                    last: last.unwrap_or_default(),
+                });
+            }
+            tracing::warn!(
+                rank = self.rank,
+                attempts,
+                "step needs a retry: {}",
+                last.unwrap_or_default()
+            );
+            // A lost server: reconnect, offer every shard it serves, then send
+            // all of them the step again (the server answers an applied step
+            // with the current parameters, so nothing is counted twice).
+            let params = if failed_links.is_empty() {
+                Vec::new()
+            } else {
+                (self.params)().await
+            };
+            pending = retry;
+            for link in failed_links {
+                self.reconnect(link).await?;
+                let shards: Vec<usize> = (0..n).filter(|s| self.route[*s] == link).collect();
+                // The offers describe what the trainer holds: the versions
+                // before this call's replies.
+                for &s in &shards {
+                    if results[s].take().is_some() {
+                        self.versions.borrow_mut()[s] = self.held_before(s);
+                    }
+                }
+                let offers = try_join_all(shards.iter().map(|&s| self.offer(s, &params))).await?;
+                for (&s, reply) in shards.iter().zip(offers) {
+                    self.versions.borrow_mut()[s] = Some(reply.version);
+                    self.next_steps.borrow_mut()[s] = reply.next_step;
+                    results[s] = Some(reply);
+                }
+                pending.extend(shards);
+            }
+            pending.sort_unstable();
+            pending.dedup();
         }
+        let mut traffic = Traffic {
+            live_workers: u32::MAX,
+            ..Traffic::default()
+        };
+        let updates = self.absorb(results.into_iter().enumerate(), &mut traffic);
+        self.commit();
+        traffic.round_trips = self.round_trips.get() - round_trips_before;
         Ok((updates, traffic))
     }
 
-    /// Push to one shard and pull its new values, recovering from a lost
-    /// connection (reconnect, resync, push again at the step the shard now
-    /// expects) and from a step mismatch (resync).
-    async fn push_pull_shard(
-        &self,
-        shard: usize,
-        grad: WireGrad,
-    ) -> Result<(ShardUpdate, u64, u64), CommError> {
-        let mut recoveries = 0;
-        loop {
-            let step = self.next_steps.borrow()[shard];
-            let req = Request::Push {
-                shard: shard as u32,
-                step,
-                worker_rank: self.rank,
-                grad: grad.clone(),
-            };
-            let attempt = async {
-                let (resp, sent) = self.exchange(shard, &req).await?;
-                match resp {
-                    Response::PushAck { .. } => {}
-                    other => return Err(refused("push", other)),
-                }
-                let (update, pulled) = self.pull_shard(shard, step + 1).await?;
-                Ok((update, sent as u64, pulled))
-            };
-            let err = match attempt.await {
-                Ok(done) => return Ok(done),
-                Err(e) => e,
-            };
-            let recoverable = match &err {
-                CommError::Transport(_) => true,
-                CommError::Refused { code, .. } => matches!(
-                    code,
-                    ErrorCode::WrongStep | ErrorCode::DuplicatePush | ErrorCode::UnknownWorker
-                ),
-                _ => false,
-            };
-            if !recoverable || recoveries >= MAX_RECOVERIES {
-                return Err(err);
-            }
-            recoveries += 1;
-            self.recoveries.set(self.recoveries.get() + 1);
-            tracing::warn!(shard, "recovering from: {err}");
-            if matches!(err, CommError::Transport(_)) {
-                self.reconnect(shard).await?;
-            }
-            self.resync(shard).await?;
+    /// The version the trainer held for `shard` when the current call began.
+    fn held_before(&self, shard: usize) -> Option<u64> {
+        self.held.borrow()[shard]
+    }
+
+    /// The trainer applies what this call returned: remember it as held.
+    fn commit(&self) {
+        *self.held.borrow_mut() = self.versions.borrow().clone();
+    }
+
+    /// Send a heartbeat on every connection (errors are left to the next exchange).
+    pub async fn heartbeat(&self) {
+        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
+        for conn in conns {
+            let call = transport::call(&conn, &Request::Heartbeat, self.dialer.max_frame);
+            let _ = tokio::time::timeout(self.heartbeat, call).await;
         }
     }
 
     /// Leave the cluster and close the connections.
     pub async fn bye(&self) -> Result<(), CommError> {
-        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
-        for conn in conns {
-            let req = Request::Bye {
-                worker_rank: self.rank,
-            };
-            match transport::call(&conn, &req, self.max_frame).await? {
-                (Response::ByeAck, _) => {}
-                (other, _) => return Err(refused("bye", other)),
+        let links: Vec<(String, Connection)> = self
+            .links
+            .borrow()
+            .iter()
+            .map(|l| (l.server.clone(), l.conn.clone()))
+            .collect();
+        for (server, conn) in links {
+            let call = transport::call(&conn, &Request::Bye, self.dialer.max_frame);
+            match tokio::time::timeout(self.dialer.request_timeout, call).await {
+                Ok(Ok((Response::ByeAck, _))) => {}
+                Ok(Ok((other, _))) => return Err(refused("bye", other)),
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => {
+                    return Err(CommError::Deadline {
+                        addr: server,
+                        what: "bye",
+                        secs: self.dialer.request_timeout.as_secs_f64(),
+                    })
+                }
             }
-            conn.close(0u32.into(), b"bye");
+            conn.close(close::BYE.into(), b"bye");
         }
         Ok(())
+    }
+
+    /// Drop every connection without a goodbye (what a crash looks like).
+    pub fn abort(&self) {
+        for link in self.links.borrow().iter() {
+            link.conn.close(close::ABORTED.into(), b"worker stopped");
+        }
     }
 }
 
 impl Dialer {
-    /// Connect (with backoff) and authenticate; returns the shards the server owns.
-    async fn dial(
-        &self,
-        server: &str,
-        max_frame: usize,
-    ) -> Result<(Connection, Vec<ShardRange>), CommError> {
-        let conn =
-            connect_with_retry(server, &self.server_name, &self.ca_pem, self.timeout).await?;
-        let (resp, _) = transport::call(&conn, &self.hello, max_frame).await?;
-        match resp {
-            Response::Welcome { shards, .. } => Ok((conn, shards)),
-            other => Err(refused("hello", other)),
-        }
-    }
-}
-
-async fn connect_with_retry(
-    server: &str,
-    server_name: &str,
-    ca_pem: &str,
-    timeout: Duration,
-) -> Result<Connection, CommError> {
-    let start = Instant::now();
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let attempt = async {
-            let addr = transport::resolve(server).await?;
-            let endpoint = transport::client_endpoint(ca_pem, addr.is_ipv6())?;
-            transport::connect(&endpoint, addr, server_name).await
-        };
-        match attempt.await {
-            Ok(conn) => return Ok(conn),
-            Err(e) => {
-                if start.elapsed() + backoff > timeout {
-                    return Err(CommError::Unreachable {
-                        addr: server.to_string(),
-                        secs: timeout.as_secs(),
-                        last: e.to_string(),
-                    });
-                }
-                tracing::debug!(server, "connect failed, retrying: {e}");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
+    /// Connect (with backoff, within the connect timeout) and authenticate;
+    /// returns the shards the server owns.
+    async fn dial(&self, server: &str) -> Result<(Connection, Vec<ShardRange>), CommError> {
+        let start = Instant::now();
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let left = self.connect_timeout.saturating_sub(start.elapsed());
+            let attempt = async {
+                let addr = transport::resolve(server).await?;
+                let endpoint = transport::client_endpoint(
+                    &self.tls.ca_pem,
+                    &self.tls.identity,
+                    addr.is_ipv6(),
+                    &self.limits,
+                )?;
+                let conn = transport::connect(&endpoint, addr, &self.server_name, left).await?;
+                let (resp, _) = transport::call(&conn, &self.hello, self.max_frame).await?;
+                Ok::<_, CommError>((conn, resp))
+            };
+            let last = match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await
+            {
+                Ok(Ok((conn, Response::Welcome { shards, .. }))) => return Ok((conn, shards)),
+                // Our previous connection is not yet seen dead: try again.
+                Ok(Ok((
+                    _,
+                    Response::Error {
+                        code: ErrorCode::RankInUse,
+                        message,
+                    },
+                ))) => message,
+                Ok(Ok((_, other))) => return Err(refused("hello", other)),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "timed out".to_string(),
+            };
+            if start.elapsed() + backoff > self.connect_timeout {
+                return Err(CommError::Unreachable {
+                    addr: server.to_string(),
+                    secs: self.connect_timeout.as_secs(),
+                    last,
+                });
             }
+            tracing::debug!(server, "connect failed, retrying: {last}");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 }
@@ -479,40 +730,41 @@ impl Actor for CommActor {
     }
 }
 
-/// Offer initial parameters; returns the parameters to start from and the
-/// step to continue from.
+/// Offer the worker's parameters; returns the parameters to start from, the
+/// step to continue from and the traffic.
 #[derive(Message)]
-#[rtype(result = "Result<(Vec<ShardUpdate>, u64), CommError>")]
-pub struct InitParams(pub Vec<f32>);
+#[rtype(result = "Result<(Vec<ShardUpdate>, u64, Traffic), CommError>")]
+pub struct Join;
 
-impl Handler<InitParams> for CommActor {
-    type Result = ResponseFuture<Result<(Vec<ShardUpdate>, u64), CommError>>;
-    fn handle(&mut self, msg: InitParams, _: &mut Context<Self>) -> Self::Result {
+impl Handler<Join> for CommActor {
+    type Result = ResponseFuture<Result<(Vec<ShardUpdate>, u64, Traffic), CommError>>;
+    fn handle(&mut self, _: Join, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
         Box::pin(async move {
-            let updates = comm.init_and_pull(&msg.0).await?;
-            Ok((updates, comm.start_step()))
+            let (updates, traffic) = comm.join().await?;
+            comm.commit();
+            Ok((updates, comm.start_step(), traffic))
         })
     }
 }
 
-/// Push a step's gradient and pull the new parameters.
+/// Push a step's gradient and receive the new parameters.
 #[derive(Message)]
 #[rtype(result = "Result<(Vec<ShardUpdate>, Traffic), CommError>")]
-pub struct PushPull {
+pub struct StepExchange {
     pub grad: Outgoing,
 }
 
-impl Handler<PushPull> for CommActor {
+impl Handler<StepExchange> for CommActor {
     type Result = ResponseFuture<Result<(Vec<ShardUpdate>, Traffic), CommError>>;
-    fn handle(&mut self, msg: PushPull, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: StepExchange, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
-        Box::pin(async move { comm.push_pull(msg.grad).await })
+        Box::pin(async move { comm.step(msg.grad).await })
     }
 }
 
 /// Say goodbye to every server, then stop the actor; returns how many times
-/// an exchange was recovered during the run.
+/// a server was reconnected during the run.
 #[derive(Message)]
 #[rtype(result = "Result<u64, CommError>")]
 pub struct Leave;
@@ -544,9 +796,7 @@ pub struct Abort;
 impl Handler<Abort> for CommActor {
     type Result = ();
     fn handle(&mut self, _: Abort, ctx: &mut Context<Self>) {
-        for link in self.comm.links.borrow().iter() {
-            link.conn.close(1u32.into(), b"worker crashed");
-        }
+        self.comm.abort();
         ctx.stop();
     }
 }

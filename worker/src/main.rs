@@ -5,13 +5,15 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use ps_shared::cli::{describe_error, init_logging};
+use ps_shared::cli::{describe_error, init_logging, stop_signal};
 use ps_shared::config::ClusterConfig;
 use ps_shared::dataset::{
     open_bucket, read_mnist_csv, read_mnist_idx, synthetic, train_test_split, write_dataset_with,
     Layout, SyntheticSpec, WriteOptions,
 };
+use ps_shared::pki::CertPair;
 use ps_shared::transport::read_pem;
+use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
 
 /// Stratus worker: trains its share of each step with candle, pushes compressed
@@ -170,26 +172,53 @@ fn train(
     report_path: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     let ca_pem = read_pem(&cfg.tls.ca).with_context(|| {
-        "the worker needs the server certificate (tls.ca); `ps-server certs` writes a dev one"
+        "the worker needs the cluster CA certificate (tls.ca); `ps-server certs` writes one"
+    })?;
+    let (cert, key) = cfg.tls.worker_paths(rank);
+    let identity = CertPair::read(&cert, &key).with_context(|| {
+        format!(
+            "the worker needs its rank-{rank} certificate ({} and {}, from tls.worker_cert / tls.worker_key); `ps-server certs` writes one per rank",
+            cert.display(),
+            key.display()
+        )
     })?;
     let (store, prefix) = open_bucket(&cfg.data.url)
         .with_context(|| format!("opening data.url = {}", cfg.data.url))?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let opts = WorkerOptions {
         rank,
-        ca_pem,
+        tls: WorkerTls { ca_pem, identity },
         progress,
         epoch_lines: true,
         crash_after_steps: None,
+        stop: Some(stop_rx),
     };
     let system = actix::System::new();
     let report = system
-        .block_on(async { run_worker(&cfg, opts, store, prefix).await })
+        .block_on(async {
+            // SIGTERM or Ctrl-C: finish the current step, say goodbye, stop.
+            actix::spawn(async move {
+                let name = stop_signal().await;
+                eprintln!("ps-worker: {name}: finishing the current step and saying goodbye");
+                let _ = stop_tx.send(true);
+            });
+            run_worker(&cfg, opts, store, prefix).await
+        })
         .map_err(|e| match e {
             WorkerError::Dataset(_) | WorkerError::Mismatch(_) => {
                 anyhow::Error::new(e).context(format!("data.url = {}", cfg.data.url))
             }
             other => other.into(),
         })?;
+    if report.steps_short_of_workers > 0 {
+        println!(
+            "worker {rank}: WARNING: {} of {} steps ran with fewer than {} workers in the barrier (as few as {})",
+            report.steps_short_of_workers,
+            report.steps - report.start_step,
+            cfg.cluster.workers,
+            report.min_live_workers
+        );
+    }
     println!(
         "worker {rank} done: {} steps, test accuracy {:.2}%, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
         report.steps,

@@ -23,7 +23,9 @@ use ps_shared::sampler::{EpochSampler, ResumePoint};
 use ps_shared::simstore::SimStore;
 use ps_shared::sparse::Compressor;
 
-use crate::comm::{Abort, Comm, CommActor, CommError, InitParams, Leave, PushPull};
+use crate::comm::{
+    Abort, Comm, CommActor, CommError, Join, Leave, ParamSource, StepExchange, WorkerTls,
+};
 use crate::loader::{
     EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings, NextBatch,
 };
@@ -48,6 +50,8 @@ pub enum WorkerError {
     Mailbox(#[from] MailboxError),
     #[error("worker stopped by fault injection after {0} steps")]
     Crashed(u64),
+    #[error("stopped by a signal at step {0}; said goodbye to the servers")]
+    Interrupted(u64),
     #[error("sampler: {0}")]
     Sampler(String),
     #[error("cannot write metrics to {path}: {source}")]
@@ -61,8 +65,8 @@ pub enum WorkerError {
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
     pub rank: u32,
-    /// PEM of the certificate(s) to trust for the servers.
-    pub ca_pem: String,
+    /// The cluster CA and this rank's client certificate.
+    pub tls: WorkerTls,
     /// Show a progress bar (when stderr is a terminal).
     pub progress: bool,
     /// Print one line per epoch to stdout.
@@ -70,6 +74,9 @@ pub struct WorkerOptions {
     /// Fault injection: after this many steps drop every connection without
     /// a goodbye and stop, as a crashed worker would.
     pub crash_after_steps: Option<u64>,
+    /// When this turns true the worker says goodbye after its current step
+    /// and stops with [`WorkerError::Interrupted`] (SIGTERM, Ctrl-C).
+    pub stop: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// What one epoch did.
@@ -100,6 +107,12 @@ pub struct EpochReport {
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
+    /// Round trips to server shards (Offer and Step requests).
+    pub round_trips: u64,
+    /// Fewest workers in the barrier seen in this epoch's replies.
+    pub min_live_workers: u32,
+    /// Steps trained while fewer than `cluster.workers` were in the barrier.
+    pub steps_short_of_workers: u64,
 }
 
 impl EpochReport {
@@ -129,8 +142,15 @@ pub struct WorkerReport {
     pub data_wait_s: f64,
     pub compute_s: f64,
     pub comm_s: f64,
-    /// Exchanges recovered after a lost connection or a step mismatch.
+    /// Reconnections to a lost or restarted server.
     pub recoveries: u64,
+    /// Round trips to server shards per training step.
+    pub round_trips_per_step: f64,
+    /// Steps trained while fewer than `cluster.workers` were in the barrier
+    /// (the others had crashed, left, or never joined).
+    pub steps_short_of_workers: u64,
+    /// Fewest workers seen in the barrier during the run.
+    pub min_live_workers: u32,
 }
 
 #[derive(Default)]
@@ -143,6 +163,9 @@ struct EpochAcc {
     pushed: u64,
     pulled: u64,
     density_sum: f64,
+    round_trips: u64,
+    min_live: Option<u32>,
+    short_steps: u64,
     started: Option<Instant>,
 }
 
@@ -200,9 +223,14 @@ pub async fn run_worker(
     // hold, and a restarted worker continues from the step the cluster is at,
     // with the loader resuming at the same place in the sample order.
     let result = async {
-        let comm = CommActor::new(Comm::connect(cfg, rank, &opts.ca_pem).await?).start();
-        let initial = trainer.send(GetParams).await?;
-        let (start_params, start_step) = comm.send(InitParams(initial)).await??;
+        let source_trainer = trainer.clone();
+        let params: ParamSource = std::rc::Rc::new(move || {
+            let t = source_trainer.clone();
+            Box::pin(async move { t.send(GetParams).await.unwrap_or_default() })
+        });
+        let comm =
+            CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?).start();
+        let (start_params, start_step, _) = comm.send(Join).await??;
         trainer.send(ApplyUpdates(start_params)).await??;
         let mut settings = LoaderSettings::from_config(cfg, &manifest, rank);
         if start_step > 0 {
@@ -283,7 +311,15 @@ async fn train(
             None => acc.steps > 0,
         };
         if finished_epoch {
-            let mut report = close_epoch(rank, epoch, &mut acc, trainer, &test).await?;
+            let mut report = close_epoch(
+                rank,
+                epoch,
+                cfg.cluster.workers as u32,
+                &mut acc,
+                trainer,
+                &test,
+            )
+            .await?;
             let data = loader.send(EpochStats(epoch)).await?;
             report.set_data_plane(&data, &cfg.bucket_sim.cost_model());
             let line = format!(
@@ -302,6 +338,14 @@ async fn train(
                 100.0 * report.memory_hit_rate,
                 100.0 * report.disk_hit_rate,
             );
+            let line = if report.steps_short_of_workers > 0 {
+                format!(
+                    "{line}; WARNING: {} steps with only {} of {} workers in the barrier",
+                    report.steps_short_of_workers, report.min_live_workers, cfg.cluster.workers
+                )
+            } else {
+                line
+            };
             if opts.epoch_lines {
                 bar.suspend(|| println!("{line}"));
             }
@@ -315,8 +359,25 @@ async fn train(
         let out = trainer.send(ComputeStep(batch)).await??;
         acc.compute += out.compute + out.compress;
         let t_comm = Instant::now();
-        let (updates, traffic) = comm.send(PushPull { grad: out.grad }).await??;
+        let (updates, traffic) = comm.send(StepExchange { grad: out.grad }).await??;
         acc.comm += t_comm.elapsed();
+        let workers = cfg.cluster.workers as u32;
+        if traffic.live_workers < workers {
+            if acc.min_live.is_none_or(|m| traffic.live_workers < m) {
+                tracing::warn!(
+                    rank,
+                    step,
+                    "training with only {} of {workers} workers in the barrier",
+                    traffic.live_workers
+                );
+            }
+            acc.short_steps += 1;
+        }
+        acc.min_live = Some(
+            acc.min_live
+                .map_or(traffic.live_workers, |m| m.min(traffic.live_workers)),
+        );
+        acc.round_trips += traffic.round_trips;
         let t_apply = Instant::now();
         trainer.send(ApplyUpdates(updates)).await??;
         acc.compute += t_apply.elapsed();
@@ -330,6 +391,11 @@ async fn train(
             comm.send(Abort).await?;
             bar.finish_and_clear();
             return Err(WorkerError::Crashed(step));
+        }
+        if opts.stop.as_ref().is_some_and(|s| *s.borrow()) {
+            bar.finish_and_clear();
+            comm.send(Leave).await??;
+            return Err(WorkerError::Interrupted(step));
         }
         bar.inc(1);
         bar.set_message(format!("epoch {} loss {:.4}", pos.epoch + 1, out.loss));
@@ -356,6 +422,13 @@ async fn train(
         compute_s: sum(|r| r.compute_s),
         comm_s: sum(|r| r.comm_s),
         recoveries,
+        round_trips_per_step: sum(|r| r.round_trips as f64) / steps,
+        steps_short_of_workers: reports.iter().map(|r| r.steps_short_of_workers).sum(),
+        min_live_workers: reports
+            .iter()
+            .map(|r| r.min_live_workers)
+            .min()
+            .unwrap_or(cfg.cluster.workers as u32),
         epochs: reports,
     })
 }
@@ -363,6 +436,7 @@ async fn train(
 async fn close_epoch(
     rank: u32,
     epoch: u64,
+    workers: u32,
     acc: &mut EpochAcc,
     trainer: &Addr<TrainerActor>,
     test: &Arc<ps_shared::dataset::Batch>,
@@ -390,6 +464,9 @@ async fn close_epoch(
         bucket_bytes: 0,
         bucket_cost_usd: 0.0,
         fetch_retries: 0,
+        round_trips: a.round_trips,
+        min_live_workers: a.min_live.unwrap_or(workers),
+        steps_short_of_workers: a.short_steps,
     })
 }
 

@@ -201,7 +201,20 @@ impl RunningServer {
         // Let the last replies leave: workers close after their goodbye.
         let _ = tokio::time::timeout(Duration::from_secs(5), self.endpoint.wait_idle()).await;
         self.endpoint.close(close::BYE.into(), b"done");
+        self.teardown().await;
         outcome
+    }
+
+    /// Stop the I/O threads and release the socket before returning, so the
+    /// address can be bound again at once.
+    async fn teardown(mut self) {
+        let io = self.io.take();
+        drop(self);
+        if let Some(rt) = io {
+            let _ =
+                tokio::task::spawn_blocking(move || rt.shutdown_timeout(Duration::from_secs(5)))
+                    .await;
+        }
     }
 
     /// Resolves once the server has decided to stop (see [`Self::wait`]).
@@ -214,21 +227,23 @@ impl RunningServer {
     pub async fn abort(self) {
         self.endpoint
             .close(close::ABORTED.into(), b"server stopped");
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        self.teardown().await;
     }
 
     /// Stop cleanly: answer what waits, write a final checkpoint of every
     /// shard (when checkpoints are configured), then close every connection
     /// with the "shutting down" code so workers wait for a restart. Returns
-    /// the checkpointed versions.
-    pub async fn shutdown(self) -> Vec<Option<u64>> {
+    /// each shard's final checkpoint version, in shard order.
+    pub async fn shutdown(self) -> Vec<(u32, Option<u64>)> {
         let mut saved = Vec::new();
-        for addr in self.ctx.shards.values() {
-            saved.push(addr.send(Shutdown).await.ok().flatten());
+        for (shard, addr) in &self.ctx.shards {
+            saved.push((*shard, addr.send(Shutdown).await.ok().flatten()));
         }
+        saved.sort_unstable();
         self.endpoint
             .close(close::SHUTTING_DOWN.into(), b"server shutting down");
         let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        self.teardown().await;
         saved
     }
 

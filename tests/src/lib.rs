@@ -55,6 +55,7 @@ impl TestPki {
             epoch_lines: false,
             crash_after_steps: None,
             stop: None,
+            steps_done: None,
         }
     }
 }

@@ -327,6 +327,16 @@ impl Comm {
         self.recoveries.get()
     }
 
+    /// The oldest shard version this worker holds.
+    pub fn min_version(&self) -> u64 {
+        self.versions
+            .borrow()
+            .iter()
+            .map(|v| v.unwrap_or(0))
+            .min()
+            .unwrap_or(0)
+    }
+
     /// Round trips to shards so far.
     pub fn round_trips(&self) -> u64 {
         self.round_trips.get()
@@ -763,20 +773,31 @@ impl Handler<StepExchange> for CommActor {
     }
 }
 
-/// Say goodbye to every server, then stop the actor; returns how many times
-/// a server was reconnected during the run.
+/// What a worker's connections did over the run.
+#[derive(Debug, Clone, Copy)]
+pub struct CommSummary {
+    /// Reconnections to a lost or restarted server.
+    pub recoveries: u64,
+    /// The oldest shard version held at the end.
+    pub final_version: u64,
+}
+
+/// Say goodbye to every server, then stop the actor.
 #[derive(Message)]
-#[rtype(result = "Result<u64, CommError>")]
+#[rtype(result = "Result<CommSummary, CommError>")]
 pub struct Leave;
 
 impl Handler<Leave> for CommActor {
-    type Result = ResponseActFuture<Self, Result<u64, CommError>>;
+    type Result = ResponseActFuture<Self, Result<CommSummary, CommError>>;
     fn handle(&mut self, _: Leave, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
         Box::pin(
             async move {
                 comm.bye().await?;
-                Ok(comm.recoveries())
+                Ok(CommSummary {
+                    recoveries: comm.recoveries(),
+                    final_version: comm.min_version(),
+                })
             }
             .into_actor(self)
             .map(|result, _, ctx| {

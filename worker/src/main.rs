@@ -192,6 +192,7 @@ fn train(
         epoch_lines: true,
         crash_after_steps: None,
         stop: Some(stop_rx),
+        steps_done: None,
     };
     let system = actix::System::new();
     let report = system

@@ -74,6 +74,9 @@ pub struct WorkerOptions {
     /// Fault injection: after this many steps drop every connection without
     /// a goodbye and stop, as a crashed worker would.
     pub crash_after_steps: Option<u64>,
+    /// Receives the number of steps done after every step (tests and
+    /// tools wait on it instead of polling).
+    pub steps_done: Option<tokio::sync::watch::Sender<u64>>,
     /// When this turns true the worker says goodbye after its current step
     /// and stops with [`WorkerError::Interrupted`] (SIGTERM, Ctrl-C).
     pub stop: Option<tokio::sync::watch::Receiver<bool>>,
@@ -144,6 +147,9 @@ pub struct WorkerReport {
     pub comm_s: f64,
     /// Reconnections to a lost or restarted server.
     pub recoveries: u64,
+    /// The oldest shard version this worker held at the end (in BSP the
+    /// number of updates the cluster applied).
+    pub final_version: u64,
     /// Round trips to server shards per training step.
     pub round_trips_per_step: f64,
     /// Steps trained while fewer than `cluster.workers` were in the barrier
@@ -397,11 +403,14 @@ async fn train(
             comm.send(Leave).await??;
             return Err(WorkerError::Interrupted(step));
         }
+        if let Some(tx) = &opts.steps_done {
+            tx.send_replace(step);
+        }
         bar.inc(1);
         bar.set_message(format!("epoch {} loss {:.4}", pos.epoch + 1, out.loss));
     }
     bar.finish_and_clear();
-    let recoveries = comm.send(Leave).await??;
+    let summary = comm.send(Leave).await??;
 
     // A worker that joined a finished run trained no epoch: evaluate anyway.
     let final_accuracy = match reports.last() {
@@ -421,7 +430,8 @@ async fn train(
         data_wait_s: sum(|r| r.data_wait_s),
         compute_s: sum(|r| r.compute_s),
         comm_s: sum(|r| r.comm_s),
-        recoveries,
+        recoveries: summary.recoveries,
+        final_version: summary.final_version,
         round_trips_per_step: sum(|r| r.round_trips as f64) / steps,
         steps_short_of_workers: reports.iter().map(|r| r.steps_short_of_workers).sum(),
         min_live_workers: reports

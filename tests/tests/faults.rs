@@ -1,0 +1,552 @@
+//! Faults during real training runs, each ending in a summary line whose
+//! figures are all computed from what happened:
+//!
+//! * a worker crashes after pushing and a replacement rejoins;
+//! * a server is killed before any checkpoint and restarts empty: it rebuilds
+//!   every shard from the workers' copies;
+//! * a server is stopped cleanly (SIGTERM path) with checkpoints and momentum:
+//!   final checkpoint, workers wait, restart, optimizer state restored;
+//! * a real `ps-server` process is killed with SIGKILL and started again;
+//! * a worker stopped by a signal says goodbye;
+//! * ends that must never be silent: no worker joins, a peer never arrives,
+//!   a server stays unreachable;
+//! * an attacker sends garbage and tries to impersonate ranks during training.
+//!
+//! "Updates lost" is counted from versions: in BSP every planned step must
+//! be applied exactly once, so it is the planned steps minus the shards'
+//! final version. Nothing here waits on a sleep: tests wait on events (a
+//! worker's step counter, a shard's version, a connection closing).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use object_store::{path::Path, ObjectStore};
+use tokio::sync::watch;
+
+use ps_server::core::RecoverySource;
+use ps_server::net::RunningServer;
+use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::dataset::SyntheticSpec;
+use ps_shared::protocol::{ErrorCode, Request, Response, PROTOCOL_VERSION};
+use ps_shared::transport::{self, EndpointLimits};
+use ps_tests::{start_loopback_server, synthetic_bucket, test_config, TestPki};
+use ps_worker::comm::CommError;
+use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
+
+const ACCURACY_BAR: f32 = 0.90;
+const RUN_LIMIT: Duration = Duration::from_secs(300);
+const STEPS_PER_EPOCH: u64 = 4096 / 2 / 64;
+
+fn spec() -> SyntheticSpec {
+    SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    }
+}
+
+fn config(epochs: u64) -> ClusterConfig {
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, epochs);
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 5.0;
+    cfg.server.connect_timeout_secs = 30;
+    cfg.server.recovery_window_secs = 5.0;
+    cfg
+}
+
+/// What every fault test starts from.
+struct Setup {
+    cfg: ClusterConfig,
+    pki: TestPki,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    server: Option<RunningServer>,
+}
+
+impl Setup {
+    fn server(&mut self) -> RunningServer {
+        self.server.take().expect("the server was taken once")
+    }
+
+    fn opts(&self, rank: u32) -> WorkerOptions {
+        self.pki.options(rank)
+    }
+
+    /// Options whose step counter the test can wait on.
+    fn watched(&self, rank: u32) -> (WorkerOptions, watch::Receiver<u64>) {
+        let (tx, rx) = watch::channel(0);
+        let opts = WorkerOptions {
+            steps_done: Some(tx),
+            ..self.opts(rank)
+        };
+        (opts, rx)
+    }
+}
+
+/// Build the [`Setup`] for `cfg` and run `body` inside an actix system.
+fn with_cluster<F, Fut>(cfg: ClusterConfig, body: F)
+where
+    F: FnOnce(Setup) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let pki = TestPki::new(cfg.cluster.workers as u32);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = start_loopback_server(&cfg, &pki).await;
+        let mut cfg = cfg;
+        cfg.cluster.servers = vec![server.local_addr().to_string()];
+        body(Setup {
+            cfg,
+            pki,
+            store,
+            prefix,
+            server: Some(server),
+        })
+        .await
+    });
+}
+
+async fn wait_steps(rx: &mut watch::Receiver<u64>, steps: u64) {
+    let reached = tokio::time::timeout(RUN_LIMIT, rx.wait_for(|s| *s >= steps)).await;
+    assert!(
+        matches!(reached, Ok(Ok(_))),
+        "a worker never reached step {steps}"
+    );
+}
+
+#[test]
+fn crashed_worker_is_dropped_and_a_replacement_rejoins() {
+    with_cluster(config(6), |mut setup| async move {
+        let server = setup.server();
+        let planned = 6 * STEPS_PER_EPOCH;
+        let (survivor_opts, mut survivor_steps) = setup.watched(0);
+        let survivor = run_worker(
+            &setup.cfg,
+            survivor_opts,
+            setup.store.clone(),
+            setup.prefix.clone(),
+        );
+        let mut injected = 0;
+        let crash_then_rejoin = async {
+            let crashed = run_worker(
+                &setup.cfg,
+                WorkerOptions {
+                    crash_after_steps: Some(40),
+                    ..setup.opts(1)
+                },
+                setup.store.clone(),
+                setup.prefix.clone(),
+            )
+            .await;
+            injected += 1;
+            assert!(
+                matches!(crashed, Err(WorkerError::Crashed(40))),
+                "{crashed:?}"
+            );
+            // The survivor goes on alone for a while (an event: its steps).
+            wait_steps(&mut survivor_steps, 50).await;
+            run_worker(
+                &setup.cfg,
+                setup.opts(1),
+                setup.store.clone(),
+                setup.prefix.clone(),
+            )
+            .await
+        };
+        let (a, b) = tokio::time::timeout(
+            RUN_LIMIT,
+            futures::future::join(survivor, crash_then_rejoin),
+        )
+        .await
+        .expect("run finished in time");
+        let (a, b) = (a.expect("survivor"), b.expect("replacement"));
+        let status = server.status().await;
+        server.wait().await.expect("server ends cleanly");
+        assert_eq!((a.steps, b.steps), (planned, planned));
+        assert!(
+            b.start_step >= 50,
+            "the replacement continued from step {}",
+            b.start_step
+        );
+        assert!(
+            a.steps_short_of_workers > 0,
+            "the survivor says it trained short of workers"
+        );
+        assert_eq!(a.min_live_workers, 1);
+        let final_version = status.iter().map(|s| s.version).min().unwrap_or(0);
+        let lost = planned - final_version;
+        assert_eq!(lost, 0);
+        for r in [&a, &b] {
+            assert!(
+                r.final_accuracy > ACCURACY_BAR,
+                "accuracy {}",
+                r.final_accuracy
+            );
+        }
+        let survived = usize::from(a.steps == planned) + usize::from(b.steps == planned);
+        println!(
+            "faults: worker crash: faults injected {injected}, runs finished {survived} of 2, updates lost {lost} (survivor alone for {} steps, replacement joined at step {}, accuracy {:.2}% / {:.2}%)",
+            a.steps_short_of_workers,
+            b.start_step,
+            100.0 * a.final_accuracy,
+            100.0 * b.final_accuracy
+        );
+    });
+}
+
+/// Kill (or stop) the server once worker 0 reached `at`, start a new one on
+/// the same address, and return it with the version the first one held
+/// per shard (for a clean stop: the versions of its final checkpoints).
+async fn restart_server(
+    setup_cfg: &ClusterConfig,
+    pki: &TestPki,
+    first: RunningServer,
+    steps: &mut watch::Receiver<u64>,
+    at: u64,
+    clean: bool,
+) -> (Vec<u64>, RunningServer) {
+    wait_steps(steps, at).await;
+    let addr = first.local_addr();
+    let held = if clean {
+        let saved = first.shutdown().await;
+        saved.iter().map(|(_, v)| v.unwrap_or(0)).collect()
+    } else {
+        let held = first.status().await.iter().map(|s| s.version).collect();
+        first.abort().await;
+        held
+    };
+    let second = ps_server::net::start(setup_cfg, 0, addr, &pki.server)
+        .await
+        .expect("restart on the same address");
+    (held, second)
+}
+
+#[test]
+fn server_killed_before_any_checkpoint_recovers_from_the_workers() {
+    with_cluster(config(6), |mut setup| async move {
+        let first = setup.server();
+        let planned = 6 * STEPS_PER_EPOCH;
+        let (o0, mut steps) = setup.watched(0);
+        let workers = futures::future::join(
+            run_worker(&setup.cfg, o0, setup.store.clone(), setup.prefix.clone()),
+            run_worker(
+                &setup.cfg,
+                setup.opts(1),
+                setup.store.clone(),
+                setup.prefix.clone(),
+            ),
+        );
+        let chaos = restart_server(&setup.cfg, &setup.pki, first, &mut steps, 50, false);
+        let ((a, b), (held, second)) =
+            tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
+                .await
+                .expect("run finished in time");
+        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
+        let status = second.status().await;
+        second.wait().await.expect("server ends cleanly");
+        let reports: Vec<_> = status.iter().filter_map(|s| s.recovery.clone()).collect();
+        assert_eq!(reports.len(), status.len(), "every shard recovered");
+        for (r, held) in reports.iter().zip(&held) {
+            assert_eq!(r.source, RecoverySource::Workers);
+            assert!(
+                r.version + 1 >= *held,
+                "recovered at {} of {held}",
+                r.version
+            );
+            assert_eq!(r.updates_lost, 0);
+            assert_eq!(r.conflicting, 0);
+        }
+        let final_version = status.iter().map(|s| s.version).min().unwrap_or(0);
+        let lost = planned - final_version;
+        assert_eq!(lost, 0, "every planned step was applied once");
+        assert_eq!((a.steps, b.steps), (planned, planned));
+        assert_eq!((a.final_version, b.final_version), (planned, planned));
+        assert!(
+            a.recoveries > 0 && b.recoveries > 0,
+            "both workers reconnected"
+        );
+        assert!(a.final_accuracy > ACCURACY_BAR && b.final_accuracy > ACCURACY_BAR);
+        println!(
+            "faults: server killed without checkpoint: faults injected 1, shards recovered {} from {} offers, updates lost {lost} (killed holding versions {held:?}, recovered at {:?}, accuracy {:.2}%, reconnects {}+{})",
+            reports.len(),
+            reports.iter().map(|r| r.offers).sum::<usize>(),
+            reports.iter().map(|r| r.version).collect::<Vec<_>>(),
+            100.0 * a.final_accuracy,
+            a.recoveries,
+            b.recoveries
+        );
+    });
+}
+
+#[test]
+fn server_stopped_cleanly_keeps_its_momentum() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(4);
+    cfg.compression.kind = CompressionKind::None;
+    cfg.optimizer.momentum = 0.9;
+    cfg.server.checkpoint_url = format!("file://{}", dir.path().display());
+    cfg.server.checkpoint_every = 1000;
+    with_cluster(cfg, |mut setup| async move {
+        let first = setup.server();
+        let planned = 4 * STEPS_PER_EPOCH;
+        let (o0, mut steps) = setup.watched(0);
+        let workers = futures::future::join(
+            run_worker(&setup.cfg, o0, setup.store.clone(), setup.prefix.clone()),
+            run_worker(
+                &setup.cfg,
+                setup.opts(1),
+                setup.store.clone(),
+                setup.prefix.clone(),
+            ),
+        );
+        let chaos = restart_server(&setup.cfg, &setup.pki, first, &mut steps, 30, true);
+        let ((a, b), (held, second)) =
+            tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
+                .await
+                .expect("run finished in time");
+        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
+        let status = second.status().await;
+        second.wait().await.expect("server ends cleanly");
+        let reports: Vec<_> = status.iter().filter_map(|s| s.recovery.clone()).collect();
+        for (r, held) in reports.iter().zip(&held) {
+            assert_eq!(
+                r.checkpoint_version,
+                Some(*held),
+                "the final checkpoint is at the stop"
+            );
+            assert_eq!(r.momentum_updates_lost, 0);
+            assert!(!r.checkpoint_mismatch);
+            assert_eq!(r.updates_lost, 0);
+        }
+        let lost = planned - status.iter().map(|s| s.version).min().unwrap_or(0);
+        assert_eq!(lost, 0);
+        assert_eq!((a.steps, b.steps), (planned, planned));
+        assert!(a.final_accuracy > ACCURACY_BAR);
+        println!(
+            "faults: clean server stop: faults injected 1, final checkpoints at versions {held:?}, momentum updates lost {}, updates lost {lost}, accuracy {:.2}%",
+            reports.iter().map(|r| r.momentum_updates_lost).sum::<u64>(),
+            100.0 * b.final_accuracy
+        );
+    });
+}
+
+#[test]
+fn a_worker_stopped_by_a_signal_says_goodbye() {
+    let mut cfg = config(3);
+    cfg.cluster.workers = 1;
+    with_cluster(cfg, |mut setup| async move {
+        let server = setup.server();
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (o, mut steps) = setup.watched(0);
+        let opts = WorkerOptions {
+            stop: Some(stop_rx),
+            ..o
+        };
+        let worker = run_worker(&setup.cfg, opts, setup.store.clone(), setup.prefix.clone());
+        let signal = async {
+            wait_steps(&mut steps, 10).await;
+            stop_tx.send_replace(true);
+        };
+        let (result, ()) = futures::future::join(worker, signal).await;
+        assert!(
+            matches!(result, Err(WorkerError::Interrupted(_))),
+            "{result:?}"
+        );
+        // Its goodbye makes the one-worker cluster finish cleanly.
+        let outcome = tokio::time::timeout(RUN_LIMIT, server.wait())
+            .await
+            .expect("server stops");
+        assert!(outcome.is_ok(), "{outcome:?}");
+        println!(
+            "faults: worker signal: goodbyes received 1, server exit clean {}",
+            outcome.is_ok()
+        );
+    });
+}
+
+#[test]
+fn ends_are_never_silent() {
+    // No worker joins: the server exits with an error naming the timeout.
+    let mut cfg = config(1);
+    cfg.server.join_timeout_secs = 1.0;
+    with_cluster(cfg, |mut setup| async move {
+        let outcome = tokio::time::timeout(RUN_LIMIT, setup.server().wait())
+            .await
+            .expect("server decides");
+        let message = outcome.expect_err("no worker is an error").to_string();
+        assert!(message.contains("no worker joined"), "{message}");
+        println!("faults: empty cluster: server exit error: {message}");
+    });
+    // A peer never arrives: the other trains alone and says so; the server
+    // then ends with an error because rank 1 never finished.
+    let mut cfg = config(2);
+    cfg.server.join_timeout_secs = 2.0;
+    cfg.server.all_gone_grace_secs = 1.0;
+    with_cluster(cfg, |mut setup| async move {
+        let server = setup.server();
+        let report = run_worker(
+            &setup.cfg,
+            setup.opts(0),
+            setup.store.clone(),
+            setup.prefix.clone(),
+        )
+        .await
+        .expect("worker 0 trains alone");
+        assert!(report.steps_short_of_workers > 0);
+        assert_eq!(report.min_live_workers, 1);
+        let outcome = tokio::time::timeout(RUN_LIMIT, server.wait())
+            .await
+            .expect("server decides");
+        let message = outcome
+            .expect_err("an unfinished worker is an error")
+            .to_string();
+        assert!(message.contains("1 of 2 finished"), "{message}");
+        println!(
+            "faults: missing peer: steps short of workers {} of {}, server exit error: {message}",
+            report.steps_short_of_workers, report.steps
+        );
+    });
+    // A server that is not there: the worker gives up naming it.
+    let mut cfg = config(1);
+    cfg.server.connect_timeout_secs = 2;
+    let pki = TestPki::new(2);
+    let system = actix::System::new();
+    system.block_on(async move {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addr = socket.local_addr().unwrap().to_string();
+        drop(socket);
+        cfg.cluster.servers = vec![addr.clone()];
+        let (store, prefix) = synthetic_bucket(&spec()).await;
+        let result = run_worker(&cfg, pki.options(0), store, prefix).await;
+        match result {
+            Err(WorkerError::Comm(CommError::Unreachable { addr: a, .. })) => assert_eq!(a, addr),
+            other => panic!("expected an unreachable server, got {other:?}"),
+        }
+        println!("faults: unreachable server: worker error names {addr}");
+    });
+}
+
+#[test]
+fn garbage_and_impersonation_during_training_are_refused() {
+    with_cluster(config(4), |mut setup| async move {
+        let server = setup.server();
+        let planned = 4 * STEPS_PER_EPOCH;
+        let (o0, mut steps) = setup.watched(0);
+        let workers = futures::future::join(
+            run_worker(&setup.cfg, o0, setup.store.clone(), setup.prefix.clone()),
+            run_worker(
+                &setup.cfg,
+                setup.opts(1),
+                setup.store.clone(),
+                setup.prefix.clone(),
+            ),
+        );
+        let addr = server.local_addr();
+        let limit = setup.cfg.server.max_frame_bytes;
+        let hello = |rank: u32| Request::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            token: setup.cfg.cluster.token.clone(),
+            worker_rank: rank,
+            workers: 2,
+            num_params: setup.cfg.model.num_params() as u64,
+            layout_hash: setup.cfg.model.layout_hash(),
+        };
+        let attacker = async {
+            wait_steps(&mut steps, 5).await;
+            let (mut tried, mut refused) = (0u32, 0u32);
+            let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+            for _ in 0..20 {
+                for (cert_rank, attack) in [(0u32, 0u8), (0, 1), (1, 2)] {
+                    let tls = setup.pki.worker(cert_rank);
+                    let ep = transport::client_endpoint(
+                        &tls.ca_pem,
+                        &tls.identity,
+                        false,
+                        &EndpointLimits::default(),
+                    )
+                    .unwrap();
+                    let Ok(conn) =
+                        transport::connect(&ep, addr, "localhost", Duration::from_secs(10)).await
+                    else {
+                        continue;
+                    };
+                    tried += 1;
+                    let resp = match attack {
+                        // Garbage instead of a Hello.
+                        0 => {
+                            let junk: Vec<u8> = (0..64)
+                                .map(|_| {
+                                    x ^= x << 13;
+                                    x ^= x >> 7;
+                                    x ^= x << 17;
+                                    x as u8
+                                })
+                                .collect();
+                            let mut frame = (junk.len() as u32).to_le_bytes().to_vec();
+                            frame.extend_from_slice(&junk);
+                            transport::call_raw(&conn, &frame, limit).await.ok()
+                        }
+                        // Rank 0's certificate claiming rank 1.
+                        1 => transport::call(&conn, &hello(1), limit)
+                            .await
+                            .ok()
+                            .map(|r| r.0),
+                        // Rank 1's own certificate while rank 1 is alive.
+                        _ => transport::call(&conn, &hello(1), limit)
+                            .await
+                            .ok()
+                            .map(|r| r.0),
+                    };
+                    let want = [
+                        ErrorCode::BadFrame,
+                        ErrorCode::Unauthorized,
+                        ErrorCode::RankInUse,
+                    ][attack as usize];
+                    if let Some(Response::Error { code, .. }) = resp {
+                        refused += u32::from(
+                            code == want || (attack == 0 && code == ErrorCode::Unauthorized),
+                        );
+                    }
+                    conn.close(0u32.into(), b"done");
+                }
+            }
+            (tried, refused)
+        };
+        let ((a, b), (tried, refused)) =
+            tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, attacker))
+                .await
+                .expect("run finished in time");
+        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
+        let status = server.status().await;
+        server.wait().await.expect("server ends cleanly");
+        let lost = planned - status.iter().map(|s| s.version).min().unwrap_or(0);
+        assert_eq!((a.steps, b.steps), (planned, planned));
+        assert_eq!(
+            tried, refused,
+            "every bad input got the expected typed error"
+        );
+        assert!(tried > 0);
+        assert_eq!(lost, 0);
+        assert_eq!(
+            a.steps_short_of_workers + b.steps_short_of_workers,
+            0,
+            "no real worker was ejected"
+        );
+        assert!(
+            a.final_accuracy > ACCURACY_BAR,
+            "accuracy {}",
+            a.final_accuracy
+        );
+        println!(
+            "faults: garbage and impersonation: bad inputs tried {tried}, refused {refused}, real workers ejected {}, updates lost {lost}, accuracy {:.2}%",
+            a.steps_short_of_workers + b.steps_short_of_workers,
+            100.0 * a.final_accuracy
+        );
+    });
+}

@@ -118,10 +118,20 @@ pub const CLUSTER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// Run every server process of `cfg.cluster.servers` and every worker in this process;
 /// returns the workers' reports in rank order.
 pub fn run_cluster(
-    mut cfg: ClusterConfig,
+    cfg: ClusterConfig,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
 ) -> anyhow::Result<Vec<WorkerReport>> {
+    Ok(run_cluster_detailed(cfg, store, prefix)?.0)
+}
+
+/// [`run_cluster`], also returning every shard's final status (versions,
+/// counters, server CPU time).
+pub fn run_cluster_detailed(
+    mut cfg: ClusterConfig,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+) -> anyhow::Result<(Vec<WorkerReport>, Vec<ps_server::actor::ShardStatus>)> {
     let pki = TestPki::new(cfg.cluster.workers as u32);
     let system = actix::System::new();
     system.block_on(async move {
@@ -158,12 +168,16 @@ pub fn run_cluster(
                 return Err(e);
             }
         };
+        let mut shards = Vec::new();
+        for server in &servers {
+            shards.extend(server.status().await);
+        }
         // Every worker said goodbye, so the servers stop by themselves.
         for server in servers {
             tokio::time::timeout(std::time::Duration::from_secs(30), server.wait())
                 .await
                 .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))??;
         }
-        Ok(reports)
+        Ok((reports, shards))
     })
 }

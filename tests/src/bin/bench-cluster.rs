@@ -33,7 +33,7 @@ use serde::Serialize;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataset::{synthetic, Batch, SyntheticSpec};
 use ps_shared::sparse::{k_for_density, Compressor};
-use ps_tests::{run_cluster, synthetic_bucket, test_config};
+use ps_tests::{run_cluster_detailed, synthetic_bucket, test_config};
 use ps_worker::model::{device_from_str, Model};
 use ps_worker::run::WorkerReport;
 
@@ -132,6 +132,13 @@ struct RunResult {
     link_floor_ms: f64,
     test_accuracy: f32,
     wall_s: f64,
+    /// Request/reply round trips per worker per step per shard.
+    round_trips_per_step_per_shard: f64,
+    /// CPU time of the shard threads per applied update (aggregation, the
+    /// update itself when it runs on that thread, replies).
+    server_cpu_ms_per_update: f64,
+    /// Share of updates that touched only the pushed entries.
+    sparse_update_share: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -185,6 +192,7 @@ fn measure(
     args: &Args,
     case: &Case,
     reports: &[WorkerReport],
+    shards: &[ps_server::actor::ShardStatus],
     wall_s: f64,
 ) -> anyhow::Result<RunResult> {
     let skip = usize::from(args.epochs > 1);
@@ -233,6 +241,19 @@ fn measure(
         link_floor_ms: 1e3 * link_floor_s,
         test_accuracy: accuracy,
         wall_s,
+        round_trips_per_step_per_shard: reports.iter().map(|r| r.round_trips_per_step).sum::<f64>()
+            / reports.len() as f64
+            / args.shards as f64,
+        server_cpu_ms_per_update: {
+            let updates: u64 = shards.iter().map(|s| s.stats.updates).sum();
+            let cpu: f64 = shards.iter().map(|s| s.cpu.as_secs_f64()).sum();
+            1e3 * cpu / updates.max(1) as f64
+        },
+        sparse_update_share: {
+            let updates: u64 = shards.iter().map(|s| s.stats.updates).sum();
+            let sparse: u64 = shards.iter().map(|s| s.stats.sparse_updates).sum();
+            sparse as f64 / updates.max(1) as f64
+        },
     })
 }
 
@@ -283,10 +304,10 @@ fn run() -> anyhow::Result<()> {
     for case in &CASES {
         let cfg = base_config(&args, case)?;
         let started = Instant::now();
-        let reports = run_cluster(cfg, store.clone(), prefix.clone())
+        let (reports, shards) = run_cluster_detailed(cfg, store.clone(), prefix.clone())
             .with_context(|| format!("{} run", case.name))?;
         let wall = started.elapsed().as_secs_f64();
-        let r = measure(&args, case, &reports, wall)?;
+        let r = measure(&args, case, &reports, &shards, wall)?;
         println!(
             "  {:<11} done in {:.1} s: {:.1} ms/step, test accuracy {:.1}%",
             r.name,
@@ -324,6 +345,20 @@ fn run() -> anyhow::Result<()> {
             r.pulled_bytes_per_step / 1e3,
             r.link_floor_ms,
             100.0 * r.test_accuracy
+        );
+    }
+    println!();
+    println!(
+        "{:<11} {:>22} {:>24} {:>14}",
+        "run", "round trips/step/shard", "server CPU ms/update", "sparse updates"
+    );
+    for r in &results {
+        println!(
+            "{:<11} {:>22.3} {:>24.3} {:>13.0}%",
+            r.name,
+            r.round_trips_per_step_per_shard,
+            r.server_cpu_ms_per_update,
+            100.0 * r.sparse_update_share
         );
     }
     let dense = &results[0];

@@ -5,11 +5,11 @@
 //! The checks are about what the link model guarantees, never about how fast
 //! this machine is: training still reaches the accuracy bar, the bytes on the
 //! wire match what the gradient sizes predict (and do not depend on the link),
-//! the slower link costs more communication time than the faster one, and
-//! each step waits at least as long as the link's rate and latency imply.
-//! Every time comparison is between two runs or against a floor the simulated
-//! link itself imposes (a sleep never ends early), so a slow or busy machine
-//! cannot make these tests fail.
+//! the slower link charges more link time than the faster one, and each step
+//! is charged at least what the link's rate and latency imply. Every time
+//! figure checked is the link model's own accounting (computed from bytes,
+//! rate and latency), never a measured wall-clock time, so a slow or busy
+//! machine cannot make these tests fail or pass.
 
 use std::sync::Mutex;
 
@@ -72,10 +72,11 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// Communication seconds per step, averaged over the workers.
-fn comm_per_step(reports: &[WorkerReport]) -> f64 {
+/// Link time the link model charged per step, averaged over the workers.
+fn link_per_step(reports: &[WorkerReport]) -> f64 {
     reports
         .iter()
-        .map(|r| r.comm_s / r.steps.max(1) as f64)
+        .map(|r| r.link_simulated_s / r.steps.max(1) as f64)
         .sum::<f64>()
         / reports.len().max(1) as f64
 }
@@ -150,16 +151,16 @@ fn dense_training_pays_for_a_slower_link() {
     assert_eq!(fast[0].bytes_pushed_per_step, slow[0].bytes_pushed_per_step);
     assert_eq!(fast[0].bytes_pulled_per_step, slow[0].bytes_pulled_per_step);
 
-    let (t_fast, t_slow) = (comm_per_step(&fast), comm_per_step(&slow));
+    let (t_fast, t_slow) = (link_per_step(&fast), link_per_step(&slow));
     println!(
-        "dense comm per step: {:.2} ms at 1 Gbit/s, {:.2} ms at 100 Mbit/s (x{:.2})",
+        "dense link time charged per step: {:.2} ms at 1 Gbit/s, {:.2} ms at 100 Mbit/s (x{:.2})",
         1e3 * t_fast,
         1e3 * t_slow,
         t_slow / t_fast
     );
     assert!(
-        t_slow > t_fast,
-        "100 Mbit/s comm {t_slow:.4} s/step is not above 1 Gbit/s comm {t_fast:.4} s/step"
+        t_slow > 5.0 * t_fast,
+        "100 Mbit/s charged {t_slow:.4} s/step, 1 Gbit/s {t_fast:.4} s/step"
     );
     // Floor imposed by the token bucket: each direction's bytes beyond the
     // burst pass at 12.5 MB/s, and a step waits for at least one direction.
@@ -169,10 +170,10 @@ fn dense_training_pays_for_a_slower_link() {
         .max(slow[0].bytes_pulled_per_step);
     let floor = (bytes - BURST_100MBIT) / rate;
     for r in &slow {
-        let per_step = r.comm_s / r.steps as f64;
+        let per_step = r.link_simulated_s / r.steps as f64;
         assert!(
             per_step >= floor,
-            "worker {}: {per_step:.5} s/step is below the link floor {floor:.5} s",
+            "worker {}: {per_step:.5} s/step charged is below the link floor {floor:.5} s",
             r.rank
         );
     }
@@ -206,9 +207,9 @@ fn topk_over_a_slow_link_with_latency_learns_and_sends_little() {
             r.bytes_pulled_per_step
         );
         assert!(r.bytes_pushed_per_step < 0.05 * 4.0 * p as f64);
-        // Every step sends a push and a pull and receives both answers, each
-        // delayed by the one-way latency.
-        let per_step = r.comm_s / r.steps as f64;
+        // Every step sends one Step request to each of the 2 shards and
+        // receives its reply, each message charged the one-way latency.
+        let per_step = r.link_simulated_s / r.steps as f64;
         let floor = 4.0 * latency_ms / 1e3;
         assert!(
             per_step >= floor,

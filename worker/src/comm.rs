@@ -780,6 +780,8 @@ pub struct CommSummary {
     pub recoveries: u64,
     /// The oldest shard version held at the end.
     pub final_version: u64,
+    /// Link time the simulated link (`[link]`) charged, summed over messages.
+    pub link_simulated_secs: f64,
 }
 
 /// Say goodbye to every server, then stop the actor.
@@ -797,6 +799,7 @@ impl Handler<Leave> for CommActor {
                 Ok(CommSummary {
                     recoveries: comm.recoveries(),
                     final_version: comm.min_version(),
+                    link_simulated_secs: comm.link().stats().simulated_secs,
                 })
             }
             .into_actor(self)

@@ -150,6 +150,9 @@ pub struct WorkerReport {
     /// The oldest shard version this worker held at the end (in BSP the
     /// number of updates the cluster applied).
     pub final_version: u64,
+    /// Link time the simulated link (`[link]`) charged over the run, summed
+    /// over messages (computed by the link model, not measured).
+    pub link_simulated_s: f64,
     /// Round trips to server shards per training step.
     pub round_trips_per_step: f64,
     /// Steps trained while fewer than `cluster.workers` were in the barrier
@@ -432,6 +435,7 @@ async fn train(
         comm_s: sum(|r| r.comm_s),
         recoveries: summary.recoveries,
         final_version: summary.final_version,
+        link_simulated_s: summary.link_simulated_secs,
         round_trips_per_step: sum(|r| r.round_trips as f64) / steps,
         steps_short_of_workers: reports.iter().map(|r| r.steps_short_of_workers).sum(),
         min_live_workers: reports

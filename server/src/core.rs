@@ -33,7 +33,7 @@
 //! use ps_shared::protocol::{Response, WireGrad, WireValues};
 //!
 //! let rule = UpdateRule { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars: None };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: vec![0..4], rule, workers: 1, mode: Mode::Bsp };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: Mode::Bsp };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -1149,7 +1149,7 @@ mod tests {
             shard: 0,
             lo: 10,
             hi: 18,
-            segments: vec![0..8],
+            segments: std::iter::once(0..8).collect(),
             rule: UpdateRule {
                 lr: 1.0,
                 momentum,

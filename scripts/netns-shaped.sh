@@ -2,11 +2,15 @@
 # Train over a real, kernel-shaped link: two network namespaces joined by a
 # veth pair, each end shaped with `tc ... tbf rate 100mbit burst 32kbit
 # latency 50ms`; ps-server (1 process, 2 shards) runs in one namespace on
-# 10.231.0.1, both workers in the other on 10.231.0.2, so every push and
-# pull crosses the shaped link (the workers share its 100 Mbit/s). It trains
-# dense and then top-k 1%, checks that every process exits 0, prints each
-# worker's summary line, and removes the namespaces, the processes it started
-# and its scratch folder (target/netns-shaped), also on failure or Ctrl-C.
+# 10.231.0.1, both workers in the other on 10.231.0.2, so every request and
+# reply crosses the shaped link (the workers share its 100 Mbit/s). It writes
+# one config per run and, with `ps-server certs`, a cluster CA, the server
+# certificate and the certificates of worker ranks 0 and 1 under
+# target/netns-shaped/certs (the second run keeps them). It trains dense and
+# then top-k 1%, checks that every process exits 0, prints each worker's
+# summary line, and removes the namespaces, the processes it started and its
+# data and certificates, also on failure or Ctrl-C; the configs and logs stay
+# in target/netns-shaped.
 # The addresses exist only inside the namespaces this script creates.
 #
 # Usage: sudo scripts/netns-shaped.sh [--rate 100mbit] [--epochs N]
@@ -20,7 +24,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --rate) rate=${2:?--rate needs a value}; shift 2 ;;
         --epochs) epochs=${2:?--epochs needs a value}; shift 2 ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) echo "netns-shaped: unknown argument $1 (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -96,7 +100,10 @@ token = "stratus-netns-token"
 [tls]
 cert = "$PWD/$work/certs/server.pem"
 key = "$PWD/$work/certs/server.key"
-ca = "$PWD/$work/certs/server.pem"
+ca = "$PWD/$work/certs/ca.pem"
+ca_key = "$PWD/$work/certs/ca.key"
+worker_cert = "$PWD/$work/certs/worker-{rank}.pem"
+worker_key = "$PWD/$work/certs/worker-{rank}.key"
 server_name = "localhost"
 generate_if_missing = false
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run a whole Stratus cluster on this machine: build the binaries, prepare the
-# dataset in a local-folder bucket, start 1 ps-server process (2 shards) and
-# 2 ps-workers on loopback, train, print the test accuracy, and stop every
+# dataset in a local-folder bucket, write the cluster CA, the server
+# certificate and one certificate per worker rank to certs/ (`ps-server
+# certs`; files already there are kept), start 1 ps-server process (2 shards)
+# and 2 ps-workers on loopback, train, print the test accuracy, and stop every
 # process it started (also on Ctrl-C or error).
 #
 # Usage: scripts/local-cluster.sh           synthetic set, configs/local.toml
@@ -19,7 +21,7 @@ case "${1:-}" in
     "") ;;
     --mnist) dataset=mnist; config=configs/mnist.toml ;;
     --mnist-cnn) dataset=mnist; config=configs/mnist-cnn.toml ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "local-cluster: unknown argument $1 (try --help)" >&2; exit 2 ;;
 esac
 
@@ -38,6 +40,7 @@ else
     }
 fi
 
+echo "==> cluster CA and certificates in certs/"
 "$bin/ps-server" --config "$config" certs
 mkdir -p runs
 pids=()

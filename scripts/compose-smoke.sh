@@ -4,9 +4,10 @@
 # (Dockerfile.scratch, nothing is pulled), run the compose cluster (certs and
 # dataset one-shots, 2 servers, 2 workers) with an override that uses that
 # image, wait for the training run to finish, check that every container
-# exited 0 and that both workers reached the accuracy bar, print a summary,
-# and remove everything it created (containers, network, volumes, image),
-# also on failure or Ctrl-C.
+# exited 0, that `certs` wrote the cluster CA, the server certificate and the
+# certificates of worker ranks 0 and 1, and that both workers reached the
+# accuracy bar, print a summary, and remove everything it created
+# (containers, network, volumes, image), also on failure or Ctrl-C.
 #
 # Usage: scripts/compose-smoke.sh
 # Environment: SMOKE_TIMEOUT    seconds allowed for the cluster run (default 600)
@@ -21,7 +22,7 @@ bar=${SMOKE_ACCURACY:-90}
 keep_logs=${SMOKE_KEEP_LOGS:-1}
 case "${1:-}" in
     "") ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "compose-smoke: unknown argument $1 (try --help)" >&2; exit 2 ;;
 esac
 
@@ -175,6 +176,15 @@ for one_shot in certs dataset; do
     code=$(docker inspect -f '{{.State.ExitCode}}' "$cid" 2>/dev/null || echo missing)
     [[ $code == 0 ]] || { say "$one_shot exited with $code" >&2; fail=1; }
 done
+# `ps-server certs` prints "wrote PATH" or "kept PATH ..." for every file.
+certs_log=$(docker logs "$(compose ps -q certs)" 2>&1 || true)
+cert_files=(ca.pem ca.key server.pem server.key worker-0.pem worker-0.key worker-1.pem worker-1.key)
+for f in "${cert_files[@]}"; do
+    if ! grep -qE "^(wrote|kept) /stratus/certs/$f( |\$)" <<<"$certs_log"; then
+        say "certs did not write /stratus/certs/$f" >&2
+        fail=1
+    fi
+done
 accuracies=()
 for rank in 0 1; do
     cid=${waited[$rank]}
@@ -202,6 +212,7 @@ say "summary"
 echo "  compose tool:     ${compose_tool[*]} ($("${compose_tool[@]}" version --short 2>/dev/null || echo '?'))"
 echo "  image:            $image, $((size_bytes / 1000000)) MB (FROM scratch, static binaries)"
 echo "  cluster:          2 ps-server (1 shard each) + 2 ps-worker, configs/compose.toml"
+echo "  certificates:     ${cert_files[*]} (certs volume)"
 echo "  exit codes:       workers ${codes_arr[0]:-?} ${codes_arr[1]:-?}, servers ${codes_arr[2]:-?} ${codes_arr[3]:-?}"
 echo "  test accuracy:    ${accuracies[*]:-none} % (bar $bar%)"
 echo "  cluster run:      ${run_s}s (compose up to last exit); whole smoke test ${total_s}s"

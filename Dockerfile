@@ -6,6 +6,10 @@
 # The build stage compiles both binaries in release mode from the locked
 # dependency set; the runtime stage holds only the binaries, the configs and
 # the system CA certificates (needed for https:// object stores such as S3).
+# It runs as the user stratus (uid 10001), who owns /stratus and its folders:
+# a named volume mounted on /stratus/certs starts with that owner, so the keys
+# `ps-server certs` writes there (mode 0600) are readable by every container
+# of the image.
 # GPU workers need a CUDA base and `--features cuda`; see the README.
 
 ARG RUST_VERSION=1.89

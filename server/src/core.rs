@@ -294,6 +294,9 @@ pub struct ShardCore {
     last_saved: u64,
     stats: CoreStats,
     recovered: Option<RecoveryReport>,
+    /// After `Shutdown` nothing changes any more: the final checkpoint
+    /// stays the last state.
+    stopping: bool,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Response {
@@ -346,6 +349,7 @@ impl ShardCore {
             last_saved: 0,
             stats: CoreStats::default(),
             recovered: None,
+            stopping: false,
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -418,6 +422,15 @@ impl ShardCore {
     /// Feed one event; returns what the caller must do.
     pub fn handle(&mut self, event: Event, now: Instant) -> Vec<Action> {
         let mut out = Vec::new();
+        if self.stopping {
+            if let Event::Offer { reply, .. } | Event::Step { reply, .. } = event {
+                out.push(Action::Reply {
+                    to: reply,
+                    response: refusal(ErrorCode::ShuttingDown, "server is shutting down"),
+                });
+                return out;
+            }
+        }
         match event {
             Event::Joined { rank, conn } => self.join(rank, conn, &mut out),
             Event::Left { rank, conn } => self.leave(rank, conn, now, &mut out),
@@ -446,6 +459,7 @@ impl ShardCore {
                 }
             }
             Event::Shutdown => {
+                self.stopping = true;
                 for p in std::mem::take(&mut self.parked) {
                     out.push(Action::Reply {
                         to: p.reply,

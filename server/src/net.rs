@@ -235,10 +235,12 @@ impl RunningServer {
     /// with the "shutting down" code so workers wait for a restart. Returns
     /// each shard's final checkpoint version, in shard order.
     pub async fn shutdown(self) -> Vec<(u32, Option<u64>)> {
-        let mut saved = Vec::new();
-        for (shard, addr) in &self.ctx.shards {
-            saved.push((*shard, addr.send(Shutdown).await.ok().flatten()));
-        }
+        // Every shard stops changing at once, then each writes its checkpoint.
+        let stops =
+            self.ctx.shards.iter().map(|(shard, addr)| async move {
+                (*shard, addr.send(Shutdown).await.ok().flatten())
+            });
+        let mut saved = futures::future::join_all(stops).await;
         saved.sort_unstable();
         self.endpoint
             .close(close::SHUTTING_DOWN.into(), b"server shutting down");

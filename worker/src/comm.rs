@@ -463,11 +463,16 @@ impl Comm {
     /// Replace the connection of `link` if it is dead: redial with backoff
     /// (up to `server.connect_timeout_secs`) and say Hello. Returns whether
     /// it reconnected.
-    async fn reconnect(&self, link: usize) -> Result<bool, CommError> {
+    /// `stopping`: the server said it is shutting down; wait (up to the
+    /// connect timeout) for it to close the connection, then redial.
+    async fn reconnect(&self, link: usize, stopping: bool) -> Result<bool, CommError> {
         let _only_one = self.dialing[link].lock().await;
         let (server, conn) = self.conn_of(link);
         if conn.close_reason().is_none() {
-            return Ok(false);
+            if !stopping {
+                return Ok(false);
+            }
+            let _ = tokio::time::timeout(self.dialer.connect_timeout, conn.closed()).await;
         }
         match conn.close_reason() {
             Some(quinn::ConnectionError::ApplicationClosed(c))
@@ -528,6 +533,7 @@ impl Comm {
             }))
             .await;
             let mut failed_links = std::collections::BTreeSet::new();
+            let mut stopping = std::collections::BTreeSet::new();
             let mut retry = Vec::new();
             let mut last = None;
             for (s, r) in outcomes {
@@ -547,6 +553,15 @@ impl Comm {
                         });
                     }
                     Err(e) if e.needs_reconnect() => {
+                        if matches!(
+                            e,
+                            CommError::Refused {
+                                code: ErrorCode::ShuttingDown,
+                                ..
+                            }
+                        ) {
+                            stopping.insert(self.route[s]);
+                        }
                         failed_links.insert(self.route[s]);
                         last = Some(e.to_string());
                     }
@@ -582,7 +597,7 @@ impl Comm {
             };
             pending = retry;
             for link in failed_links {
-                self.reconnect(link).await?;
+                self.reconnect(link, stopping.contains(&link)).await?;
                 let shards: Vec<usize> = (0..n).filter(|s| self.route[*s] == link).collect();
                 // The offers describe what the trainer holds: the versions
                 // before this call's replies.

@@ -210,7 +210,7 @@ async fn restart_server(
     steps: &mut watch::Receiver<u64>,
     at: u64,
     clean: bool,
-) -> (Vec<u64>, RunningServer) {
+) -> (Vec<u64>, RunningServer, u32) {
     wait_steps(steps, at).await;
     let addr = first.local_addr();
     let held = if clean {
@@ -221,10 +221,12 @@ async fn restart_server(
         first.abort().await;
         held
     };
+    // One fault injected: the stop or the kill above.
+    let injected = 1;
     let second = ps_server::net::start(setup_cfg, 0, addr, &pki.server)
         .await
         .expect("restart on the same address");
-    (held, second)
+    (held, second, injected)
 }
 
 #[test]
@@ -243,7 +245,7 @@ fn server_killed_before_any_checkpoint_recovers_from_the_workers() {
             ),
         );
         let chaos = restart_server(&setup.cfg, &setup.pki, first, &mut steps, 50, false);
-        let ((a, b), (held, second)) =
+        let ((a, b), (held, second, injected)) =
             tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
                 .await
                 .expect("run finished in time");
@@ -273,7 +275,7 @@ fn server_killed_before_any_checkpoint_recovers_from_the_workers() {
         );
         assert!(a.final_accuracy > ACCURACY_BAR && b.final_accuracy > ACCURACY_BAR);
         println!(
-            "faults: server killed without checkpoint: faults injected 1, shards recovered {} from {} offers, updates lost {lost} (killed holding versions {held:?}, recovered at {:?}, accuracy {:.2}%, reconnects {}+{})",
+            "faults: server killed without checkpoint: faults injected {injected}, shards recovered {} from {} offers, updates lost {lost} (killed holding versions {held:?}, recovered at {:?}, accuracy {:.2}%, reconnects {}+{})",
             reports.len(),
             reports.iter().map(|r| r.offers).sum::<usize>(),
             reports.iter().map(|r| r.version).collect::<Vec<_>>(),
@@ -306,7 +308,7 @@ fn server_stopped_cleanly_keeps_its_momentum() {
             ),
         );
         let chaos = restart_server(&setup.cfg, &setup.pki, first, &mut steps, 30, true);
-        let ((a, b), (held, second)) =
+        let ((a, b), (held, second, injected)) =
             tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
                 .await
                 .expect("run finished in time");
@@ -329,7 +331,7 @@ fn server_stopped_cleanly_keeps_its_momentum() {
         assert_eq!((a.steps, b.steps), (planned, planned));
         assert!(a.final_accuracy > ACCURACY_BAR);
         println!(
-            "faults: clean server stop: faults injected 1, final checkpoints at versions {held:?}, momentum updates lost {}, updates lost {lost}, accuracy {:.2}%",
+            "faults: clean server stop: faults injected {injected}, final checkpoints at versions {held:?}, momentum updates lost {}, updates lost {lost}, accuracy {:.2}%",
             reports.iter().map(|r| r.momentum_updates_lost).sum::<u64>(),
             100.0 * b.final_accuracy
         );

@@ -323,6 +323,14 @@ pub struct TrainingSection {
     pub init_seed: u64,
     /// Directory for per-epoch metrics (JSON lines); empty disables.
     pub metrics_dir: String,
+    /// Evaluate on the test split every this many steps (0 = only at the end
+    /// of each epoch). Evaluation time is not counted as training time.
+    pub eval_every: u64,
+    /// Stop (saying goodbye) after the evaluation that reaches this test
+    /// accuracy, in [0, 1] (0 = train every epoch).
+    pub target_accuracy: f32,
+    /// Stop after this many steps of the run (0 = no cap).
+    pub max_steps: u64,
 }
 
 impl Default for TrainingSection {
@@ -332,6 +340,9 @@ impl Default for TrainingSection {
             device: "cpu".into(),
             init_seed: 1,
             metrics_dir: "runs".into(),
+            eval_every: 0,
+            target_accuracy: 0.0,
+            max_steps: 0,
         }
     }
 }
@@ -670,6 +681,12 @@ impl ClusterConfig {
                 format!("`{}`: use cpu, cuda or cuda:N", t.device),
             ));
         }
+        if !(0.0..=1.0).contains(&t.target_accuracy) {
+            return Err(invalid(
+                "training.target_accuracy",
+                format!("must be in [0, 1], got {}", t.target_accuracy),
+            ));
+        }
         let z = &self.compression;
         if !(z.density > 0.0 && z.density <= 1.0) {
             return Err(invalid("compression.density", "must be in (0, 1]"));
@@ -852,6 +869,10 @@ mod tests {
             ("[data]\nbatch_size = 0\n", "data.batch_size"),
             ("[compression]\ndensity = 0.0\n", "compression.density"),
             ("[training]\ndevice = \"tpu\"\n", "training.device"),
+            (
+                "[training]\ntarget_accuracy = 97.0\n",
+                "training.target_accuracy",
+            ),
             ("[model]\nhidden = [0]\n", "model"),
             (
                 "[model]\nkind = \"cnn\"\ninput = 63\nconv = [4]\n",

@@ -4,6 +4,7 @@
 use ps_shared::config::{CompressionKind, SyncMode};
 use ps_shared::dataset::SyntheticSpec;
 use ps_tests::{run_cluster, synthetic_bucket, test_config};
+use ps_worker::run::StopReason;
 
 /// Test accuracy both runs must exceed. Chance is 10%; a linear model on this
 /// set stays well below it.
@@ -150,5 +151,69 @@ fn approx_topk_with_f16_values_and_warmup_learns() {
             "density {}",
             last.density
         );
+    }
+}
+
+#[test]
+fn workers_evaluate_every_n_steps_and_stop_together_at_the_target() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    // 4096 samples over 2 workers in batches of 64: 32 steps per epoch.
+    let mut cfg = test_config(CompressionKind::None, 1.0, 20);
+    cfg.training.eval_every = 5;
+    cfg.training.target_accuracy = 0.85;
+    let reports = run_cluster(cfg.clone(), store.clone(), prefix.clone()).expect("cluster run");
+    for r in &reports {
+        let steps: Vec<u64> = r.evals.iter().map(|e| e.step).collect();
+        println!(
+            "worker {}: stopped by {:?} at step {}, evaluations at {steps:?}, accuracy {:?}",
+            r.rank,
+            r.stop_reason,
+            r.steps,
+            r.evals.iter().map(|e| e.test_accuracy).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            r.stop_reason,
+            StopReason::TargetAccuracy,
+            "worker {}",
+            r.rank
+        );
+        let last = r.evals.last().expect("evaluations");
+        assert!(last.test_accuracy >= 0.85);
+        assert_eq!(
+            last.step, r.steps,
+            "the run stops at the evaluation that reached it"
+        );
+        assert!(r.steps < 20 * 32, "stopped before the last epoch");
+        // Every 5 steps, plus the ends of epochs; training time only grows.
+        assert!(steps.iter().all(|s| s % 5 == 0 || s % 32 == 0), "{steps:?}");
+        assert!(steps.windows(2).all(|w| w[0] < w[1]));
+        assert!(r.evals.windows(2).all(|w| w[0].train_s <= w[1].train_s));
+        assert!(r
+            .evals
+            .windows(2)
+            .all(|w| w[0].bytes_pushed < w[1].bytes_pushed));
+        // Earlier evaluations were all below the target.
+        assert!(r.evals[..r.evals.len() - 1]
+            .iter()
+            .all(|e| e.test_accuracy < 0.85));
+    }
+    assert_eq!(
+        reports[0].steps, reports[1].steps,
+        "BSP workers stop together"
+    );
+
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, 20);
+    cfg.training.max_steps = 7;
+    let reports = run_cluster(cfg, store, prefix).expect("capped run");
+    for r in &reports {
+        assert_eq!(r.stop_reason, StopReason::MaxSteps);
+        assert_eq!(r.steps, 7);
+        // The partial epoch is still reported and evaluated.
+        assert_eq!(r.epochs.len(), 1);
+        assert_eq!(r.epochs[0].steps, 7);
+        assert_eq!(r.evals.len(), 1);
     }
 }

@@ -129,6 +129,32 @@ impl EpochReport {
     }
 }
 
+/// One evaluation on the test split during the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalPoint {
+    /// The run's step count at the evaluation.
+    pub step: u64,
+    /// Wall seconds since this worker's first step, evaluation time left out.
+    pub train_s: f64,
+    pub test_accuracy: f32,
+    pub test_loss: f32,
+    /// Application bytes this worker pushed and pulled up to here.
+    pub bytes_pushed: u64,
+    pub bytes_pulled: u64,
+}
+
+/// Why a worker stopped training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// Every epoch of `training.epochs` was trained.
+    Epochs,
+    /// An evaluation reached `training.target_accuracy`.
+    TargetAccuracy,
+    /// `training.max_steps` steps were trained.
+    MaxSteps,
+}
+
 /// What the whole run did.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerReport {
@@ -160,6 +186,11 @@ pub struct WorkerReport {
     pub steps_short_of_workers: u64,
     /// Fewest workers seen in the barrier during the run.
     pub min_live_workers: u32,
+    /// Every evaluation: each epoch's end, and every `training.eval_every` steps.
+    pub evals: Vec<EvalPoint>,
+    pub stop_reason: StopReason,
+    /// Wall seconds of training (first step to last), evaluation left out.
+    pub train_s: f64,
 }
 
 #[derive(Default)]
@@ -311,24 +342,34 @@ async fn train(
     let mut epoch = start_step / steps_per_epoch;
     let mut step = start_step;
     bar.set_position(start_step);
+    let mut evals = Evals {
+        every: cfg.training.eval_every,
+        target: cfg.training.target_accuracy,
+        points: Vec::new(),
+        started: None,
+        spent: Duration::ZERO,
+        pushed: 0,
+        pulled: 0,
+    };
+    let max_steps = cfg.training.max_steps;
+    let mut stopping = (max_steps > 0 && step >= max_steps).then_some(StopReason::MaxSteps);
     loop {
         let t_wait = Instant::now();
-        let next = loader.send(NextBatch).await??;
+        let next = match stopping {
+            Some(_) => None,
+            None => loader.send(NextBatch).await??,
+        };
         let waited = t_wait.elapsed();
         let finished_epoch = match &next {
             Some((pos, _)) => pos.epoch != epoch && acc.steps > 0,
             None => acc.steps > 0,
         };
         if finished_epoch {
-            let mut report = close_epoch(
-                rank,
-                epoch,
-                cfg.cluster.workers as u32,
-                &mut acc,
-                trainer,
-                &test,
-            )
-            .await?;
+            let tested = evals.at(step, trainer, &test).await?;
+            let mut report = close_epoch(rank, epoch, cfg.cluster.workers as u32, &mut acc, tested);
+            if stopping.is_none() && evals.reached_target() {
+                stopping = Some(StopReason::TargetAccuracy);
+            }
             let data = loader.send(EpochStats(epoch)).await?;
             report.set_data_plane(&data, &cfg.bucket_sim.cost_model());
             let line = format!(
@@ -361,9 +402,14 @@ async fn train(
             write_metrics(&mut metrics, &report)?;
             reports.push(report);
         }
-        let Some((pos, batch)) = next else { break };
+        // A batch fetched before the epoch's evaluation decided to stop is
+        // not trained.
+        let Some((pos, batch)) = next.filter(|_| stopping.is_none()) else {
+            break;
+        };
         epoch = pos.epoch;
         acc.started.get_or_insert_with(Instant::now);
+        evals.started.get_or_insert_with(Instant::now);
         acc.wait += waited;
         let out = trainer.send(ComputeStep(batch)).await??;
         acc.compute += out.compute + out.compress;
@@ -394,6 +440,8 @@ async fn train(
         acc.loss_sum += f64::from(out.loss);
         acc.pushed += traffic.pushed;
         acc.pulled += traffic.pulled;
+        evals.pushed += traffic.pushed;
+        evals.pulled += traffic.pulled;
         acc.density_sum += out.density;
         step += 1;
         if opts.crash_after_steps == Some(step) {
@@ -411,7 +459,17 @@ async fn train(
         }
         bar.inc(1);
         bar.set_message(format!("epoch {} loss {:.4}", pos.epoch + 1, out.loss));
+        if evals.every > 0 && step % evals.every == 0 {
+            evals.at(step, trainer, &test).await?;
+            if evals.reached_target() {
+                stopping = Some(StopReason::TargetAccuracy);
+            }
+        }
+        if stopping.is_none() && max_steps > 0 && step >= max_steps {
+            stopping = Some(StopReason::MaxSteps);
+        }
     }
+    let train_s = evals.train_s();
     bar.finish_and_clear();
     let summary = comm.send(Leave).await??;
 
@@ -444,21 +502,24 @@ async fn train(
             .min()
             .unwrap_or(cfg.cluster.workers as u32),
         epochs: reports,
+        evals: evals.points,
+        stop_reason: stopping.unwrap_or(StopReason::Epochs),
+        train_s,
     })
 }
 
-async fn close_epoch(
+/// Closes the epoch in `acc`; `(test_loss, test_accuracy)` come from the
+/// evaluation at its last step.
+fn close_epoch(
     rank: u32,
     epoch: u64,
     workers: u32,
     acc: &mut EpochAcc,
-    trainer: &Addr<TrainerActor>,
-    test: &Arc<ps_shared::dataset::Batch>,
-) -> Result<EpochReport, WorkerError> {
-    let (test_loss, test_accuracy) = trainer.send(Evaluate(test.clone())).await??;
+    (test_loss, test_accuracy): (f32, f32),
+) -> EpochReport {
     let a = std::mem::take(acc);
     let steps = a.steps.max(1);
-    Ok(EpochReport {
+    EpochReport {
         rank,
         epoch,
         steps: a.steps,
@@ -481,7 +542,62 @@ async fn close_epoch(
         round_trips: a.round_trips,
         min_live_workers: a.min_live.unwrap_or(workers),
         steps_short_of_workers: a.short_steps,
-    })
+    }
+}
+
+/// Evaluations of one run, and the training clock they are kept off.
+struct Evals {
+    every: u64,
+    target: f32,
+    points: Vec<EvalPoint>,
+    /// Time of the first step.
+    started: Option<Instant>,
+    /// Evaluation time so far, left out of `train_s`.
+    spent: Duration,
+    pushed: u64,
+    pulled: u64,
+}
+
+impl Evals {
+    fn train_s(&self) -> f64 {
+        self.started.map_or(0.0, |s| {
+            s.elapsed().saturating_sub(self.spent).as_secs_f64()
+        })
+    }
+
+    /// Evaluates at `step` unless that step was evaluated already; returns
+    /// `(test_loss, test_accuracy)`.
+    async fn at(
+        &mut self,
+        step: u64,
+        trainer: &Addr<TrainerActor>,
+        test: &Arc<ps_shared::dataset::Batch>,
+    ) -> Result<(f32, f32), WorkerError> {
+        if let Some(p) = self.points.last().filter(|p| p.step == step) {
+            return Ok((p.test_loss, p.test_accuracy));
+        }
+        let train_s = self.train_s();
+        let t0 = Instant::now();
+        let (test_loss, test_accuracy) = trainer.send(Evaluate(test.clone())).await??;
+        self.spent += t0.elapsed();
+        self.points.push(EvalPoint {
+            step,
+            train_s,
+            test_accuracy,
+            test_loss,
+            bytes_pushed: self.pushed,
+            bytes_pulled: self.pulled,
+        });
+        Ok((test_loss, test_accuracy))
+    }
+
+    fn reached_target(&self) -> bool {
+        self.target > 0.0
+            && self
+                .points
+                .last()
+                .is_some_and(|p| p.test_accuracy >= self.target)
+    }
 }
 
 /// The per-epoch metrics files: `worker-<rank>.jsonl` and `worker-<rank>.csv`.

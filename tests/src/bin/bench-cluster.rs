@@ -448,9 +448,9 @@ fn profile(args: &Args, cfg: &ClusterConfig) -> anyhow::Result<Profile> {
         }
         Ok(1e3 * t.elapsed().as_secs_f64() / f64::from(PROFILE_REPS))
     };
-    let mut grad = Vec::new();
+    let mut grad = vec![0.0f32; p];
     let forward_backward_ms = mean_ms(&mut || {
-        grad = model.gradient(&batch)?.1;
+        model.gradient_into(&batch, &mut grad)?;
         Ok(())
     })?;
     let mut compress_ms = Vec::new();
@@ -464,10 +464,9 @@ fn profile(args: &Args, cfg: &ClusterConfig) -> anyhow::Result<Profile> {
         })?;
         compress_ms.push((case.density, ms));
     }
-    let params = model.flat_params().to_vec();
+    let params = model.flat_params()?;
     let apply_dense_ms = mean_ms(&mut || {
         model.write_range(0, &params)?;
-        model.sync_all()?;
         Ok(())
     })?;
     // A sparse pull of the smallest density: the union of two workers' top-k.
@@ -477,7 +476,6 @@ fn profile(args: &Args, cfg: &ClusterConfig) -> anyhow::Result<Profile> {
     let values: Vec<f32> = indices.iter().map(|&i| params[i as usize]).collect();
     let apply_sparse_ms = mean_ms(&mut || {
         model.write_sparse(0, &indices, &values)?;
-        model.sync_all()?;
         Ok(())
     })?;
     Ok(Profile {

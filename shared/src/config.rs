@@ -373,6 +373,9 @@ pub struct CompressionSection {
     /// Steps of exponential density warm-up (0 disables).
     pub warmup_steps: u64,
     pub warmup_start_density: f64,
+    /// DGC local gradient clipping: largest L2 norm of one step's gradient on
+    /// a worker before it is accumulated (0 disables).
+    pub clip_norm: f32,
     /// Send values as f16 on the wire.
     pub f16_values: bool,
 }
@@ -388,6 +391,7 @@ impl Default for CompressionSection {
             momentum_masking: true,
             warmup_steps: 0,
             warmup_start_density: 0.25,
+            clip_norm: 0.0,
             f16_values: false,
         }
     }
@@ -409,6 +413,7 @@ impl CompressionSection {
             } else {
                 self.warmup_start_density
             },
+            clip_norm: if dense { 0.0 } else { self.clip_norm },
         }
     }
 }

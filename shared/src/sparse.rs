@@ -547,6 +547,9 @@ pub struct CompressorConfig {
     /// `density` over these steps (0 = off).
     pub warmup_steps: u64,
     pub warmup_start_density: f64,
+    /// DGC local gradient clipping: a gradient whose L2 norm exceeds this is
+    /// scaled down to it before accumulation (0 = off).
+    pub clip_norm: f32,
 }
 
 impl Default for CompressorConfig {
@@ -559,6 +562,7 @@ impl Default for CompressorConfig {
             momentum_masking: true,
             warmup_steps: 0,
             warmup_start_density: 0.25,
+            clip_norm: 0.0,
         }
     }
 }
@@ -577,6 +581,12 @@ impl CompressorConfig {
             return Err(format!(
                 "compressor momentum_correction must be in [0, 1), got {}",
                 self.momentum_correction
+            ));
+        }
+        if !(self.clip_norm >= 0.0 && self.clip_norm.is_finite()) {
+            return Err(format!(
+                "compressor clip_norm must be a finite number >= 0, got {}",
+                self.clip_norm
             ));
         }
         if self.warmup_steps > 0
@@ -609,6 +619,24 @@ impl CompressorConfig {
         };
         let progress = step as f64 / self.warmup_steps as f64;
         (start * (density / start).powf(progress)).clamp(density, start)
+    }
+}
+
+/// Factor that brings `grad`'s L2 norm down to `max_norm` (1 when it is
+/// already within it, or when `max_norm` is 0 = off).
+pub fn clip_scale(grad: &[f32], max_norm: f32) -> f32 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
+    let norm = grad
+        .par_chunks(PASS_CHUNK)
+        .map(|c| c.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>())
+        .sum::<f64>()
+        .sqrt();
+    if norm > f64::from(max_norm) {
+        (f64::from(max_norm) / norm) as f32
+    } else {
+        1.0
     }
 }
 
@@ -654,7 +682,8 @@ impl Compressor {
         }
         let correction = self.config.momentum_correction;
         let correcting = correction > 0.0 && self.momentum.len() == grad.len();
-        self.accumulate(grad, correcting.then_some(correction));
+        let scale = clip_scale(grad, self.config.clip_norm);
+        self.accumulate(grad, scale, correcting.then_some(correction));
 
         let density = self.config.density_at(self.step);
         let masking = correcting && self.config.momentum_masking;
@@ -688,8 +717,9 @@ impl Compressor {
         Ok(sent)
     }
 
-    /// `v += g`, or with correction `u = m*u + g; v += u`, in parallel chunks.
-    fn accumulate(&mut self, grad: &[f32], correction: Option<f32>) {
+    /// `v += s*g`, or with correction `u = m*u + s*g; v += u`, in parallel
+    /// chunks (`s` is the clipping scale, 1 without clipping).
+    fn accumulate(&mut self, grad: &[f32], scale: f32, correction: Option<f32>) {
         match correction {
             Some(factor) => self
                 .residual
@@ -698,7 +728,7 @@ impl Compressor {
                 .zip(grad.par_chunks(PASS_CHUNK))
                 .for_each(|((residual, momentum), grad)| {
                     for ((v, u), &g) in residual.iter_mut().zip(momentum.iter_mut()).zip(grad) {
-                        *u = factor * *u + g;
+                        *u = factor * *u + scale * g;
                         *v += *u;
                     }
                 }),
@@ -708,7 +738,7 @@ impl Compressor {
                 .zip(grad.par_chunks(PASS_CHUNK))
                 .for_each(|(residual, grad)| {
                     for (v, &g) in residual.iter_mut().zip(grad) {
-                        *v += g;
+                        *v += scale * g;
                     }
                 }),
         }
@@ -1223,5 +1253,25 @@ mod tests {
         let config: CompressorConfig = serde_json::from_str(r#"{"density": 0.1}"#).unwrap();
         assert_eq!(config.density, 0.1);
         assert!(config.error_feedback);
+    }
+
+    #[test]
+    fn local_clipping_scales_only_gradients_above_the_bound() {
+        assert_eq!(clip_scale(&[3.0, 4.0], 0.0), 1.0);
+        assert_eq!(clip_scale(&[3.0, 4.0], 10.0), 1.0);
+        assert!((clip_scale(&[3.0, 4.0], 2.5) - 0.5).abs() < 1e-6);
+        let config = CompressorConfig {
+            density: 1.0,
+            clip_norm: 2.5,
+            ..CompressorConfig::default()
+        };
+        let mut c = Compressor::new(2, config);
+        let sent = c.compress(&[3.0, 4.0]).unwrap();
+        assert_eq!(sent.values, vec![1.5, 2.0]);
+        let bad = CompressorConfig {
+            clip_norm: -1.0,
+            ..CompressorConfig::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("clip_norm"));
     }
 }

@@ -1,0 +1,213 @@
+//! `bench-convergence`: steps to a test accuracy for dense and top-k training,
+//! over several seeds, measured in one run.
+//!
+//! In-process clusters (1 server process, 2 shards, 2 workers, no link model)
+//! train the benchmark MLP on the synthetic set and evaluate the whole test
+//! split every `--eval-every` steps, stopping at `--target`. For each mode it
+//! prints, per seed, the steps to 95% and to the target, then the spread
+//! (min-max) and mean over seeds and the ratio of each mode's mean steps to the
+//! target against dense (the goal for top-k 0.1% is at most 1.3x). Seeds vary
+//! the initial weights and the sample order; the dataset stays the same.
+//! Never fails on a result: the exit status only says whether every run
+//! completed.
+//!
+//! ```sh
+//! target/release/bench-convergence --seeds 3
+//! ```
+
+use anyhow::Context;
+use clap::Parser;
+
+use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::dataset::SyntheticSpec;
+use ps_shared::sparse::TopKMethod;
+use ps_tests::{run_cluster, synthetic_bucket, test_config};
+use ps_worker::run::WorkerReport;
+
+/// Largest ratio of top-k 0.1%'s steps to the target over dense's.
+const TARGET_STEP_RATIO: f64 = 1.3;
+
+#[derive(Parser, Debug)]
+#[command(name = "bench-convergence", long_about = None)]
+/// The top-k modes use the DGC recipe: momentum correction and masking,
+/// error feedback, an exponential density warm-up and optional local
+/// gradient clipping.
+struct Args {
+    #[arg(long, default_value_t = 3)]
+    seeds: u64,
+    /// Test accuracy to reach.
+    #[arg(long, default_value_t = 0.97)]
+    target: f32,
+    #[arg(long, default_value_t = 5)]
+    eval_every: u64,
+    /// Give up after this many steps.
+    #[arg(long, default_value_t = 1500)]
+    max_steps: u64,
+    #[arg(long, default_value_t = 256)]
+    features: usize,
+    #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 1024])]
+    hidden: Vec<usize>,
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    #[arg(long, default_value_t = 16384)]
+    train: usize,
+    #[arg(long, default_value_t = 2048)]
+    test: usize,
+    #[arg(long, default_value_t = 0.0)]
+    label_noise: f64,
+    /// Learning rate of every mode.
+    #[arg(long, default_value_t = 0.05)]
+    lr: f32,
+    /// Modes: dense, topk1 (1%), topk01 (0.1%), topk01-plain (0.1% with
+    /// momentum correction 0.9 and neither warm-up nor clipping).
+    #[arg(long, value_delimiter = ',', default_values_t = ["dense".to_string(), "topk1".to_string(), "topk01".to_string()])]
+    modes: Vec<String>,
+    /// Density warm-up steps of the top-k modes (exponential from
+    /// `--warmup-start` down to the mode's density).
+    #[arg(long, default_value_t = 100)]
+    warmup_steps: u64,
+    #[arg(long, default_value_t = 0.05)]
+    warmup_start: f64,
+    /// DGC momentum correction factor of the top-k modes (the plain mode
+    /// keeps 0.9).
+    #[arg(long, default_value_t = 0.95)]
+    momentum_correction: f32,
+    /// Local gradient clipping of the top-k modes: largest L2 norm of a
+    /// worker's gradient before accumulation (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    clip_norm: f32,
+}
+
+fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
+    let (kind, density, recipe) = match mode {
+        "dense" => (CompressionKind::None, 1.0, false),
+        "topk1" => (CompressionKind::Topk, 0.01, true),
+        "topk01" => (CompressionKind::Topk, 0.001, true),
+        "topk01-plain" => (CompressionKind::Topk, 0.001, false),
+        other => anyhow::bail!("unknown mode `{other}` (dense, topk1, topk01, topk01-plain)"),
+    };
+    let mut cfg = test_config(kind, density, 1000);
+    cfg.model.input = args.features;
+    cfg.model.hidden = args.hidden.clone();
+    cfg.data.batch_size = args.batch;
+    cfg.data.seed = seed;
+    cfg.training.init_seed = seed;
+    cfg.training.eval_every = args.eval_every;
+    cfg.training.target_accuracy = args.target;
+    cfg.training.max_steps = args.max_steps;
+    cfg.optimizer.lr = args.lr;
+    if kind == CompressionKind::Topk {
+        cfg.optimizer.momentum = 0.0;
+        cfg.compression.momentum_correction = 0.9;
+        cfg.compression.momentum_masking = true;
+        cfg.compression.error_feedback = true;
+        cfg.compression.method = TopKMethod::Exact;
+        if recipe {
+            cfg.compression.momentum_correction = args.momentum_correction;
+            cfg.compression.warmup_steps = args.warmup_steps;
+            cfg.compression.warmup_start_density = args.warmup_start;
+            cfg.compression.clip_norm = args.clip_norm;
+        }
+    }
+    let dense_shard = 4 * cfg.model.num_params().div_ceil(cfg.total_shards());
+    cfg.server.max_frame_bytes = cfg.server.max_frame_bytes.max(2 * dense_shard + 4096);
+    cfg.validate().context("benchmark configuration")?;
+    Ok(cfg)
+}
+
+/// First evaluated step at or above `acc`.
+fn steps_to(report: &WorkerReport, acc: f32) -> Option<u64> {
+    report
+        .evals
+        .iter()
+        .find(|e| e.test_accuracy >= acc)
+        .map(|e| e.step)
+}
+
+fn spread(v: &[u64]) -> String {
+    match (v.iter().min(), v.iter().max()) {
+        (Some(lo), Some(hi)) => format!(
+            "{lo}-{hi} (mean {:.0})",
+            v.iter().sum::<u64>() as f64 / v.len() as f64
+        ),
+        _ => "not reached".into(),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let spec = SyntheticSpec {
+        train: args.train,
+        test: args.test,
+        features: args.features,
+        label_noise: args.label_noise,
+        ..SyntheticSpec::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().build()?;
+    let (store, prefix) = rt.block_on(synthetic_bucket(&spec));
+    let mut means = Vec::new();
+    for mode in &args.modes {
+        let (mut to95, mut to_target, mut missed) = (Vec::new(), Vec::new(), 0);
+        for seed in 1..=args.seeds {
+            let cfg = config(&args, mode, seed)?;
+            let reports = run_cluster(cfg, store.clone(), prefix.clone())
+                .with_context(|| format!("{mode} seed {seed}"))?;
+            let r = &reports[0];
+            let best = r.evals.iter().map(|e| e.test_accuracy).fold(0.0, f32::max);
+            let (a, b) = (steps_to(r, 0.95), steps_to(r, args.target));
+            println!(
+                "{mode:>13} seed {seed}: 95% at {}, {:.0}% at {}, best {:.2}% in {} steps",
+                a.map_or("-".into(), |s| s.to_string()),
+                100.0 * args.target,
+                b.map_or("-".into(), |s| s.to_string()),
+                100.0 * best,
+                r.steps
+            );
+            to95.extend(a);
+            match b {
+                Some(s) => to_target.push(s),
+                None => missed += 1,
+            }
+        }
+        let mean = (missed == 0 && !to_target.is_empty())
+            .then(|| to_target.iter().sum::<u64>() as f64 / to_target.len() as f64);
+        println!(
+            "{mode:>13}: steps to 95% {}, to {:.0}% {}{}",
+            spread(&to95),
+            100.0 * args.target,
+            spread(&to_target),
+            if missed > 0 {
+                format!(", {missed} seed(s) did not reach it")
+            } else {
+                String::new()
+            }
+        );
+        means.push((mode.clone(), mean));
+    }
+    let dense = means
+        .iter()
+        .find(|(m, _)| m == "dense")
+        .and_then(|(_, m)| *m);
+    for (mode, mean) in &means {
+        if mode == "dense" {
+            continue;
+        }
+        match (mean, dense) {
+            (Some(m), Some(d)) => {
+                let ratio = m / d;
+                let verdict = if mode.starts_with("topk01") {
+                    if ratio <= TARGET_STEP_RATIO {
+                        format!(" (target <= {TARGET_STEP_RATIO}x: PASS)")
+                    } else {
+                        format!(" (target <= {TARGET_STEP_RATIO}x: MISS)")
+                    }
+                } else {
+                    String::new()
+                };
+                println!("{mode} / dense steps to target: {ratio:.2}x{verdict}");
+            }
+            _ => println!("{mode} / dense steps to target: not comparable (a run missed it)"),
+        }
+    }
+    Ok(())
+}

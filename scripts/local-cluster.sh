@@ -11,19 +11,32 @@
 #                                           (fetched with pip the first time)
 #        scripts/local-cluster.sh --mnist-cnn   the same with a small CNN,
 #                                           configs/mnist-cnn.toml
+#        scripts/local-cluster.sh --colocated [--mnist|--mnist-cnn]
+#                                           colocated shards: one ps-server
+#                                           per worker (server i beside worker
+#                                           i, one shard each), the layout for
+#                                           cloud VMs that run both (README,
+#                                           "Topologies"); the config is the
+#                                           chosen one with cluster.servers and
+#                                           shards_per_server rewritten, saved
+#                                           as runs/colocated.toml
 # Logs and per-epoch metrics land in runs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dataset=synthetic
 config=configs/local.toml
-case "${1:-}" in
-    "") ;;
-    --mnist) dataset=mnist; config=configs/mnist.toml ;;
-    --mnist-cnn) dataset=mnist; config=configs/mnist-cnn.toml ;;
-    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
-    *) echo "local-cluster: unknown argument $1 (try --help)" >&2; exit 2 ;;
-esac
+colocated=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --mnist) dataset=mnist; config=configs/mnist.toml ;;
+        --mnist-cnn) dataset=mnist; config=configs/mnist-cnn.toml ;;
+        --colocated) colocated=1 ;;
+        -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        *) echo "local-cluster: unknown argument $1 (try --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
 
 echo "==> building ps-server and ps-worker (release)"
 cargo build --release --bin ps-server --bin ps-worker
@@ -40,9 +53,23 @@ else
     }
 fi
 
+mkdir -p runs
+workers=$("$bin/ps-worker" --config "$config" show-config | sed -n 's/^workers = \([0-9]*\).*/\1/p' | head -n 1)
+[[ $workers =~ ^[1-9][0-9]*$ ]] || { echo "local-cluster: cannot read cluster.workers from $config" >&2; exit 1; }
+if [[ $colocated -eq 1 ]]; then
+    # One server process per worker, one shard each, on ports 7400, 7401, ...
+    servers=""
+    for ((i = 0; i < workers; i++)); do servers+="${servers:+, }\"127.0.0.1:$((7400 + i))\""; done
+    sed -e "s|^servers = .*|servers = [$servers]    # one ps-server beside each worker|" \
+        -e "s|^shards_per_server = .*|shards_per_server = 1|" "$config" >runs/colocated.toml
+    config=runs/colocated.toml
+    nservers=$workers
+else
+    nservers=1
+fi
+
 echo "==> cluster CA and certificates in certs/"
 "$bin/ps-server" --config "$config" certs
-mkdir -p runs
 pids=()
 cleanup() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -51,24 +78,37 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-echo "==> starting ps-server (2 shards) and 2 workers; logs in runs/"
-"$bin/ps-server" --config "$config" >runs/server.log 2>&1 &
-server=$!
-pids+=("$server")
-"$bin/ps-worker" --config "$config" train --rank 1 --no-progress --report runs/report-1.json \
-    >runs/worker-1.log 2>&1 &
-worker1=$!
-pids+=("$worker1")
+if [[ $colocated -eq 1 ]]; then
+    echo "==> starting $nservers ps-servers (1 shard each, colocated) and $workers workers; logs in runs/"
+else
+    echo "==> starting ps-server and $workers workers; logs in runs/"
+fi
+servers_pids=()
+for ((i = 0; i < nservers; i++)); do
+    log=runs/server.log
+    [[ $nservers -gt 1 ]] && log=runs/server-$i.log
+    "$bin/ps-server" --config "$config" --index "$i" >"$log" 2>&1 &
+    servers_pids+=($!)
+    pids+=($!)
+done
+others=()
+for ((r = 1; r < workers; r++)); do
+    "$bin/ps-worker" --config "$config" train --rank "$r" --no-progress \
+        --report "runs/report-$r.json" >"runs/worker-$r.log" 2>&1 &
+    others+=($!)
+    pids+=($!)
+done
 "$bin/ps-worker" --config "$config" train --rank 0 --report runs/report-0.json 2>&1 |
     tee runs/worker-0.log
 status=${PIPESTATUS[0]}
-wait "$worker1" || status=$?
-wait "$server" || status=$?
+for pid in "${others[@]}" "${servers_pids[@]}"; do
+    wait "$pid" || status=$?
+done
 pids=()
 if [[ $status -ne 0 ]]; then
     echo "local-cluster: a process failed (exit $status); see runs/*.log" >&2
-    tail -n 5 runs/server.log runs/worker-1.log >&2 || true
+    tail -n 5 runs/server*.log runs/worker-*.log >&2 || true
     exit "$status"
 fi
-tail -n 1 runs/worker-1.log
+for ((r = 1; r < workers; r++)); do tail -n 1 "runs/worker-$r.log"; done
 echo "==> done: every process exited cleanly"

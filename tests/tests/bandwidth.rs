@@ -191,17 +191,19 @@ fn topk_over_a_slow_link_with_latency_learns_and_sends_little() {
     let p = reports[0].num_params;
     let k = k_for_density(p, density) as f64;
     for r in &reports {
-        // k (index, value) pairs of 4 bytes each, split over the shards.
+        // k values of 4 bytes and k delta-encoded indices, split over the
+        // shards: at 1% the gaps (about 100) take 1 or 2 varint bytes, below
+        // the 4 of plain u32 indices.
         assert!(
-            r.bytes_pushed_per_step >= 8.0 * k
-                && r.bytes_pushed_per_step <= 8.0 * k + 2.0 * FRAME_OVERHEAD,
+            r.bytes_pushed_per_step >= 5.0 * k
+                && r.bytes_pushed_per_step <= 6.0 * k + 2.0 * FRAME_OVERHEAD,
             "worker {}: pushed {} B/step for k = {k}",
             r.rank,
             r.bytes_pushed_per_step
         );
         // Pulls carry the entries either worker moved: the union of two top-k sets.
         assert!(
-            r.bytes_pulled_per_step >= 8.0 * k && r.bytes_pulled_per_step <= 16.0 * k,
+            r.bytes_pulled_per_step >= 5.0 * k && r.bytes_pulled_per_step <= 12.0 * k,
             "worker {}: pulled {} B/step for k = {k}",
             r.rank,
             r.bytes_pulled_per_step

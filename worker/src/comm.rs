@@ -28,8 +28,8 @@ use ps_shared::config::ClusterConfig;
 use ps_shared::link::LinkLimiter;
 use ps_shared::pki::CertPair;
 use ps_shared::protocol::{
-    close, encode_request, ErrorCode, ParamUpdate, Request, Response, ShardRange, WireGrad,
-    WireValues, PROTOCOL_VERSION,
+    close, encode_request, encoded_indices_len, ErrorCode, ParamUpdate, Request, Response,
+    ShardRange, WireGrad, WireValues, PROTOCOL_VERSION,
 };
 use ps_shared::shard::ShardMap;
 use ps_shared::sparse::SparseGrad;
@@ -196,10 +196,13 @@ pub struct Comm {
     params: ParamSource,
 }
 
+/// Bytes an update takes on the wire (values, and delta-encoded indices).
 fn update_bytes(u: &ParamUpdate) -> u64 {
     match u {
         ParamUpdate::Dense(v) => 4 * v.len() as u64,
-        ParamUpdate::Sparse { indices, values } => 4 * (indices.len() + values.len()) as u64,
+        ParamUpdate::Sparse { indices, values } => {
+            (encoded_indices_len(indices) + 4 * values.len()) as u64
+        }
     }
 }
 

@@ -331,6 +331,9 @@ pub struct TrainingSection {
     pub target_accuracy: f32,
     /// Stop after this many steps of the run (0 = no cap).
     pub max_steps: u64,
+    /// asp/ssp only: compute the next step's gradient while this step's
+    /// push and pull are in flight (the gradient is one step stale).
+    pub overlap: bool,
 }
 
 impl Default for TrainingSection {
@@ -343,6 +346,7 @@ impl Default for TrainingSection {
             eval_every: 0,
             target_accuracy: 0.0,
             max_steps: 0,
+            overlap: false,
         }
     }
 }
@@ -686,6 +690,15 @@ impl ClusterConfig {
                 format!("`{}`: use cpu, cuda or cuda:N", t.device),
             ));
         }
+        if t.overlap
+            && (self.server.mode == SyncMode::Bsp
+                || (self.server.mode == SyncMode::Ssp && self.server.staleness == 0))
+        {
+            return Err(invalid(
+                "training.overlap",
+                "needs server.mode = \"asp\", or \"ssp\" with staleness >= 1 (a one-step-stale gradient breaks bsp)",
+            ));
+        }
         if !(0.0..=1.0).contains(&t.target_accuracy) {
             return Err(invalid(
                 "training.target_accuracy",
@@ -821,6 +834,12 @@ impl ClusterConfig {
     }
 
     /// Total number of parameter shards.
+    /// Whether workers compute the next gradient while a step's exchange is
+    /// in flight (`training.overlap`, allowed in asp and ssp).
+    pub fn overlaps_compute(&self) -> bool {
+        self.training.overlap && self.server.mode != SyncMode::Bsp
+    }
+
     pub fn total_shards(&self) -> usize {
         self.cluster.servers.len() * self.cluster.shards_per_server
     }

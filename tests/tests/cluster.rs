@@ -98,14 +98,25 @@ fn asp_and_ssp_clusters_learn() {
         .build()
         .unwrap();
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
-    for mode in [SyncMode::Asp, SyncMode::Ssp] {
+    for (mode, overlap) in [
+        (SyncMode::Asp, false),
+        (SyncMode::Ssp, false),
+        (SyncMode::Ssp, true),
+        (SyncMode::Asp, true),
+    ] {
         let mut cfg = test_config(CompressionKind::Topk, 0.01, 6);
         cfg.server.mode = mode;
         cfg.server.staleness = 2;
+        // Gradients computed while the previous exchange is in flight.
+        cfg.training.overlap = overlap;
         let reports = run_cluster(cfg, store.clone(), prefix.clone()).expect("cluster run");
-        summarize(&format!("{mode:?}"), &reports);
+        let mode = format!("{mode:?}{}", if overlap { " overlapped" } else { "" });
+        summarize(&mode, &reports);
         for r in &reports {
-            assert_eq!(r.steps, 6 * (4096 / 2 / 64));
+            // Every batch of every epoch is trained exactly once.
+            assert_eq!(r.steps, 6 * (4096 / 2 / 64), "{mode}");
+            assert_eq!(r.epochs.len(), 6, "{mode}");
+            assert!(r.epochs.iter().all(|e| e.steps == 4096 / 2 / 64), "{mode}");
             assert!(
                 r.final_accuracy > ACCURACY_BAR,
                 "{mode:?} worker {} reached {}",

@@ -27,7 +27,8 @@ use crate::comm::{
     Abort, Comm, CommActor, CommError, Join, Leave, ParamSource, StepExchange, WorkerTls,
 };
 use crate::loader::{
-    EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings, NextBatch,
+    BatchPos, EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings,
+    NextBatch,
 };
 use crate::model::{device_from_str, Model, ModelError};
 use crate::trainer::{ApplyUpdates, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError};
@@ -353,11 +354,18 @@ async fn train(
     };
     let max_steps = cfg.training.max_steps;
     let mut stopping = (max_steps > 0 && step >= max_steps).then_some(StopReason::MaxSteps);
+    // Overlap (asp/ssp with training.overlap): the next batch, taken from
+    // the loader and its gradient computed while this step's exchange is in
+    // flight.
+    let overlap = cfg.overlaps_compute();
+    let mut lookahead: Option<Option<(BatchPos, Arc<ps_shared::dataset::Batch>)>> = None;
+    let mut precomputed: Option<crate::trainer::StepOutput> = None;
     loop {
         let t_wait = Instant::now();
-        let next = match stopping {
-            Some(_) => None,
-            None => loader.send(NextBatch).await??,
+        let next = match (stopping, lookahead.take()) {
+            (Some(_), _) => None,
+            (None, Some(next)) => next,
+            (None, None) => loader.send(NextBatch).await??,
         };
         let waited = t_wait.elapsed();
         let finished_epoch = match &next {
@@ -411,10 +419,33 @@ async fn train(
         acc.started.get_or_insert_with(Instant::now);
         evals.started.get_or_insert_with(Instant::now);
         acc.wait += waited;
-        let out = trainer.send(ComputeStep(batch)).await??;
-        acc.compute += out.compute + out.compress;
+        let out = match precomputed.take() {
+            Some(out) => out,
+            None => {
+                let out = trainer.send(ComputeStep(batch)).await??;
+                acc.compute += out.compute + out.compress;
+                out
+            }
+        };
+        let exchange = comm.send(StepExchange { grad: out.grad });
+        if overlap && !max_steps_reached(max_steps, step + 1) {
+            // The exchange is queued: take the next batch and compute its
+            // gradient on the parameters held now (one step stale), unless
+            // it opens a new epoch, which is evaluated first.
+            let t_wait = Instant::now();
+            let next = loader.send(NextBatch).await??;
+            acc.wait += t_wait.elapsed();
+            if let Some((next_pos, next_batch)) = &next {
+                if next_pos.epoch == pos.epoch {
+                    let ahead = trainer.send(ComputeStep(next_batch.clone())).await??;
+                    acc.compute += ahead.compute + ahead.compress;
+                    precomputed = Some(ahead);
+                }
+            }
+            lookahead = Some(next);
+        }
         let t_comm = Instant::now();
-        let (updates, traffic) = comm.send(StepExchange { grad: out.grad }).await??;
+        let (updates, traffic) = exchange.await??;
         acc.comm += t_comm.elapsed();
         let workers = cfg.cluster.workers as u32;
         if traffic.live_workers < workers {
@@ -506,6 +537,10 @@ async fn train(
         stop_reason: stopping.unwrap_or(StopReason::Epochs),
         train_s,
     })
+}
+
+fn max_steps_reached(max_steps: u64, step: u64) -> bool {
+    max_steps > 0 && step >= max_steps
 }
 
 /// Closes the epoch in `acc`; `(test_loss, test_accuracy)` come from the

@@ -83,23 +83,41 @@ struct Case {
     name: &'static str,
     kind: CompressionKind,
     density: f64,
+    /// `ssp` (staleness 1) instead of `bsp`, and whether the worker
+    /// computes the next gradient while the exchange is in flight.
+    ssp_overlap: Option<bool>,
 }
 
-const CASES: [Case; 3] = [
+const CASES: [Case; 5] = [
     Case {
         name: "dense",
         kind: CompressionKind::None,
         density: 1.0,
+        ssp_overlap: None,
     },
     Case {
         name: "top-k 1%",
         kind: CompressionKind::Topk,
         density: 0.01,
+        ssp_overlap: None,
     },
     Case {
         name: "top-k 0.1%",
         kind: CompressionKind::Topk,
         density: 0.001,
+        ssp_overlap: None,
+    },
+    Case {
+        name: "0.1% ssp",
+        kind: CompressionKind::Topk,
+        density: 0.001,
+        ssp_overlap: Some(false),
+    },
+    Case {
+        name: "0.1% ssp+ov",
+        kind: CompressionKind::Topk,
+        density: 0.001,
+        ssp_overlap: Some(true),
     },
 ];
 
@@ -180,6 +198,11 @@ fn base_config(args: &Args, case: &Case) -> anyhow::Result<ClusterConfig> {
             cfg.compression.momentum_correction = 0.9;
             cfg.compression.error_feedback = true;
         }
+    }
+    if let Some(overlap) = case.ssp_overlap {
+        cfg.server.mode = ps_shared::config::SyncMode::Ssp;
+        cfg.server.staleness = 1;
+        cfg.training.overlap = overlap;
     }
     // Room for one dense shard with framing, whatever the model size.
     let dense_shard = 4 * cfg.model.num_params().div_ceil(cfg.total_shards());
@@ -378,6 +401,13 @@ fn run() -> anyhow::Result<()> {
         100.0 * sparse.comm_share,
         verdict(share_pass)
     );
+    let (plain, overlapped) = (&results[3], &results[4]);
+    println!(
+        "overlap (ssp, staleness 1): top-k 0.1% step {:.2} ms without, {:.2} ms with: {:.0}% less",
+        plain.step_ms,
+        overlapped.step_ms,
+        100.0 * (1.0 - overlapped.step_ms / plain.step_ms.max(1e-9))
+    );
 
     let profile = if args.no_profile {
         None
@@ -454,7 +484,10 @@ fn profile(args: &Args, cfg: &ClusterConfig) -> anyhow::Result<Profile> {
         Ok(())
     })?;
     let mut compress_ms = Vec::new();
-    for case in CASES.iter().filter(|c| c.kind == CompressionKind::Topk) {
+    for case in CASES
+        .iter()
+        .filter(|c| c.kind == CompressionKind::Topk && c.ssp_overlap.is_none())
+    {
         let mut c = base_config(args, case)?.compression.compressor();
         c.density = case.density;
         let mut compressor = Compressor::new(p, c);

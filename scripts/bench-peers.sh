@@ -1,0 +1,424 @@
+#!/usr/bin/env bash
+# Stratus side by side with PyTorch DDP and DDP+PowerSGD over real,
+# kernel-shaped links: the same MLP (256-1024-1024-10, 1.32M parameters), the
+# same synthetic data files, 2 workers, batch 64 per worker, one compute
+# thread per process, each run trained until its test accuracy reaches 97% or
+# a step cap.
+#
+# Topology: one network namespace per node (worker nodes w0 10.232.0.10 and
+# w1 10.232.0.11, server node s0 10.232.0.1) plus a "switch" namespace holding
+# a Linux bridge; each node is joined to the bridge by a veth pair shaped with
+# `tc ... tbf` on both ends (node egress and the bridge port towards the
+# node), so every node's link is limited to --rate in each direction. Traffic
+# between processes of one node stays in its namespace (loopback, unshaped).
+#
+# Runs, per seed:
+#   ddp       DDP dense, gloo, rank r in worker node w<r>
+#   powersgd  DDP + PowerSGD hook (rank 4, warm start, error feedback, plain
+#             all-reduce for the first --powersgd-start steps), same placement
+#   dense, topk1, topk01
+#             Stratus dense (server momentum 0.9), top-k 1% and top-k 0.1%
+#             (worker-side DGC momentum correction 0.9, error feedback, server
+#             momentum 0), each in two topologies:
+#               server     one ps-server (2 shards) alone on node s0
+#               colocated  one ps-server (1 shard) on each worker node; a worker
+#                          reaches its own over loopback, the other over the link
+# Every optimizer is SGD, lr 0.05; momentum 0.9 (DDP: torch SGD, Stratus
+# dense: on the server; top-k: on the workers as DGC momentum correction).
+# Everyone evaluates the whole test split every --eval-every steps (and at
+# epoch ends); evaluation time is not training time.
+#
+# It prints one table: per system, topology and mode the step time, compute
+# and communication per step, the bytes per step on each worker node's link
+# (from the veth counters, sent + received, averaged over the two nodes),
+# steps and seconds to 95% and 97%, and Stratus's ratios to DDP and to
+# DDP+PowerSGD (time to 97% and step time). With --seeds N every figure is the
+# mean over seeds with the spread (min-max); seeds change the initial weights
+# and the sample order, never the data. It writes the table as markdown
+# (table.md) and every measurement as JSON (results.json) under
+# target/bench-peers/, with each run's logs and reports under runs/. Targets
+# are printed as PASS/MISS: (1) Stratus's best mode reaches 97% in at most
+# 0.5x the time of DDP+PowerSGD; (2) a Stratus dense colocated step takes at
+# most 1.0x a DDP dense step. The exit status only says whether every run
+# completed, never whether a target was met.
+#
+# torch comes from a Python venv in target/bench-peers/venv, made on the first
+# run (reused after): the CPU-only wheel when its index is reachable, else
+# torch from PyPI (large). The namespaces, veths, processes, the dataset and
+# the certificates are removed at the end, also on failure or Ctrl-C.
+#
+# Usage: sudo scripts/bench-peers.sh [--rate 100mbit|1gbit|none] [--seeds N]
+#            [--max-steps S] [--eval-every N] [--target ACC]
+#            [--modes ddp,powersgd,dense,topk1,topk01]
+#            [--topologies server,colocated] [--topk-warmup STEPS]
+#            [--powersgd-start STEPS] [--quick]
+#   --quick      tiny data set and a few steps: a smoke test of the script
+#   --topk-warmup  DGC density warm-up for the top-k modes (exponential from
+#                5% down to the mode's density over STEPS steps; default 0,
+#                top-k from the first step)
+#   --powersgd-start  torch's start_powerSGD_iter (default 2, the least it
+#                allows with error feedback and warm start: compressed from
+#                the third step, as Stratus's top-k is from the first; 10
+#                reached 97% in as many steps here but spends longer in dense
+#                all-reduce)
+# Needs root, iproute2 (ip, tc) and the tbf qdisc; skips (exit 0) otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rate=100mbit
+seeds=1
+max_steps=300
+eval_every=5
+target=0.97
+modes=ddp,powersgd,dense,topk1,topk01
+topologies=server,colocated
+topk_warmup=0
+powersgd_start=2
+quick=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --rate) rate=${2:?--rate needs a value}; shift 2 ;;
+        --seeds) seeds=${2:?--seeds needs a value}; shift 2 ;;
+        --max-steps) max_steps=${2:?--max-steps needs a value}; shift 2 ;;
+        --eval-every) eval_every=${2:?--eval-every needs a value}; shift 2 ;;
+        --target) target=${2:?--target needs a value}; shift 2 ;;
+        --modes) modes=${2:?--modes needs a value}; shift 2 ;;
+        --topologies) topologies=${2:?--topologies needs a value}; shift 2 ;;
+        --topk-warmup) topk_warmup=${2:?--topk-warmup needs a value}; shift 2 ;;
+        --powersgd-start) powersgd_start=${2:?--powersgd-start needs a value}; shift 2 ;;
+        --quick) quick=1; shift ;;
+        -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+        *) echo "bench-peers: unknown argument $1 (try --help)" >&2; exit 2 ;;
+    esac
+done
+die() { echo "bench-peers: $*" >&2; exit 2; }
+[[ $seeds =~ ^[1-9][0-9]*$ ]] || die "--seeds must be a positive integer"
+[[ $max_steps =~ ^[1-9][0-9]*$ ]] || die "--max-steps must be a positive integer"
+[[ $eval_every =~ ^[1-9][0-9]*$ ]] || die "--eval-every must be a positive integer"
+[[ $topk_warmup =~ ^[0-9]+$ ]] || die "--topk-warmup must be a non-negative integer"
+[[ $powersgd_start =~ ^[0-9]+$ && $powersgd_start -ge 2 ]] || die "--powersgd-start must be an integer >= 2"
+[[ $target =~ ^0?\.[0-9]+$ ]] || die "--target must be a fraction such as 0.97"
+rate_bits=0
+case "$rate" in
+    none) ;;
+    *[0-9]mbit) rate_bits=$((${rate%mbit} * 1000000)) ;;
+    *[0-9]gbit) rate_bits=$((${rate%gbit} * 1000000000)) ;;
+    *) die "--rate must be like 100mbit, 1gbit or none" ;;
+esac
+for m in ${modes//,/ }; do
+    [[ $m =~ ^(ddp|powersgd|dense|topk1|topk01)$ ]] || die "unknown mode $m (ddp, powersgd, dense, topk1, topk01)"
+done
+for t in ${topologies//,/ }; do
+    [[ $t =~ ^(server|colocated)$ ]] || die "unknown topology $t (server, colocated)"
+done
+has_mode() { [[ ",$modes," == *",$1,"* ]]; }
+has_topology() { [[ ",$topologies," == *",$1,"* ]]; }
+
+# The data set: 16384 train / 2048 test samples, no label noise (the
+# settings of bench-convergence, where dense training reaches 97% in a few
+# dozen steps); --quick shrinks it and caps the steps.
+train=16384
+test=2048
+label_noise=0.0
+if [[ $quick -eq 1 ]]; then
+    train=2048
+    test=512
+    max_steps=12
+    eval_every=4
+fi
+
+say() { echo "bench-peers: $*"; }
+if [[ $(id -u) -ne 0 ]]; then
+    say "needs root (network namespaces and tc); skipping"
+    exit 0
+fi
+for tool in ip tc timeout python3; do
+    command -v "$tool" >/dev/null 2>&1 || { say "$tool is not installed; skipping"; exit 0; }
+done
+
+work="target/bench-peers"
+venv="$work/venv"
+tag=$$
+ns_sw="bp-sw-$tag"
+nodes=(w0 w1 s0)
+declare -A ns ip
+for n in "${nodes[@]}"; do ns[$n]="bp-$n-$tag"; done
+ip[w0]=10.232.0.10
+ip[w1]=10.232.0.11
+ip[s0]=10.232.0.1
+pids=()
+
+cleanup() {
+    local rc=$?
+    set +e
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
+    # Anything still running inside the namespaces this script made.
+    for n in "${nodes[@]}"; do
+        for pid in $(ip netns pids "${ns[$n]}" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+    done
+    for n in "${nodes[@]}"; do ip netns del "${ns[$n]}" 2>/dev/null; done
+    ip netns del "$ns_sw" 2>/dev/null
+    rm -rf "$work/data" "$work/certs"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- Python with torch ------------------------------------------------------
+torch_index=${BENCH_PEERS_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+if ! "$venv/bin/python" -c 'import torch, numpy' 2>/dev/null; then
+    say "making a Python venv with torch in $venv (once; reused by later runs)"
+    rm -rf "$venv"
+    mkdir -p "$work"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --upgrade pip || true
+    if "$venv/bin/pip" install --timeout 20 --retries 1 torch --index-url "$torch_index" 2>/dev/null; then
+        "$venv/bin/pip" install numpy
+    else
+        say "the CPU-only torch index is not reachable; installing torch from PyPI (large)"
+        "$venv/bin/pip" install torch numpy
+    fi
+fi
+py="$PWD/$venv/bin/python"
+torch_version=$("$py" -c 'import torch; print(torch.__version__)')
+
+# --- Binaries, data, certificates -------------------------------------------
+say "building ps-server and ps-worker (release)"
+cargo build --release -p ps-server -p ps-worker
+bin="$PWD/target/release"
+
+rm -rf "$work/runs" "$work/data" "$work/certs"
+mkdir -p "$work/runs" "$work/configs"
+data="$PWD/$work/data/synthetic"
+"$bin/ps-worker" dataset synthetic --out "file://$data" --features 256 --classes 10 \
+    --train "$train" --test "$test" --label-noise "$label_noise" >/dev/null
+
+# --- Network ------------------------------------------------------------------
+# tbf bucket: 2 ms of the rate, at least 32 kbit; a queue of 50 ms.
+burst_bits=$((rate_bits / 500))
+if ((burst_bits < 32000)); then burst_bits=32000; fi
+shape() { # namespace device
+    [[ $rate == none ]] && return 0
+    ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$rate" burst "$((burst_bits / 8))" latency 50ms
+}
+say "creating node namespaces (${nodes[*]}) on bridge namespace $ns_sw, each link shaped to $rate each way"
+ip netns add "$ns_sw"
+ip -n "$ns_sw" link add br0 type bridge
+ip -n "$ns_sw" link set br0 up
+ip -n "$ns_sw" link set lo up
+for n in "${nodes[@]}"; do
+    ip netns add "${ns[$n]}"
+    ip link add eth0 netns "${ns[$n]}" type veth peer name "$n" netns "$ns_sw"
+    ip -n "$ns_sw" link set "$n" master br0
+    ip -n "$ns_sw" link set "$n" up
+    ip -n "${ns[$n]}" addr add "${ip[$n]}/24" dev eth0
+    ip -n "${ns[$n]}" link set lo up
+    ip -n "${ns[$n]}" link set eth0 up
+    if ! shape "${ns[$n]}" eth0 || ! shape "$ns_sw" "$n"; then
+        say "tc tbf is not available here; skipping"
+        exit 0
+    fi
+done
+ip netns exec "${ns[w0]}" tc qdisc show dev eth0 | sed 's/^/  w0 eth0: /'
+ip netns exec "$ns_sw" tc qdisc show dev w0 | sed 's/^/  switch port w0: /'
+if command -v ping >/dev/null 2>&1; then
+    for n in w1 s0; do
+        ip netns exec "${ns[w0]}" ping -c 1 -W 5 "${ip[$n]}" >/dev/null ||
+            { say "node w0 cannot reach $n (${ip[$n]})" >&2; exit 1; }
+    done
+fi
+
+# Bytes sent and received so far on a node's link: "tx rx".
+counters() {
+    ip netns exec "${ns[$1]}" sh -c 'echo "$(cat /sys/class/net/eth0/statistics/tx_bytes) $(cat /sys/class/net/eth0/statistics/rx_bytes)"'
+}
+# Writes the counter differences of every node as JSON: wire.json in $1.
+declare -A before
+snapshot() { for n in "${nodes[@]}"; do before[$n]=$(counters "$n"); done; }
+write_wire() { # dir
+    local first=1 n a b c d
+    {
+        printf '{'
+        for n in "${nodes[@]}"; do
+            read -r a b <<<"${before[$n]}"
+            read -r c d <<<"$(counters "$n")"
+            ((first)) || printf ', '
+            first=0
+            printf '"%s": {"tx_bytes": %d, "rx_bytes": %d}' "$n" $((c - a)) $((d - b))
+        done
+        printf '}\n'
+    } >"$1/wire.json"
+}
+
+run_timeout=$((120 + 4 * max_steps))
+completed=1
+run_no=0
+
+# Waits for the processes of one run; records meta.json. Args: dir system mode
+# topology seed start_ns pids...
+finish_run() {
+    local dir=$1 system=$2 mode=$3 topology=$4 seed=$5 t0=$6
+    shift 6
+    local status=0 pid
+    for pid in "$@"; do wait "$pid" || status=$?; done
+    pids=()
+    local t1
+    t1=$(date +%s%N)
+    write_wire "$dir"
+    local ok=true
+    [[ $status -eq 0 ]] || ok=false
+    for r in 0 1; do [[ -s $dir/worker-$r.json ]] || ok=false; done
+    printf '{"system": "%s", "mode": "%s", "topology": "%s", "seed": %d, "completed": %s, "exit_status": %d, "wall_s": %s}\n' \
+        "$system" "$mode" "$topology" "$seed" "$ok" "$status" \
+        "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", (b - a) / 1e9 }')" >"$dir/meta.json"
+    if [[ $ok != true ]]; then
+        completed=0
+        say "$system $mode $topology seed $seed: did not complete (exit $status); logs in $dir" >&2
+        tail -n 5 "$dir"/*.log >&2 || true
+        return 0
+    fi
+    grep -h "done" "$dir"/worker-*.log | sed 's/^/  /'
+}
+
+run_ddp() { # mode seed
+    local mode=$1 seed=$2 dir="$work/runs/seed$2/ddp-$1"
+    mkdir -p "$dir"
+    run_no=$((run_no + 1))
+    local port=$((29400 + run_no))
+    say "seed $seed: DDP $mode (gloo, rank r on node w<r>)"
+    snapshot
+    local t0 workers=()
+    t0=$(date +%s%N)
+    for r in 0 1; do
+        ip netns exec "${ns[w$r]}" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+            timeout "$run_timeout" "$py" scripts/bench_peers/ddp_train.py \
+            --data "file://$data" --rank "$r" --world 2 --master-addr "${ip[w0]}" --master-port "$port" \
+            --mode "$mode" --seed "$seed" --lr 0.05 --momentum 0.9 --batch 64 \
+            --powersgd-rank 4 --powersgd-start "$powersgd_start" \
+            --eval-every "$eval_every" --target "$target" --max-steps "$max_steps" \
+            --timeout-s "$run_timeout" --report "$dir/worker-$r.json" >"$dir/worker-$r.log" 2>&1 &
+        workers+=($!)
+        pids+=($!)
+    done
+    finish_run "$dir" ddp "$mode" peer "$seed" "$t0" "${workers[@]}"
+}
+
+write_config() { # mode topology seed file
+    local kind=none density=1.0 server_momentum=0.9 correction=0.0 servers shards
+    case "$1" in
+        topk1) kind=topk density=0.01 server_momentum=0.0 correction=0.9 ;;
+        topk01) kind=topk density=0.001 server_momentum=0.0 correction=0.9 ;;
+    esac
+    if [[ $2 == server ]]; then
+        servers="\"${ip[s0]}:7400\""
+        shards=2
+    else
+        servers="\"${ip[w0]}:7400\", \"${ip[w1]}:7400\""
+        shards=1
+    fi
+    cat >"$4" <<EOF
+# bench-peers: Stratus $1, topology $2, seed $3
+[cluster]
+servers = [$servers]
+shards_per_server = $shards
+workers = 2
+token = "stratus-bench-peers-token"
+
+[tls]
+cert = "$PWD/$work/certs/server.pem"
+key = "$PWD/$work/certs/server.key"
+ca = "$PWD/$work/certs/ca.pem"
+ca_key = "$PWD/$work/certs/ca.key"
+worker_cert = "$PWD/$work/certs/worker-{rank}.pem"
+worker_key = "$PWD/$work/certs/worker-{rank}.key"
+server_name = "localhost"
+generate_if_missing = false
+
+[model]
+kind = "mlp"
+input = 256
+hidden = [1024, 1024]
+classes = 10
+
+[data]
+url = "file://$data"
+batch_size = 64
+seed = $3
+
+[training]
+epochs = 1000
+init_seed = $3
+metrics_dir = ""
+eval_every = $eval_every
+target_accuracy = $target
+max_steps = $max_steps
+
+[compression]
+kind = "$kind"
+density = $density
+method = "exact"
+error_feedback = true
+momentum_correction = $correction
+momentum_masking = true
+warmup_steps = $([[ $kind == topk ]] && echo "$topk_warmup" || echo 0)
+warmup_start_density = 0.05
+
+[optimizer]
+lr = 0.05
+momentum = $server_momentum
+
+[server]
+connect_timeout_secs = 60
+EOF
+}
+
+run_stratus() { # mode topology seed
+    local mode=$1 topology=$2 seed=$3 dir="$work/runs/seed$3/stratus-$1-$2"
+    mkdir -p "$dir"
+    local cfg="$PWD/$work/configs/$mode-$topology-seed$seed.toml"
+    write_config "$mode" "$topology" "$seed" "$cfg"
+    "$bin/ps-server" --config "$cfg" --log error certs >/dev/null
+    local server_nodes
+    if [[ $topology == server ]]; then server_nodes=(s0); else server_nodes=(w0 w1); fi
+    say "seed $seed: Stratus $mode, $topology (ps-server on ${server_nodes[*]})"
+    snapshot
+    local t0 procs=()
+    t0=$(date +%s%N)
+    local i=0
+    for n in "${server_nodes[@]}"; do
+        ip netns exec "${ns[$n]}" timeout "$run_timeout" "$bin/ps-server" --config "$cfg" --index "$i" --log warn run \
+            >"$dir/server-$i.log" 2>&1 &
+        procs+=($!)
+        pids+=($!)
+        i=$((i + 1))
+    done
+    for r in 0 1; do
+        ip netns exec "${ns[w$r]}" env RAYON_NUM_THREADS=1 timeout "$run_timeout" "$bin/ps-worker" --config "$cfg" \
+            train --rank "$r" --no-progress --report "$dir/worker-$r.json" >"$dir/worker-$r.log" 2>&1 &
+        procs+=($!)
+        pids+=($!)
+    done
+    finish_run "$dir" stratus "$mode" "$topology" "$seed" "$t0" "${procs[@]}"
+}
+
+for ((seed = 1; seed <= seeds; seed++)); do
+    if has_mode ddp; then run_ddp dense "$seed"; fi
+    if has_mode powersgd; then run_ddp powersgd "$seed"; fi
+    for mode in dense topk1 topk01; do
+        has_mode "$mode" || continue
+        for topology in server colocated; do
+            if has_topology "$topology"; then run_stratus "$mode" "$topology" "$seed"; fi
+        done
+    done
+done
+
+"$py" scripts/bench_peers/report.py --runs "$work/runs" --out "$work" \
+    --rate "$rate" --target "$target" --eval-every "$eval_every" --max-steps "$max_steps" \
+    --seeds "$seeds" --torch "$torch_version" --topk-warmup "$topk_warmup" --powersgd-start "$powersgd_start" \
+    --data "train=$train test=$test label_noise=$label_noise" $([[ $quick -eq 1 ]] && echo --quick)
+if [[ $completed -ne 1 ]]; then
+    say "some runs did not complete (see above)"
+    exit 1
+fi
+say "every run completed; table in $work/table.md, measurements in $work/results.json"

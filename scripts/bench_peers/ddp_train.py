@@ -1,0 +1,330 @@
+"""One rank of the PyTorch DDP side of scripts/bench-peers.sh.
+
+Trains the benchmark MLP with DistributedDataParallel over gloo (CPU), dense
+or with the PowerSGD communication hook, on a Stratus dataset read from its
+files (see stratus_dataset.py), and writes a JSON report shaped like the one of
+`ps-worker train --report`:
+
+    steps, train_s, compute_s, comm_s, data_wait_s,
+    bytes_pushed_per_step, bytes_pulled_per_step, final_accuracy, stop_reason,
+    evals: [{step, train_s, test_accuracy, test_loss, bytes_pushed, bytes_pulled}]
+
+What is measured, and how it lines up with Stratus:
+
+* The model is built like the Stratus worker's MLP: weights uniform in
+  +-1/sqrt(fan_in) from the run's seed, biases zero, ReLU between layers, mean
+  softmax cross-entropy. DDP broadcasts rank 0's weights at the start.
+* Optimizer: torch SGD with the given lr and momentum (dampening 0, no
+  Nesterov), the same update rule the Stratus server applies to the averaged
+  gradient; DDP also averages the gradients of the ranks.
+* Sample order: each epoch a permutation of the whole train split seeded by
+  (seed, epoch), cut into equal parts by rank, whole batches only (the same
+  scheme as Stratus's `reshuffle` partition, with numpy's generator).
+* Evaluation on the whole test split every `--eval-every` steps and at the end
+  of each epoch; its time (and the tiny all-reduce that makes both ranks agree
+  to stop) is left out of `train_s`. The run stops after the evaluation that
+  reaches `--target`, or at `--max-steps`.
+* Compute vs communication: DDP all-reduces gradient buckets while the
+  backward pass is still running, so the time of `backward()` mixes both. The
+  script therefore first times the compute alone on a plain, non-distributed
+  copy of the model (forward, backward and optimizer step, one thread, both
+  ranks at once as in training): `compute_s = steps x that median`, and
+  `comm_s = train_s - data_wait_s - compute_s` (never below 0), i.e. the part
+  of a step that the collective and the hook (for PowerSGD: its low-rank
+  matmuls and orthogonalization too) add over the compute. The raw in-DDP
+  timings are kept as `ddp_forward_backward_s` and `ddp_optimizer_s`.
+* Bytes: what the rank hands to all-reduce per step, scaled by 2(w-1)/w, the
+  bytes a rank sends (and receives) in a ring all-reduce over w ranks. Dense
+  counts every gradient; PowerSGD counts the tensors its hook all-reduces
+  (vanilla all-reduce for the first `--powersgd-start` steps, then P, Q and the
+  uncompressed vectors). The benchmark's wire figures come from the network
+  interfaces, not from these.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import stratus_dataset  # noqa: E402
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="dataset folder or file:// URL")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--master-addr", default="127.0.0.1")
+    ap.add_argument("--master-port", type=int, default=29500)
+    ap.add_argument("--mode", choices=["dense", "powersgd"], default="dense")
+    ap.add_argument("--hidden", default="1024,1024")
+    ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=1, help="initial weights and sample order")
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--target", type=float, default=0.97)
+    ap.add_argument("--max-steps", type=int, default=400)
+    ap.add_argument("--powersgd-rank", type=int, default=4)
+    ap.add_argument("--powersgd-start", type=int, default=2,
+                    help="start_powerSGD_iter: steps of plain all-reduce before PowerSGD "
+                         "(2 is the least torch allows with error feedback and warm start)")
+    ap.add_argument("--compute-ref-steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--report", required=True)
+    return ap.parse_args()
+
+
+def build_model(features, hidden, classes, seed):
+    """The Stratus MLP: uniform(+-1/sqrt(fan_in)) weights, zero biases."""
+    widths = [features] + hidden + [classes]
+    layers = []
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(len(widths) - 1):
+        lin = torch.nn.Linear(widths[i], widths[i + 1])
+        bound = 1.0 / (widths[i] ** 0.5)
+        with torch.no_grad():
+            lin.weight.copy_(torch.rand(lin.weight.shape, generator=gen) * 2 * bound - bound)
+            lin.bias.zero_()
+        layers.append(lin)
+        if i + 2 < len(widths):
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+class Sampler:
+    """Per epoch: a seeded permutation of the train split, one equal part per rank."""
+
+    def __init__(self, n, world, rank, seed, batch):
+        self.n, self.world, self.rank, self.seed, self.batch = n, world, rank, seed, batch
+        self.per_rank = n // world
+        self.steps_per_epoch = self.per_rank // batch
+
+    def batches(self, epoch):
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        part = perm[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
+        for b in range(self.steps_per_epoch):
+            yield part[b * self.batch:(b + 1) * self.batch]
+
+
+# The all-reduce as torch ships it, for collectives that are not training traffic.
+UNCOUNTED_ALL_REDUCE = dist.all_reduce
+
+
+class AllReduceBytes:
+    """Counts the bytes handed to torch.distributed.all_reduce (PowerSGD's hook calls it)."""
+
+    def __init__(self):
+        self.total = 0
+        self._inner = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            self.total += tensor.numel() * tensor.element_size()
+            return self._inner(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+
+    def restore(self):
+        dist.all_reduce = self._inner
+
+
+def evaluate(module, x, y):
+    with torch.no_grad():
+        logits = module(x)
+        loss = F.cross_entropy(logits, y).item()
+        acc = (logits.argmax(dim=1) == y).float().mean().item()
+    return acc, loss
+
+
+def compute_reference(model, x, y, args, sampler):
+    """Median seconds of forward + backward + SGD step on a plain copy, no communication."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=args.lr, momentum=args.momentum)
+    times = []
+    def endless():
+        epoch = 10_000 + args.rank  # an order of its own, not the training one
+        while True:
+            yield from sampler.batches(epoch)
+            epoch += 1
+
+    batches = endless()
+    for i in range(args.compute_ref_steps + 2):
+        idx = next(batches)
+        xb, yb = x[idx], y[idx]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ref(xb), yb).backward()
+        opt.step()
+        if i >= 2:  # the first two warm the allocator and kernels
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    hidden = [int(h) for h in args.hidden.split(",") if h]
+
+    manifest = stratus_dataset.read_manifest(args.data)
+    xtr, ytr = stratus_dataset.load_split(args.data, "train")
+    xte, yte = stratus_dataset.load_split(args.data, "test")
+    x, y = torch.from_numpy(xtr), torch.from_numpy(ytr)
+    xt, yt = torch.from_numpy(xte), torch.from_numpy(yte)
+    features, classes = int(manifest["features"]), int(manifest["classes"])
+
+    os.environ["MASTER_ADDR"] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port)
+    import datetime
+
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
+                            timeout=datetime.timedelta(seconds=args.timeout_s))
+    world = dist.get_world_size()
+
+    model = build_model(features, hidden, classes, args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    sampler = Sampler(len(ytr), world, args.rank, args.seed, args.batch)
+    if sampler.steps_per_epoch == 0:
+        raise SystemExit(f"{len(ytr)} samples over {world} ranks is less than one batch")
+
+    dist.barrier()
+    compute_ref = compute_reference(model, x, y, args, sampler)
+    dist.barrier()
+
+    if args.mode == "powersgd":
+        # One gradient bucket (an explicit cap also sizes the first bucket;
+        # the model is 5.3 MB). With several buckets in flight the hook's
+        # chained all-reduces (uncompressed, then P, then Q) can be issued in
+        # a different order on each rank under gloo, which ends in a
+        # collective size mismatch.
+        ddp = DDP(model, bucket_cap_mb=25)
+    else:
+        ddp = DDP(model)  # DDP's default buckets: dense DDP as users run it
+    counter = None
+    if args.mode == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=args.powersgd_rank,
+            start_powerSGD_iter=args.powersgd_start,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=args.seed,
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        counter = AllReduceBytes()
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    ring = 2.0 * (world - 1) / world
+
+    def wire_app_bytes(steps_done):
+        raw = counter.total if counter is not None else steps_done * num_params * 4
+        return int(raw * ring)
+
+    evals = []
+    step = 0
+    epoch = 0
+    data_s = fb_s = opt_s = 0.0
+    eval_spent = 0.0
+    started = None
+    stop_reason = None
+
+    def train_s_now():
+        return 0.0 if started is None else time.perf_counter() - started - eval_spent
+
+    def do_eval():
+        nonlocal eval_spent, stop_reason
+        if evals and evals[-1]["step"] == step:
+            return
+        at = train_s_now()
+        t0 = time.perf_counter()
+        acc, loss = evaluate(model, xt, yt)
+        app = wire_app_bytes(step)
+        evals.append({"step": step, "train_s": at, "test_accuracy": acc, "test_loss": loss,
+                      "bytes_pushed": app, "bytes_pulled": app})
+        # Both ranks hold the same parameters; stop only when both agree.
+        flag = torch.tensor([1.0 if (args.target > 0 and acc >= args.target) else 0.0])
+        UNCOUNTED_ALL_REDUCE(flag, op=dist.ReduceOp.MIN)
+        if flag.item() > 0 and stop_reason is None:
+            stop_reason = "target_accuracy"
+        eval_spent += time.perf_counter() - t0
+
+    while stop_reason is None:
+        for idx in sampler.batches(epoch):
+            t0 = time.perf_counter()
+            if started is None:
+                started = t0
+            xb, yb = x[idx], y[idx]
+            t1 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp(xb), yb)
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            data_s += t1 - t0
+            fb_s += t2 - t1
+            opt_s += t3 - t2
+            step += 1
+            if args.eval_every > 0 and step % args.eval_every == 0:
+                do_eval()
+            if stop_reason is None and args.max_steps > 0 and step >= args.max_steps:
+                stop_reason = "max_steps"
+            if stop_reason is not None:
+                break
+        else:
+            do_eval()  # end of epoch, as Stratus evaluates at every epoch end
+            epoch += 1
+    train_s = train_s_now()
+    if counter is not None:
+        counter.restore()
+
+    compute_s = compute_ref * step
+    comm_s = max(0.0, train_s - data_s - compute_s)
+    app = wire_app_bytes(step)
+    report = {
+        "system": "ddp",
+        "mode": args.mode,
+        "rank": args.rank,
+        "world": world,
+        "num_params": num_params,
+        "steps": step,
+        "train_s": train_s,
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "data_wait_s": data_s,
+        "compute_ref_ms": 1e3 * compute_ref,
+        "ddp_forward_backward_s": fb_s,
+        "ddp_optimizer_s": opt_s,
+        "bytes_pushed_per_step": app / max(step, 1),
+        "bytes_pulled_per_step": app / max(step, 1),
+        "final_accuracy": evals[-1]["test_accuracy"] if evals else None,
+        "stop_reason": stop_reason,
+        "evals": evals,
+        "settings": {
+            "lr": args.lr, "momentum": args.momentum, "batch": args.batch, "seed": args.seed,
+            "hidden": hidden, "threads": args.threads, "torch": torch.__version__,
+            "powersgd_rank": args.powersgd_rank if args.mode == "powersgd" else None,
+            "powersgd_start": args.powersgd_start if args.mode == "powersgd" else None,
+        },
+    }
+    with open(args.report, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"ddp {args.mode} rank {args.rank} done: {step} steps, test accuracy "
+          f"{100 * (report['final_accuracy'] or 0):.2f}%, {1e3 * train_s / max(step, 1):.1f} ms/step "
+          f"(compute {1e3 * compute_ref:.1f}), stop {stop_reason}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

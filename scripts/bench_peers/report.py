@@ -1,0 +1,283 @@
+"""The table of scripts/bench-peers.sh, computed from what its runs recorded.
+
+Reads every run folder under --runs (`seed<k>/<run>/`: meta.json from the
+script, worker-0.json and worker-1.json from `ps-worker train --report` or
+ddp_train.py, wire.json with the bytes each node's veth sent and received
+during the run), prints one table, and writes it as table.md and every
+measurement as results.json in --out.
+
+Per run:
+* step ms: training wall time (evaluation left out) / steps, mean of the two
+  workers; compute and comm ms per step likewise from each report.
+* wire KB/step: (bytes sent + received on a worker node's link) / steps,
+  mean over the two worker nodes. Everything the node's processes put on the
+  link counts: setup (TLS, the first parameters, DDP's broadcast), training,
+  the small stop all-reduce of the DDP script; loopback traffic to a
+  colocated server does not.
+* steps and seconds to 95% and to the target: the first evaluation (rank 0)
+  at or above it; seconds are rank 0's training clock at that evaluation.
+* ratios: Stratus over DDP dense and over DDP+PowerSGD of the same seed.
+With several seeds a cell shows the mean over seeds and the spread (min-max).
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+SYSTEM_ORDER = [("ddp", "dense"), ("ddp", "powersgd"),
+                ("stratus", "dense"), ("stratus", "topk1"), ("stratus", "topk01")]
+TOPOLOGY_ORDER = ["peer", "server", "colocated"]
+SYSTEM_NAME = {"ddp": "DDP", "stratus": "Stratus"}
+MODE_NAME = {("ddp", "dense"): "dense", ("ddp", "powersgd"): "PowerSGD r4",
+             ("stratus", "dense"): "dense", ("stratus", "topk1"): "top-k 1%",
+             ("stratus", "topk01"): "top-k 0.1%"}
+TOPOLOGY_NAME = {"peer": "peers (gloo)", "server": "1 server node", "colocated": "colocated"}
+
+
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def first_reaching(evals, acc):
+    for e in evals:
+        if e["test_accuracy"] >= acc:
+            return e
+    return None
+
+
+def measure(run_dir):
+    meta = load_json(os.path.join(run_dir, "meta.json"))
+    out = dict(meta)
+    out["dir"] = run_dir
+    reports = []
+    for r in (0, 1):
+        p = os.path.join(run_dir, f"worker-{r}.json")
+        if os.path.exists(p) and os.path.getsize(p) > 0:
+            reports.append(load_json(p))
+    if len(reports) != 2:
+        out["completed"] = False
+        return out
+    steps = reports[0]["steps"] - reports[0].get("start_step", 0)
+    out["steps"] = steps
+    if steps <= 0:
+        out["completed"] = False
+        return out
+
+    def per_step_ms(field):
+        return sum(1e3 * r[field] / max(r["steps"] - r.get("start_step", 0), 1) for r in reports) / 2
+
+    out["step_ms"] = per_step_ms("train_s")
+    out["compute_ms"] = per_step_ms("compute_s")
+    out["comm_ms"] = per_step_ms("comm_s")
+    out["data_wait_ms"] = per_step_ms("data_wait_s")
+    out["app_bytes_per_step"] = sum(
+        r["bytes_pushed_per_step"] + r["bytes_pulled_per_step"] for r in reports) / 2
+    wire = load_json(os.path.join(run_dir, "wire.json"))
+    out["wire"] = wire
+    out["wire_bytes_per_step"] = sum(
+        wire[n]["tx_bytes"] + wire[n]["rx_bytes"] for n in ("w0", "w1")) / 2 / steps
+    out["wire_tx_bytes_per_step"] = sum(wire[n]["tx_bytes"] for n in ("w0", "w1")) / 2 / steps
+    out["wire_rx_bytes_per_step"] = sum(wire[n]["rx_bytes"] for n in ("w0", "w1")) / 2 / steps
+    evals = reports[0]["evals"]
+    out["best_accuracy"] = max((e["test_accuracy"] for e in evals), default=None)
+    out["stop_reason"] = reports[0].get("stop_reason")
+    out["evals"] = evals
+    for key, acc in (("95", 0.95), ("target", ARGS.target)):
+        e = first_reaching(evals, acc)
+        out[f"steps_to_{key}"] = e["step"] if e else None
+        out[f"s_to_{key}"] = e["train_s"] if e else None
+    if "compute_ref_ms" in reports[0]:  # DDP: the compute-only reference per step
+        out["compute_ref_ms"] = sum(r.get("compute_ref_ms", 0) for r in reports) / 2
+    return out
+
+
+def spread(values, digits, seeds):
+    """Mean over seeds, and (min-max) when there is more than one seed."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return "-" if not values else "miss"
+    mean = sum(got) / len(got)
+    cell = f"{mean:.{digits}f}"
+    if seeds > 1:
+        cell += f" ({min(got):.{digits}f}-{max(got):.{digits}f})"
+    if len(got) < len(values):
+        cell += f" [{len(values) - len(got)} miss]"
+    return cell
+
+
+def parse_args():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rate", required=True)
+    ap.add_argument("--target", type=float, default=0.97)
+    ap.add_argument("--eval-every", type=int, required=True)
+    ap.add_argument("--max-steps", type=int, required=True)
+    ap.add_argument("--seeds", type=int, required=True)
+    ap.add_argument("--torch", default="")
+    ap.add_argument("--topk-warmup", type=int, default=0)
+    ap.add_argument("--powersgd-start", type=int, default=2)
+    ap.add_argument("--data", default="")
+    ap.add_argument("--quick", action="store_true")
+    return ap.parse_args()
+
+
+def main():
+    runs = []
+    for meta in sorted(glob.glob(os.path.join(ARGS.runs, "seed*", "*", "meta.json"))):
+        runs.append(measure(os.path.dirname(meta)))
+    if not runs:
+        print("bench-peers: no runs to report", file=sys.stderr)
+        return 1
+    seeds = sorted({r["seed"] for r in runs})
+    nseeds = len(seeds)
+    by_key = {}
+    for r in runs:
+        by_key.setdefault((r["system"], r["mode"], r["topology"]), []).append(r)
+
+    def run_of(system, mode, topology, seed):
+        for r in by_key.get((system, mode, topology), []):
+            if r["seed"] == seed and r.get("completed"):
+                return r
+        return None
+
+    keys = sorted(by_key, key=lambda k: (SYSTEM_ORDER.index((k[0], k[1])) if k[0] == "ddp" else 2,
+                                         TOPOLOGY_ORDER.index(k[2]),
+                                         SYSTEM_ORDER.index((k[0], k[1]))))
+    tgt = f"{100 * ARGS.target:g}%"
+    header = ["System", "Topology", "Mode", "Step ms", "Compute ms", "Comm ms", "Wire KB/step",
+              "Steps 95%", "s 95%", f"Steps {tgt}", f"s {tgt}",
+              f"t{tgt} /DDP", f"t{tgt} /PSGD", "step /DDP", "step /PSGD"]
+    rows, table = [], []
+    for key in keys:
+        system, mode, topology = key
+        done = [run_of(system, mode, topology, s) for s in seeds]
+        done = [r for r in done if r is not None]
+        agg = {"system": system, "mode": mode, "topology": topology,
+               "seeds": len(by_key[key]), "completed": len(done)}
+        cols = {}
+        for field in ("step_ms", "compute_ms", "comm_ms", "data_wait_ms", "wire_bytes_per_step",
+                      "app_bytes_per_step", "steps_to_95", "s_to_95", "steps_to_target",
+                      "s_to_target"):
+            cols[field] = [r.get(field) for r in done]
+        ratios = {"t_target_vs_ddp": [], "t_target_vs_powersgd": [],
+                  "step_vs_ddp": [], "step_vs_powersgd": []}
+        if system == "stratus":
+            for r in done:
+                for name, ref_mode in (("ddp", "dense"), ("powersgd", "powersgd")):
+                    ref = run_of("ddp", ref_mode, "peer", r["seed"])
+                    if ref is None:
+                        continue
+                    ratios[f"step_vs_{name}"].append(r["step_ms"] / ref["step_ms"])
+                    if r["s_to_target"] is not None and ref["s_to_target"] is not None:
+                        ratios[f"t_target_vs_{name}"].append(r["s_to_target"] / ref["s_to_target"])
+                    else:
+                        ratios[f"t_target_vs_{name}"].append(None)
+        for field, values in list(cols.items()) + list(ratios.items()):
+            got = [v for v in values if v is not None]
+            agg[field] = {
+                "mean": sum(got) / len(got) if got else None,
+                "min": min(got) if got else None,
+                "max": max(got) if got else None,
+                "missing": len(values) - len(got),
+                "values": values,
+            }
+        rows.append(agg)
+        kb = [None if v is None else v / 1e3 for v in cols["wire_bytes_per_step"]]
+        table.append([
+            SYSTEM_NAME[system] + ("+PowerSGD" if mode == "powersgd" else ""),
+            TOPOLOGY_NAME[topology], MODE_NAME[(system, mode)],
+            spread(cols["step_ms"], 1, nseeds), spread(cols["compute_ms"], 1, nseeds),
+            spread(cols["comm_ms"], 1, nseeds), spread(kb, 0, nseeds),
+            spread(cols["steps_to_95"], 0, nseeds), spread(cols["s_to_95"], 2, nseeds),
+            spread(cols["steps_to_target"], 0, nseeds), spread(cols["s_to_target"], 2, nseeds),
+            spread(ratios["t_target_vs_ddp"], 2, nseeds) if system == "stratus" else "",
+            spread(ratios["t_target_vs_powersgd"], 2, nseeds) if system == "stratus" else "",
+            spread(ratios["step_vs_ddp"], 2, nseeds) if system == "stratus" else "",
+            spread(ratios["step_vs_powersgd"], 2, nseeds) if system == "stratus" else "",
+        ])
+        if len(done) < len(by_key[key]):
+            table[-1][2] += f" ({len(by_key[key]) - len(done)} failed)"
+
+    # Targets, from the means over seeds of this invocation.
+    def row(system, mode, topology):
+        for a in rows:
+            if (a["system"], a["mode"], a["topology"]) == (system, mode, topology):
+                return a
+        return None
+
+    targets = []
+    psgd = row("ddp", "powersgd", "peer")
+    stratus_rows = [a for a in rows if a["system"] == "stratus"]
+    reached = [a for a in stratus_rows
+               if a["completed"] and a["s_to_target"]["missing"] == 0 and a["s_to_target"]["mean"] is not None]
+    if psgd is None or not stratus_rows:
+        targets.append(("SKIP", f"(1) Stratus best time to {tgt} <= 0.5x DDP+PowerSGD: "
+                                "needs the powersgd mode and a Stratus mode"))
+    else:
+        psgd_t = psgd["s_to_target"]
+        if not reached:
+            targets.append(("MISS", f"(1) Stratus best time to {tgt} <= 0.5x DDP+PowerSGD: "
+                                    f"no Stratus mode reached {tgt} in every seed"))
+        elif psgd_t["missing"] or psgd_t["mean"] is None:
+            targets.append(("MISS", f"(1) Stratus best time to {tgt} <= 0.5x DDP+PowerSGD: "
+                                    f"DDP+PowerSGD did not reach {tgt} in every seed, no ratio"))
+        else:
+            best = min(reached, key=lambda a: a["s_to_target"]["mean"])
+            ratio = best["s_to_target"]["mean"] / psgd_t["mean"]
+            targets.append(("PASS" if ratio <= 0.5 else "MISS",
+                            f"(1) Stratus best time to {tgt} <= 0.5x DDP+PowerSGD: "
+                            f"{MODE_NAME[('stratus', best['mode'])]} {TOPOLOGY_NAME[best['topology']]} "
+                            f"{best['s_to_target']['mean']:.2f} s vs {psgd_t['mean']:.2f} s = {ratio:.2f}x"))
+    dense_col = row("stratus", "dense", "colocated")
+    ddp = row("ddp", "dense", "peer")
+    if dense_col is None or ddp is None or dense_col["step_ms"]["mean"] is None or ddp["step_ms"]["mean"] is None:
+        targets.append(("SKIP", "(2) Stratus dense colocated step <= 1.0x DDP dense step: "
+                                "needs both runs to complete"))
+    else:
+        ratio = dense_col["step_ms"]["mean"] / ddp["step_ms"]["mean"]
+        targets.append(("PASS" if ratio <= 1.0 else "MISS",
+                        f"(2) Stratus dense colocated step <= 1.0x DDP dense step: "
+                        f"{dense_col['step_ms']['mean']:.1f} ms vs {ddp['step_ms']['mean']:.1f} ms = {ratio:.2f}x"))
+
+    settings = (f"link {ARGS.rate} each way per node (tc tbf), 2 workers x batch 64, MLP 256-1024-1024-10, "
+                f"SGD lr 0.05 momentum 0.9, eval every {ARGS.eval_every} steps, target {tgt}, "
+                f"cap {ARGS.max_steps} steps, {nseeds} seed(s), data {ARGS.data}, torch {ARGS.torch}, "
+                f"PowerSGD rank 4 from step {ARGS.powersgd_start}"
+                + (f", top-k warm-up {ARGS.topk_warmup} steps" if ARGS.topk_warmup else "")
+                + (", QUICK smoke test (numbers mean nothing)" if ARGS.quick else ""))
+    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    print()
+    print(settings)
+    print(line(header))
+    print("  ".join("-" * w for w in widths))
+    for r in table:
+        print(line(r))
+    print()
+    for verdict, text in targets:
+        print(f"{verdict}: {text}")
+
+    md = ["# Stratus vs PyTorch DDP (scripts/bench-peers.sh)", "", settings, "",
+          "| " + " | ".join(header) + " |",
+          "|" + "|".join("---" if i < 3 else "---:" for i in range(len(header))) + "|"]
+    md += ["| " + " | ".join(r) + " |" for r in table]
+    md += ["", "Step, compute and comm are ms per step (evaluation left out); wire is KB sent + "
+           "received per step on each worker node's link; times to accuracy are training seconds "
+           "(rank 0's clock). Ratios are Stratus over DDP dense (/DDP) and over DDP+PowerSGD (/PSGD) "
+           "of the same seed. With several seeds: mean (min-max)."]
+    md += [""] + [f"- {v}: {t}" for v, t in targets]
+    os.makedirs(ARGS.out, exist_ok=True)
+    with open(os.path.join(ARGS.out, "table.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    with open(os.path.join(ARGS.out, "results.json"), "w") as f:
+        json.dump({"settings": vars(ARGS), "summary": settings, "runs": runs, "rows": rows,
+                   "targets": [{"verdict": v, "text": t} for v, t in targets]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    sys.exit(main())

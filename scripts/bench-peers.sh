@@ -64,6 +64,7 @@
 # Needs root, iproute2 (ip, tc) and the tbf qdisc; skips (exit 0) otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONDONTWRITEBYTECODE=1  # no __pycache__ in scripts/bench_peers
 
 rate=100mbit
 seeds=1

@@ -153,11 +153,19 @@ cleanup() {
     local rc=$?
     set +e
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
-    # Anything still running inside the namespaces this script made.
+    # A worker asked to stop finishes its step first, which needs its peers:
+    # give them 5 s, then end whatever still runs in this script's namespaces.
+    local i alive
+    for ((i = 0; i < 50; i++)); do
+        alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        ((alive)) || break
+        sleep 0.1
+    done
     for n in "${nodes[@]}"; do
         for pid in $(ip netns pids "${ns[$n]}" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
     done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
     for n in "${nodes[@]}"; do ip netns del "${ns[$n]}" 2>/dev/null; done
     ip netns del "$ns_sw" 2>/dev/null
     rm -rf "$work/data" "$work/certs"

@@ -269,20 +269,28 @@ pub async fn run_worker(
             let t = source_trainer.clone();
             Box::pin(async move { t.send(GetParams).await.unwrap_or_default() })
         });
+        // Most runs start at step 0: begin prefetching from there while
+        // connecting and joining (a join moves whole shards), and start over
+        // at the cluster's step when this worker rejoins a run under way.
+        let settings = LoaderSettings::from_config(cfg, &manifest, rank);
+        let early = Loader::start(reader.clone(), sampler.clone(), settings.clone())?;
         let comm =
             CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?).start();
         let (start_params, start_step, _) = comm.send(Join).await??;
         trainer.send(ApplyUpdates(start_params)).await??;
-        let mut settings = LoaderSettings::from_config(cfg, &manifest, rank);
-        if start_step > 0 {
+        let loader = if start_step > 0 {
             tracing::info!(rank, start_step, "rejoining the run");
-            settings = settings.resume_from(ResumePoint {
+            drop(early);
+            let settings = settings.resume_from(ResumePoint {
                 epoch: start_step / steps_per_epoch,
                 step: (start_step % steps_per_epoch) as usize,
                 seed: cfg.data.seed,
             });
-        }
-        let loader = LoaderActor::new(Loader::start(reader, sampler, settings)?).start();
+            Loader::start(reader, sampler, settings)?
+        } else {
+            early
+        };
+        let loader = LoaderActor::new(loader).start();
         let run = Run {
             comm,
             loader,

@@ -255,6 +255,9 @@ struct Parked {
     have_version: Option<u64>,
     wait: Wait,
     deadline: Instant,
+    /// An offer's version and checksum: when the shard starts from exactly
+    /// these values, the reply carries none of them back.
+    offered: Option<(u64, u64)>,
 }
 
 /// Counters for status and benchmarks.
@@ -573,6 +576,7 @@ impl ShardCore {
             rank,
             have_version,
             wait,
+            offered: None,
             deadline: now + self.settings.request_timeout,
         });
     }
@@ -613,11 +617,15 @@ impl ShardCore {
             });
             return;
         }
+        let sum = checksum(&values);
         let Some(rec) = self.recovery.as_mut() else {
-            // Serving: the offer only asks for the current parameters.
+            // Serving: the offer only asks for the current parameters (none
+            // when the worker already holds exactly them).
+            let have =
+                (version == self.version && sum == checksum(&self.params)).then_some(version);
             out.push(Action::Reply {
                 to: reply,
-                response: self.params_reply(rank, None),
+                response: self.params_reply(rank, have),
             });
             return;
         };
@@ -627,10 +635,13 @@ impl ShardCore {
             rank,
             version,
             next_step,
-            checksum: checksum(&values),
+            checksum: sum,
             values,
         });
         self.park(reply, conn, rank, None, Wait::Serving, now, out);
+        if let Some(p) = self.parked.last_mut().filter(|p| p.reply == reply) {
+            p.offered = Some((version, sum));
+        }
         self.maybe_decide(now, out);
     }
 
@@ -1136,10 +1147,16 @@ impl ShardCore {
             return;
         }
         let parked = std::mem::take(&mut self.parked);
+        let held = parked
+            .iter()
+            .any(|p| p.offered.is_some())
+            .then(|| (self.version, checksum(&self.params)));
         for p in parked {
             if self.ready(&p) {
                 let have = match p.wait {
-                    Wait::Serving => None,
+                    // An offer of exactly what the shard starts from needs
+                    // nothing back.
+                    Wait::Serving => p.offered.filter(|&o| Some(o) == held).map(|(v, _)| v),
                     _ => p.have_version,
                 };
                 out.push(Action::Reply {
@@ -1244,6 +1261,63 @@ mod tests {
             Response::Error { code, .. } => Some(*code),
             _ => None,
         }
+    }
+
+    #[test]
+    fn offers_of_what_the_shard_starts_from_get_no_values_back() {
+        let t0 = Instant::now();
+        let mut c = ShardCore::new(setup(3, 0.0, Mode::Bsp), CoreSettings::default(), None);
+        for r in 0..3 {
+            c.handle(
+                Event::Joined {
+                    rank: r,
+                    conn: 100 + u64::from(r),
+                },
+                t0,
+            );
+        }
+        // Ranks 0 and 1 start from the same initial weights, rank 2 from others.
+        let init: Vec<f32> = (0..8).map(|i| i as f32 / 8.0).collect();
+        let mut acts = c.handle(offer(0, 0, init.clone()), t0);
+        acts.extend(c.handle(offer(1, 0, init.clone()), t0));
+        acts.extend(c.handle(offer(2, 0, vec![0.5; 8]), t0));
+        assert!(c.is_serving());
+        let r = replies(&acts);
+        assert_eq!(r.len(), 3);
+        let kept = c.params().to_vec();
+        for (to, resp) in r {
+            let Response::Params { update, .. } = resp else {
+                panic!("{resp:?}")
+            };
+            let offered = if to == 9002 {
+                vec![0.5; 8]
+            } else {
+                init.clone()
+            };
+            let same = offered == kept;
+            match update {
+                ParamUpdate::Sparse { indices, .. } if same => assert!(indices.is_empty()),
+                ParamUpdate::Dense(values) if !same => assert_eq!(values, &kept),
+                other => panic!("reply {to}: {other:?}"),
+            }
+        }
+        // Serving: a rejoining worker holding the current values gets none back.
+        let acts = c.handle(offer(1, 0, kept.clone()), t0);
+        assert!(matches!(
+            replies(&acts)[..],
+            [(_, Response::Params { update: ParamUpdate::Sparse { ref indices, .. }, .. })] if indices.is_empty()
+        ));
+        let acts = c.handle(offer(1, 0, vec![9.0; 8]), t0);
+        assert!(matches!(
+            replies(&acts)[..],
+            [(
+                _,
+                Response::Params {
+                    update: ParamUpdate::Dense(_),
+                    ..
+                }
+            )]
+        ));
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub struct ShardActor {
     checkpoints: Option<CheckpointTarget>,
     tick: Duration,
     version: watch::Sender<u64>,
+    /// Reply slots in use (requests waiting for their reply).
+    waiting: watch::Sender<usize>,
     /// Thread CPU time spent handling pushes (aggregation and updates).
     cpu: Duration,
 }
@@ -62,6 +64,7 @@ impl ShardActor {
         checkpoints: Option<CheckpointTarget>,
         tick: Duration,
         version: watch::Sender<u64>,
+        waiting: watch::Sender<usize>,
     ) -> Self {
         Self {
             core,
@@ -70,6 +73,7 @@ impl ShardActor {
             checkpoints,
             tick,
             version,
+            waiting,
             cpu: Duration::ZERO,
         }
     }
@@ -94,10 +98,17 @@ impl ShardActor {
                     self.version.send_replace(report.version);
                 }
                 Action::Checkpoint(snapshot) => self.spawn_checkpoint(snapshot, ctx),
+                Action::Forget { to } => {
+                    // Dropping the sender ends whoever still waits on it.
+                    self.replies.remove(&to);
+                }
             }
         }
-        // Replies the core dropped (closed connections) free their slots.
+        // Slots whose receivers are gone (their request task ended) go too.
         self.replies.retain(|_, tx| !tx.is_closed());
+        let waiting = self.replies.len();
+        self.waiting
+            .send_if_modified(|n| std::mem::replace(n, waiting) != waiting);
     }
 
     fn spawn_checkpoint(&mut self, snapshot: ShardCheckpoint, ctx: &mut Context<Self>) {
@@ -280,6 +291,12 @@ pub struct ShardStatus {
     pub serving: bool,
     pub params: Vec<f32>,
     pub stats: CoreStats,
+    /// Replies the core holds back (a barrier, the staleness bound, a
+    /// starting shard).
+    pub parked: usize,
+    /// Requests the actor holds a reply slot for; equal to `parked` between
+    /// messages, unless a slot leaked.
+    pub waiting_replies: usize,
     /// Thread CPU time spent on pushes and updates.
     pub cpu: Duration,
     pub recovery: Option<RecoveryReport>,
@@ -298,6 +315,8 @@ impl Handler<GetStatus> for ShardActor {
             serving: self.core.is_serving(),
             params: self.core.params().to_vec(),
             stats: self.core.stats(),
+            parked: self.core.parked(),
+            waiting_replies: self.replies.len(),
             cpu: self.cpu,
             recovery: self.core.recovery_report().cloned(),
         })

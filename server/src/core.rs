@@ -185,6 +185,11 @@ pub enum Action {
     },
     /// The shard decided where it starts from.
     Recovered(RecoveryReport),
+    /// The request's connection closed while its reply was parked: release
+    /// the reply slot without answering (nobody is left to read it).
+    Forget {
+        to: ReplyId,
+    },
 }
 
 /// Where a starting shard took its parameters from.
@@ -434,7 +439,7 @@ impl ShardCore {
         match event {
             Event::Joined { rank, conn } => self.join(rank, conn, &mut out),
             Event::Left { rank, conn } => self.leave(rank, conn, now, &mut out),
-            Event::ConnClosed { conn } => self.parked.retain(|p| p.conn != conn),
+            Event::ConnClosed { conn } => self.forget_parked_on(conn, &mut out),
             Event::Offer {
                 reply,
                 conn,
@@ -498,7 +503,7 @@ impl ShardCore {
         }
         self.live.remove(&rank);
         if let Some(c) = conn {
-            self.parked.retain(|p| p.conn != c);
+            self.forget_parked_on(c, out);
         }
         if self.recovery.is_some() {
             self.maybe_decide(now, out);
@@ -535,6 +540,18 @@ impl ShardCore {
         if self.recovery.is_some() {
             self.maybe_decide(now, out);
         }
+    }
+
+    /// Drop the replies parked for a closed connection.
+    fn forget_parked_on(&mut self, conn: ConnId, out: &mut Vec<Action>) {
+        self.parked.retain(|p| {
+            if p.conn == conn {
+                out.push(Action::Forget { to: p.reply });
+                false
+            } else {
+                true
+            }
+        });
     }
 
     fn parked_on(&self, conn: ConnId) -> usize {
@@ -1383,10 +1400,26 @@ mod tests {
             .iter()
             .all(|(_, resp)| code(resp) == Some(ErrorCode::Timeout)));
         assert_eq!(c.stats().timeouts, 2);
-        // A closed connection takes its parked replies with it.
+        // A closed connection takes its parked replies with it, and says
+        // which reply slots to release.
         c.handle(step(4, 0, 0, sparse(vec![1], vec![1.0])), t0);
         assert_eq!(c.parked(), 1);
-        c.handle(Event::ConnClosed { conn: 100 }, t0);
+        let acts = c.handle(Event::ConnClosed { conn: 100 }, t0);
+        assert_eq!(c.parked(), 0);
+        assert!(matches!(acts[..], [Action::Forget { to: 4 }]), "{acts:?}");
+        // So does a rank that leaves on its connection.
+        c.handle(step(5, 0, 0, sparse(vec![1], vec![1.0])), t0);
+        let acts = c.handle(
+            Event::Left {
+                rank: 0,
+                conn: Some(100),
+            },
+            t0,
+        );
+        assert!(
+            acts.iter().any(|a| matches!(a, Action::Forget { to: 5 })),
+            "{acts:?}"
+        );
         assert_eq!(c.parked(), 0);
     }
 

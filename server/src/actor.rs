@@ -39,6 +39,10 @@ pub struct ShardActor {
     waiting: watch::Sender<usize>,
     /// Thread CPU time spent handling pushes (aggregation and updates).
     cpu: Duration,
+    /// Version of the last checkpoint this actor wrote.
+    last_written: Option<u64>,
+    /// `Shutdown`s waiting for the checkpoint writes to end.
+    stop_waiters: Vec<oneshot::Sender<Option<u64>>>,
 }
 
 /// CPU time of the calling thread.
@@ -75,6 +79,8 @@ impl ShardActor {
             version,
             waiting,
             cpu: Duration::ZERO,
+            last_written: None,
+            stop_waiters: Vec::new(),
         }
     }
 
@@ -123,6 +129,7 @@ impl ShardActor {
             let ok = match result {
                 Ok(()) => {
                     tracing::info!(shard, version, "checkpoint published");
+                    actor.last_written = Some(version);
                     true
                 }
                 Err(e) => {
@@ -131,7 +138,21 @@ impl ShardActor {
                 }
             };
             actor.feed(Event::CheckpointDone { version, ok }, ctx);
+            actor.answer_stop_waiters();
         }));
+    }
+
+    /// Answer the `Shutdown`s once no checkpoint write is outstanding: with
+    /// the version of the last checkpoint written when it holds the state
+    /// the shard stopped in, else `None`.
+    fn answer_stop_waiters(&mut self) {
+        if self.stop_waiters.is_empty() || self.core.checkpoint_outstanding() {
+            return;
+        }
+        let saved = self.last_written.filter(|v| *v == self.core.version());
+        for tx in self.stop_waiters.drain(..) {
+            let _ = tx.send(saved);
+        }
     }
 }
 
@@ -236,50 +257,22 @@ impl Handler<MemberNews> for ShardActor {
 }
 
 /// Stop serving: answer what waits and write a final checkpoint (when
-/// checkpoints are configured). Resolves once the checkpoint is written.
+/// checkpoints are configured). Resolves once no checkpoint write is under
+/// way, with the version of the final checkpoint (`None` without
+/// checkpoints, or when the write failed).
 #[derive(Message)]
 #[rtype(result = "Option<u64>")]
 pub struct Shutdown;
 
 impl Handler<Shutdown> for ShardActor {
-    type Result = ResponseActFuture<Self, Option<u64>>;
-    fn handle(&mut self, _: Shutdown, _: &mut Context<Self>) -> Self::Result {
-        let actions = self.core.handle(Event::Shutdown, Instant::now());
-        let mut snapshot = None;
-        for action in actions {
-            match action {
-                Action::Reply { to, response } => {
-                    if let Some(tx) = self.replies.remove(&to) {
-                        let _ = tx.send(response);
-                    }
-                }
-                Action::Checkpoint(s) => snapshot = Some(s),
-                _ => {}
-            }
-        }
-        let target = self.checkpoints.clone();
-        Box::pin(
-            async move {
-                let (Some(target), Some(snapshot)) = (target, snapshot) else {
-                    return None;
-                };
-                let version = snapshot.version;
-                match save(&target.store, &target.prefix, &snapshot).await {
-                    Ok(()) => Some(version),
-                    Err(e) => {
-                        tracing::error!(shard = snapshot.shard, "final checkpoint failed: {e}");
-                        None
-                    }
-                }
-            }
-            .into_actor(self)
-            .map(|saved, actor, ctx| {
-                if let Some(version) = saved {
-                    actor.feed(Event::CheckpointDone { version, ok: true }, ctx);
-                }
-                saved
-            }),
-        )
+    type Result = ResponseFuture<Option<u64>>;
+    fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.stop_waiters.push(tx);
+        // The replies and the checkpoint go the way of every other event.
+        self.feed(Event::Shutdown, ctx);
+        self.answer_stop_waiters();
+        Box::pin(async move { rx.await.ok().flatten() })
     }
 }
 

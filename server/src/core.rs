@@ -302,6 +302,8 @@ pub struct ShardCore {
     /// After `Shutdown` nothing changes any more: the final checkpoint
     /// stays the last state.
     stopping: bool,
+    /// The final checkpoint waits for the write under way at `Shutdown`.
+    final_due: bool,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Response {
@@ -355,6 +357,7 @@ impl ShardCore {
             stats: CoreStats::default(),
             recovered: None,
             stopping: false,
+            final_due: false,
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -410,6 +413,12 @@ impl ShardCore {
         self.parked.len()
     }
 
+    /// Whether a checkpoint write is under way or due (the caller reports
+    /// its end with `CheckpointDone`).
+    pub fn checkpoint_outstanding(&self) -> bool {
+        self.saving || self.final_due
+    }
+
     /// Everything needed to resume this shard's optimizer and parameters.
     pub fn snapshot(&self) -> ShardCheckpoint {
         ShardCheckpoint {
@@ -462,6 +471,9 @@ impl ShardCore {
                 if ok {
                     self.last_saved = self.last_saved.max(version);
                 }
+                if std::mem::take(&mut self.final_due) {
+                    self.final_checkpoint(&mut out);
+                }
             }
             Event::Shutdown => {
                 self.stopping = true;
@@ -471,9 +483,11 @@ impl ShardCore {
                         response: refusal(ErrorCode::ShuttingDown, "server is shutting down"),
                     });
                 }
-                if self.is_serving() && self.version > self.last_saved {
-                    out.push(Action::Checkpoint(self.snapshot()));
-                    self.saving = true;
+                if self.saving {
+                    // One write at a time: the final one follows it.
+                    self.final_due = true;
+                } else {
+                    self.final_checkpoint(&mut out);
                 }
             }
         }
@@ -1085,6 +1099,14 @@ impl ShardCore {
             version: self.version,
             entries,
         });
+    }
+
+    /// The checkpoint of the state the shard stops in, unless one is saved.
+    fn final_checkpoint(&mut self, out: &mut Vec<Action>) {
+        if self.is_serving() && self.version > self.last_saved {
+            out.push(Action::Checkpoint(self.snapshot()));
+            self.saving = true;
+        }
     }
 
     fn maybe_checkpoint(&mut self, out: &mut Vec<Action>) {
@@ -1756,5 +1778,63 @@ mod tests {
         assert!(acts
             .iter()
             .any(|a| matches!(a, Action::Checkpoint(ck) if ck.version == 5)));
+        assert!(c.checkpoint_outstanding());
+        c.handle(
+            Event::CheckpointDone {
+                version: 5,
+                ok: true,
+            },
+            t0,
+        );
+        assert!(!c.checkpoint_outstanding());
+    }
+
+    #[test]
+    fn the_final_checkpoint_waits_for_the_write_under_way() {
+        let t0 = Instant::now();
+        let settings = CoreSettings {
+            checkpoint_every: 2,
+            ..CoreSettings::default()
+        };
+        let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings, None);
+        c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
+        c.handle(offer(0, 0, vec![0.0; 8]), t0);
+        let checkpoints = |acts: &[Action]| {
+            acts.iter()
+                .filter_map(|a| match a {
+                    Action::Checkpoint(ck) => Some(ck.version),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut due = vec![];
+        for s in 0..3 {
+            due.extend(checkpoints(
+                &c.handle(step(s, 0, s, sparse(vec![0], vec![1.0])), t0),
+            ));
+        }
+        // The write of version 2 is under way when the server stops at 3.
+        assert_eq!(due, vec![2]);
+        assert!(checkpoints(&c.handle(Event::Shutdown, t0)).is_empty());
+        assert!(c.checkpoint_outstanding());
+        let acts = c.handle(
+            Event::CheckpointDone {
+                version: 2,
+                ok: true,
+            },
+            t0,
+        );
+        assert_eq!(checkpoints(&acts), vec![3]);
+        assert!(c.checkpoint_outstanding());
+        // A failed final write is not retried: the stop goes on without it.
+        let acts = c.handle(
+            Event::CheckpointDone {
+                version: 3,
+                ok: false,
+            },
+            t0,
+        );
+        assert!(checkpoints(&acts).is_empty());
+        assert!(!c.checkpoint_outstanding());
     }
 }

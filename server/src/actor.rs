@@ -20,6 +20,7 @@ use ps_shared::protocol::{Response, WireGrad};
 
 use crate::checkpoint::{save, ShardCheckpoint};
 use crate::core::{Action, ConnId, CoreStats, Event, RecoveryReport, ReplyId, ShardCore};
+use crate::optimizer::thread_cpu_time;
 
 /// Where a shard checkpoints.
 #[derive(Clone)]
@@ -37,29 +38,13 @@ pub struct ShardActor {
     version: watch::Sender<u64>,
     /// Reply slots in use (requests waiting for their reply).
     waiting: watch::Sender<usize>,
-    /// Thread CPU time spent handling pushes (aggregation and updates).
+    /// CPU time of this thread in the core (requests, aggregation, replies,
+    /// sparse updates; a dense update's pool work is counted by the core).
     cpu: Duration,
     /// Version of the last checkpoint this actor wrote.
     last_written: Option<u64>,
     /// `Shutdown`s waiting for the checkpoint writes to end.
     stop_waiters: Vec<oneshot::Sender<Option<u64>>>,
-}
-
-/// CPU time of the calling thread.
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime only writes the timespec we pass.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(
-        ts.tv_sec.max(0) as u64,
-        ts.tv_nsec.clamp(0, 999_999_999) as u32,
-    )
 }
 
 impl ShardActor {
@@ -85,7 +70,9 @@ impl ShardActor {
     }
 
     fn feed(&mut self, event: Event, ctx: &mut Context<Self>) {
+        let t0 = thread_cpu_time();
         let actions = self.core.handle(event, Instant::now());
+        self.cpu += thread_cpu_time().saturating_sub(t0);
         self.carry_out(actions, ctx);
     }
 
@@ -227,10 +214,7 @@ impl Handler<Deliver> for ShardActor {
                 grad,
             },
         };
-        let t0 = thread_cpu_time();
-        let actions = self.core.handle(event, Instant::now());
-        self.cpu += thread_cpu_time().saturating_sub(t0);
-        self.carry_out(actions, ctx);
+        self.feed(event, ctx);
         MessageResult(rx)
     }
 }
@@ -290,7 +274,9 @@ pub struct ShardStatus {
     /// Requests the actor holds a reply slot for; equal to `parked` between
     /// messages, unless a slot leaked.
     pub waiting_replies: usize,
-    /// Thread CPU time spent on pushes and updates.
+    /// CPU time the shard used: its own thread in the core (requests,
+    /// aggregation, replies, sparse updates, timers) plus the work of its
+    /// dense updates on the rayon pool (`stats.update_pool_cpu`).
     pub cpu: Duration,
     pub recovery: Option<RecoveryReport>,
 }
@@ -310,7 +296,7 @@ impl Handler<GetStatus> for ShardActor {
             stats: self.core.stats(),
             parked: self.core.parked(),
             waiting_replies: self.replies.len(),
-            cpu: self.cpu,
+            cpu: self.cpu + self.core.stats().update_pool_cpu,
             recovery: self.core.recovery_report().cloned(),
         })
     }

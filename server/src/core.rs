@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
 use crate::checkpoint::ShardCheckpoint;
-use crate::optimizer::fused_update;
+use crate::optimizer::fused_update_timed;
 
 /// Identifies one worker connection (assigned by the network layer).
 pub type ConnId = u64;
@@ -272,6 +272,10 @@ pub struct CoreStats {
     pub clipped: u64,
     pub timeouts: u64,
     pub duplicate_pushes: u64,
+    /// CPU time of the dense updates' parallel work, summed over the rayon
+    /// pool threads that ran it (the thread that feeds the core only waits
+    /// for that work, so its own CPU time leaves it out).
+    pub update_pool_cpu: Duration,
 }
 
 /// One shard's parameters, optimizer state, barrier and parked replies.
@@ -1072,7 +1076,7 @@ impl ShardCore {
             self.changes
                 .push_back(Some(std::mem::take(&mut self.touched)));
         } else {
-            if let Err(e) = fused_update(
+            match fused_update_timed(
                 &mut self.params,
                 &self.agg,
                 &mut self.momentum,
@@ -1080,7 +1084,8 @@ impl ShardCore {
                 &self.setup.rule,
                 scale,
             ) {
-                tracing::error!(shard = self.id(), "update failed: {e}");
+                Ok(cpu) => self.stats.update_pool_cpu += cpu,
+                Err(e) => tracing::error!(shard = self.id(), "update failed: {e}"),
             }
             self.agg.fill(0.0);
             self.marked.fill(false);

@@ -6,11 +6,14 @@
 //!   every shard from the workers' copies;
 //! * a server is stopped cleanly (SIGTERM path) with checkpoints and momentum:
 //!   final checkpoint, workers wait, restart, optimizer state restored;
-//! * a real `ps-server` process is killed with SIGKILL and started again;
+//! * a server dies after applying a step whose reply one worker never got:
+//!   that worker's retry must not count its gradient again;
 //! * a worker stopped by a signal says goodbye;
 //! * ends that must never be silent: no worker joins, a peer never arrives,
 //!   a server stays unreachable;
 //! * an attacker sends garbage and tries to impersonate ranks during training.
+//!
+//! A real `ps-server` process killed with SIGKILL is in `tests/process.rs`.
 //!
 //! "Updates lost" is counted from versions: in BSP every planned step must
 //! be applied exactly once, so it is the planned steps minus the shards'

@@ -284,6 +284,11 @@ impl RunningServer {
         Some(n)
     }
 
+    /// Workers that said goodbye.
+    pub fn finished_workers(&self) -> usize {
+        self.ctx.membership().finished()
+    }
+
     /// Open connections and those not yet past Hello.
     pub fn connections(&self) -> (usize, usize) {
         self.ctx.membership().connections()

@@ -217,16 +217,17 @@ async fn restart_server(
 ) -> (Vec<u64>, RunningServer, u32) {
     wait_steps(steps, at).await;
     let addr = first.local_addr();
+    let mut injected = 0;
     let held = if clean {
         let saved = first.shutdown().await;
+        injected += 1;
         saved.iter().map(|(_, v)| v.unwrap_or(0)).collect()
     } else {
         let held = first.status().await.iter().map(|s| s.version).collect();
         first.abort().await;
+        injected += 1;
         held
     };
-    // One fault injected: the stop or the kill above.
-    let injected = 1;
     let second = ps_server::net::start(setup_cfg, 0, addr, &pki.server)
         .await
         .expect("restart on the same address");
@@ -364,13 +365,16 @@ fn a_worker_stopped_by_a_signal_says_goodbye() {
             matches!(result, Err(WorkerError::Interrupted(_))),
             "{result:?}"
         );
+        // The worker had its goodbye acknowledged before it returned.
+        let goodbyes = server.finished_workers();
+        assert_eq!(goodbyes, 1);
         // Its goodbye makes the one-worker cluster finish cleanly.
         let outcome = tokio::time::timeout(RUN_LIMIT, server.wait())
             .await
             .expect("server stops");
         assert!(outcome.is_ok(), "{outcome:?}");
         println!(
-            "faults: worker signal: goodbyes received 1, server exit clean {}",
+            "faults: worker signal: goodbyes received {goodbyes}, server exit clean {}",
             outcome.is_ok()
         );
     });

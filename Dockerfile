@@ -7,9 +7,10 @@
 # dependency set; the runtime stage holds only the binaries, the configs and
 # the system CA certificates (needed for https:// object stores such as S3).
 # It runs as the user stratus (uid 10001), who owns /stratus and its folders:
-# a named volume mounted on /stratus/certs starts with that owner, so the keys
-# `ps-server certs` writes there (mode 0600) are readable by every container
-# of the image.
+# a named volume mounted on /stratus/certs or /stratus/ca starts with that
+# owner, so the keys `ps-server certs` writes there (mode 0600) are readable
+# by every container of the image that mounts the volume. docker-compose.yml
+# keeps the CA key in /stratus/ca, a volume only its certs service mounts.
 # GPU workers need a CUDA base and `--features cuda`; see the README.
 
 ARG RUST_VERSION=1.89
@@ -26,7 +27,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --user-group --home-dir /stratus stratus \
-    && mkdir -p /stratus/configs /stratus/certs /stratus/data /stratus/runs \
+    && mkdir -p /stratus/configs /stratus/ca /stratus/certs /stratus/data /stratus/runs \
     && chown -R stratus:stratus /stratus
 COPY --from=build /out/ps-server /out/ps-worker /usr/local/bin/
 COPY configs/ /stratus/configs/

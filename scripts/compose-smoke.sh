@@ -5,7 +5,8 @@
 # dataset one-shots, 2 servers, 2 workers) with an override that uses that
 # image, wait for the training run to finish, check that every container
 # exited 0, that `certs` wrote the cluster CA, the server certificate and the
-# certificates of worker ranks 0 and 1, and that both workers reached the
+# certificates of worker ranks 0 and 1, with the CA key in the `ca` volume
+# that no server or worker mounts, and that both workers reached the
 # accuracy bar, print a summary, and remove everything it created
 # (containers, network, volumes, image), also on failure or Ctrl-C.
 #
@@ -105,7 +106,7 @@ say "static: $(file -b "$bin/ps-worker" | cut -d, -f1-5)"
 
 # --- 2. offline image ---------------------------------------------------------
 mkdir -p "$context/rootfs/usr/local/bin" "$context/rootfs/stratus/configs" \
-    "$context/rootfs/stratus/certs" "$context/rootfs/stratus/data" \
+    "$context/rootfs/stratus/ca" "$context/rootfs/stratus/certs" "$context/rootfs/stratus/data" \
     "$context/rootfs/stratus/runs" "$context/rootfs/tmp"
 chmod 1777 "$context/rootfs/tmp"
 cp "$bin/ps-server" "$bin/ps-worker" "$context/rootfs/usr/local/bin/"
@@ -178,10 +179,25 @@ for one_shot in certs dataset; do
 done
 # `ps-server certs` prints "wrote PATH" or "kept PATH ..." for every file.
 certs_log=$(docker logs "$(compose ps -q certs)" 2>&1 || true)
-cert_files=(ca.pem ca.key server.pem server.key worker-0.pem worker-0.key worker-1.pem worker-1.key)
+cert_files=(ca/ca.key certs/ca.pem certs/server.pem certs/server.key certs/worker-0.pem
+    certs/worker-0.key certs/worker-1.pem certs/worker-1.key)
 for f in "${cert_files[@]}"; do
-    if ! grep -qE "^(wrote|kept) /stratus/certs/$f( |\$)" <<<"$certs_log"; then
-        say "certs did not write /stratus/certs/$f" >&2
+    if ! grep -qE "^(wrote|kept) /stratus/$f( |\$)" <<<"$certs_log"; then
+        say "certs did not write /stratus/$f" >&2
+        fail=1
+    fi
+done
+# What the servers and workers can read: the certificates, never the CA key.
+for i in "${!names[@]}"; do
+    seen=$(for dir in certs ca; do
+        docker cp "${waited[$i]}:/stratus/$dir" - 2>/dev/null | tar -t 2>/dev/null
+    done)
+    if ! grep -qx "certs/ca.pem" <<<"$seen"; then
+        say "${names[$i]} does not see /stratus/certs/ca.pem" >&2
+        fail=1
+    fi
+    if grep -q "ca.key" <<<"$seen"; then
+        say "${names[$i]} can read the CA key:" $(grep "ca.key" <<<"$seen") >&2
         fail=1
     fi
 done
@@ -212,7 +228,7 @@ say "summary"
 echo "  compose tool:     ${compose_tool[*]} ($("${compose_tool[@]}" version --short 2>/dev/null || echo '?'))"
 echo "  image:            $image, $((size_bytes / 1000000)) MB (FROM scratch, static binaries)"
 echo "  cluster:          2 ps-server (1 shard each) + 2 ps-worker, configs/compose.toml"
-echo "  certificates:     ${cert_files[*]} (certs volume)"
+echo "  certificates:     ${cert_files[*]} (ca and certs volumes; servers and workers see no CA key)"
 echo "  exit codes:       workers ${codes_arr[0]:-?} ${codes_arr[1]:-?}, servers ${codes_arr[2]:-?} ${codes_arr[3]:-?}"
 echo "  test accuracy:    ${accuracies[*]:-none} % (bar $bar%)"
 echo "  cluster run:      ${run_s}s (compose up to last exit); whole smoke test ${total_s}s"

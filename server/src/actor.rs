@@ -20,6 +20,7 @@ use ps_shared::protocol::{Response, WireGrad};
 
 use crate::checkpoint::{save, ShardCheckpoint};
 use crate::core::{Action, ConnId, CoreStats, Event, RecoveryReport, ReplyId, ShardCore};
+use crate::optimizer::thread_cpu_time;
 
 /// Where a shard checkpoints.
 #[derive(Clone)]
@@ -35,25 +36,15 @@ pub struct ShardActor {
     checkpoints: Option<CheckpointTarget>,
     tick: Duration,
     version: watch::Sender<u64>,
-    /// Thread CPU time spent handling pushes (aggregation and updates).
+    /// Reply slots in use (requests waiting for their reply).
+    waiting: watch::Sender<usize>,
+    /// CPU time of this thread in the core (requests, aggregation, replies,
+    /// sparse updates; a dense update's pool work is counted by the core).
     cpu: Duration,
-}
-
-/// CPU time of the calling thread.
-fn thread_cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime only writes the timespec we pass.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    if rc != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(
-        ts.tv_sec.max(0) as u64,
-        ts.tv_nsec.clamp(0, 999_999_999) as u32,
-    )
+    /// Version of the last checkpoint this actor wrote.
+    last_written: Option<u64>,
+    /// `Shutdown`s waiting for the checkpoint writes to end.
+    stop_waiters: Vec<oneshot::Sender<Option<u64>>>,
 }
 
 impl ShardActor {
@@ -62,6 +53,7 @@ impl ShardActor {
         checkpoints: Option<CheckpointTarget>,
         tick: Duration,
         version: watch::Sender<u64>,
+        waiting: watch::Sender<usize>,
     ) -> Self {
         Self {
             core,
@@ -70,12 +62,17 @@ impl ShardActor {
             checkpoints,
             tick,
             version,
+            waiting,
             cpu: Duration::ZERO,
+            last_written: None,
+            stop_waiters: Vec::new(),
         }
     }
 
     fn feed(&mut self, event: Event, ctx: &mut Context<Self>) {
+        let t0 = thread_cpu_time();
         let actions = self.core.handle(event, Instant::now());
+        self.cpu += thread_cpu_time().saturating_sub(t0);
         self.carry_out(actions, ctx);
     }
 
@@ -94,10 +91,17 @@ impl ShardActor {
                     self.version.send_replace(report.version);
                 }
                 Action::Checkpoint(snapshot) => self.spawn_checkpoint(snapshot, ctx),
+                Action::Forget { to } => {
+                    // Dropping the sender ends whoever still waits on it.
+                    self.replies.remove(&to);
+                }
             }
         }
-        // Replies the core dropped (closed connections) free their slots.
+        // Slots whose receivers are gone (their request task ended) go too.
         self.replies.retain(|_, tx| !tx.is_closed());
+        let waiting = self.replies.len();
+        self.waiting
+            .send_if_modified(|n| std::mem::replace(n, waiting) != waiting);
     }
 
     fn spawn_checkpoint(&mut self, snapshot: ShardCheckpoint, ctx: &mut Context<Self>) {
@@ -112,6 +116,7 @@ impl ShardActor {
             let ok = match result {
                 Ok(()) => {
                     tracing::info!(shard, version, "checkpoint published");
+                    actor.last_written = Some(version);
                     true
                 }
                 Err(e) => {
@@ -120,7 +125,21 @@ impl ShardActor {
                 }
             };
             actor.feed(Event::CheckpointDone { version, ok }, ctx);
+            actor.answer_stop_waiters();
         }));
+    }
+
+    /// Answer the `Shutdown`s once no checkpoint write is outstanding: with
+    /// the version of the last checkpoint written when it holds the state
+    /// the shard stopped in, else `None`.
+    fn answer_stop_waiters(&mut self) {
+        if self.stop_waiters.is_empty() || self.core.checkpoint_outstanding() {
+            return;
+        }
+        let saved = self.last_written.filter(|v| *v == self.core.version());
+        for tx in self.stop_waiters.drain(..) {
+            let _ = tx.send(saved);
+        }
     }
 }
 
@@ -195,10 +214,7 @@ impl Handler<Deliver> for ShardActor {
                 grad,
             },
         };
-        let t0 = thread_cpu_time();
-        let actions = self.core.handle(event, Instant::now());
-        self.cpu += thread_cpu_time().saturating_sub(t0);
-        self.carry_out(actions, ctx);
+        self.feed(event, ctx);
         MessageResult(rx)
     }
 }
@@ -225,50 +241,22 @@ impl Handler<MemberNews> for ShardActor {
 }
 
 /// Stop serving: answer what waits and write a final checkpoint (when
-/// checkpoints are configured). Resolves once the checkpoint is written.
+/// checkpoints are configured). Resolves once no checkpoint write is under
+/// way, with the version of the final checkpoint (`None` without
+/// checkpoints, or when the write failed).
 #[derive(Message)]
 #[rtype(result = "Option<u64>")]
 pub struct Shutdown;
 
 impl Handler<Shutdown> for ShardActor {
-    type Result = ResponseActFuture<Self, Option<u64>>;
-    fn handle(&mut self, _: Shutdown, _: &mut Context<Self>) -> Self::Result {
-        let actions = self.core.handle(Event::Shutdown, Instant::now());
-        let mut snapshot = None;
-        for action in actions {
-            match action {
-                Action::Reply { to, response } => {
-                    if let Some(tx) = self.replies.remove(&to) {
-                        let _ = tx.send(response);
-                    }
-                }
-                Action::Checkpoint(s) => snapshot = Some(s),
-                _ => {}
-            }
-        }
-        let target = self.checkpoints.clone();
-        Box::pin(
-            async move {
-                let (Some(target), Some(snapshot)) = (target, snapshot) else {
-                    return None;
-                };
-                let version = snapshot.version;
-                match save(&target.store, &target.prefix, &snapshot).await {
-                    Ok(()) => Some(version),
-                    Err(e) => {
-                        tracing::error!(shard = snapshot.shard, "final checkpoint failed: {e}");
-                        None
-                    }
-                }
-            }
-            .into_actor(self)
-            .map(|saved, actor, ctx| {
-                if let Some(version) = saved {
-                    actor.feed(Event::CheckpointDone { version, ok: true }, ctx);
-                }
-                saved
-            }),
-        )
+    type Result = ResponseFuture<Option<u64>>;
+    fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.stop_waiters.push(tx);
+        // The replies and the checkpoint go the way of every other event.
+        self.feed(Event::Shutdown, ctx);
+        self.answer_stop_waiters();
+        Box::pin(async move { rx.await.ok().flatten() })
     }
 }
 
@@ -280,7 +268,15 @@ pub struct ShardStatus {
     pub serving: bool,
     pub params: Vec<f32>,
     pub stats: CoreStats,
-    /// Thread CPU time spent on pushes and updates.
+    /// Replies the core holds back (a barrier, the staleness bound, a
+    /// starting shard).
+    pub parked: usize,
+    /// Requests the actor holds a reply slot for; equal to `parked` between
+    /// messages, unless a slot leaked.
+    pub waiting_replies: usize,
+    /// CPU time the shard used: its own thread in the core (requests,
+    /// aggregation, replies, sparse updates, timers) plus the work of its
+    /// dense updates on the rayon pool (`stats.update_pool_cpu`).
     pub cpu: Duration,
     pub recovery: Option<RecoveryReport>,
 }
@@ -298,7 +294,9 @@ impl Handler<GetStatus> for ShardActor {
             serving: self.core.is_serving(),
             params: self.core.params().to_vec(),
             stats: self.core.stats(),
-            cpu: self.cpu,
+            parked: self.core.parked(),
+            waiting_replies: self.replies.len(),
+            cpu: self.cpu + self.core.stats().update_pool_cpu,
             recovery: self.core.recovery_report().cloned(),
         })
     }

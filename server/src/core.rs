@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
 use crate::checkpoint::ShardCheckpoint;
-use crate::optimizer::fused_update;
+use crate::optimizer::fused_update_timed;
 
 /// Identifies one worker connection (assigned by the network layer).
 pub type ConnId = u64;
@@ -185,6 +185,11 @@ pub enum Action {
     },
     /// The shard decided where it starts from.
     Recovered(RecoveryReport),
+    /// The request's connection closed while its reply was parked: release
+    /// the reply slot without answering (nobody is left to read it).
+    Forget {
+        to: ReplyId,
+    },
 }
 
 /// Where a starting shard took its parameters from.
@@ -270,6 +275,10 @@ pub struct CoreStats {
     pub clipped: u64,
     pub timeouts: u64,
     pub duplicate_pushes: u64,
+    /// CPU time of the dense updates' parallel work, summed over the rayon
+    /// pool threads that ran it (the thread that feeds the core only waits
+    /// for that work, so its own CPU time leaves it out).
+    pub update_pool_cpu: Duration,
 }
 
 /// One shard's parameters, optimizer state, barrier and parked replies.
@@ -300,6 +309,8 @@ pub struct ShardCore {
     /// After `Shutdown` nothing changes any more: the final checkpoint
     /// stays the last state.
     stopping: bool,
+    /// The final checkpoint waits for the write under way at `Shutdown`.
+    final_due: bool,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Response {
@@ -353,6 +364,7 @@ impl ShardCore {
             stats: CoreStats::default(),
             recovered: None,
             stopping: false,
+            final_due: false,
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -408,6 +420,12 @@ impl ShardCore {
         self.parked.len()
     }
 
+    /// Whether a checkpoint write is under way or due (the caller reports
+    /// its end with `CheckpointDone`).
+    pub fn checkpoint_outstanding(&self) -> bool {
+        self.saving || self.final_due
+    }
+
     /// Everything needed to resume this shard's optimizer and parameters.
     pub fn snapshot(&self) -> ShardCheckpoint {
         ShardCheckpoint {
@@ -437,7 +455,7 @@ impl ShardCore {
         match event {
             Event::Joined { rank, conn } => self.join(rank, conn, &mut out),
             Event::Left { rank, conn } => self.leave(rank, conn, now, &mut out),
-            Event::ConnClosed { conn } => self.parked.retain(|p| p.conn != conn),
+            Event::ConnClosed { conn } => self.forget_parked_on(conn, &mut out),
             Event::Offer {
                 reply,
                 conn,
@@ -460,6 +478,9 @@ impl ShardCore {
                 if ok {
                     self.last_saved = self.last_saved.max(version);
                 }
+                if std::mem::take(&mut self.final_due) {
+                    self.final_checkpoint(&mut out);
+                }
             }
             Event::Shutdown => {
                 self.stopping = true;
@@ -469,9 +490,11 @@ impl ShardCore {
                         response: refusal(ErrorCode::ShuttingDown, "server is shutting down"),
                     });
                 }
-                if self.is_serving() && self.version > self.last_saved {
-                    out.push(Action::Checkpoint(self.snapshot()));
-                    self.saving = true;
+                if self.saving {
+                    // One write at a time: the final one follows it.
+                    self.final_due = true;
+                } else {
+                    self.final_checkpoint(&mut out);
                 }
             }
         }
@@ -501,7 +524,7 @@ impl ShardCore {
         }
         self.live.remove(&rank);
         if let Some(c) = conn {
-            self.parked.retain(|p| p.conn != c);
+            self.forget_parked_on(c, out);
         }
         if self.recovery.is_some() {
             self.maybe_decide(now, out);
@@ -538,6 +561,18 @@ impl ShardCore {
         if self.recovery.is_some() {
             self.maybe_decide(now, out);
         }
+    }
+
+    /// Drop the replies parked for a closed connection.
+    fn forget_parked_on(&mut self, conn: ConnId, out: &mut Vec<Action>) {
+        self.parked.retain(|p| {
+            if p.conn == conn {
+                out.push(Action::Forget { to: p.reply });
+                false
+            } else {
+                true
+            }
+        });
     }
 
     fn parked_on(&self, conn: ConnId) -> usize {
@@ -1052,7 +1087,7 @@ impl ShardCore {
             self.changes
                 .push_back(Some(std::mem::take(&mut self.touched)));
         } else {
-            if let Err(e) = fused_update(
+            match fused_update_timed(
                 &mut self.params,
                 &self.agg,
                 &mut self.momentum,
@@ -1060,7 +1095,8 @@ impl ShardCore {
                 &self.setup.rule,
                 scale,
             ) {
-                tracing::error!(shard = self.id(), "update failed: {e}");
+                Ok(cpu) => self.stats.update_pool_cpu += cpu,
+                Err(e) => tracing::error!(shard = self.id(), "update failed: {e}"),
             }
             self.agg.fill(0.0);
             self.marked.fill(false);
@@ -1079,6 +1115,14 @@ impl ShardCore {
             version: self.version,
             entries,
         });
+    }
+
+    /// The checkpoint of the state the shard stops in, unless one is saved.
+    fn final_checkpoint(&mut self, out: &mut Vec<Action>) {
+        if self.is_serving() && self.version > self.last_saved {
+            out.push(Action::Checkpoint(self.snapshot()));
+            self.saving = true;
+        }
     }
 
     fn maybe_checkpoint(&mut self, out: &mut Vec<Action>) {
@@ -1457,10 +1501,26 @@ mod tests {
             .iter()
             .all(|(_, resp)| code(resp) == Some(ErrorCode::Timeout)));
         assert_eq!(c.stats().timeouts, 2);
-        // A closed connection takes its parked replies with it.
+        // A closed connection takes its parked replies with it, and says
+        // which reply slots to release.
         c.handle(step(4, 0, 0, sparse(vec![1], vec![1.0])), t0);
         assert_eq!(c.parked(), 1);
-        c.handle(Event::ConnClosed { conn: 100 }, t0);
+        let acts = c.handle(Event::ConnClosed { conn: 100 }, t0);
+        assert_eq!(c.parked(), 0);
+        assert!(matches!(acts[..], [Action::Forget { to: 4 }]), "{acts:?}");
+        // So does a rank that leaves on its connection.
+        c.handle(step(5, 0, 0, sparse(vec![1], vec![1.0])), t0);
+        let acts = c.handle(
+            Event::Left {
+                rank: 0,
+                conn: Some(100),
+            },
+            t0,
+        );
+        assert!(
+            acts.iter().any(|a| matches!(a, Action::Forget { to: 5 })),
+            "{acts:?}"
+        );
         assert_eq!(c.parked(), 0);
     }
 
@@ -1797,5 +1857,63 @@ mod tests {
         assert!(acts
             .iter()
             .any(|a| matches!(a, Action::Checkpoint(ck) if ck.version == 5)));
+        assert!(c.checkpoint_outstanding());
+        c.handle(
+            Event::CheckpointDone {
+                version: 5,
+                ok: true,
+            },
+            t0,
+        );
+        assert!(!c.checkpoint_outstanding());
+    }
+
+    #[test]
+    fn the_final_checkpoint_waits_for_the_write_under_way() {
+        let t0 = Instant::now();
+        let settings = CoreSettings {
+            checkpoint_every: 2,
+            ..CoreSettings::default()
+        };
+        let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings, None);
+        c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
+        c.handle(offer(0, 0, vec![0.0; 8]), t0);
+        let checkpoints = |acts: &[Action]| {
+            acts.iter()
+                .filter_map(|a| match a {
+                    Action::Checkpoint(ck) => Some(ck.version),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut due = vec![];
+        for s in 0..3 {
+            due.extend(checkpoints(
+                &c.handle(step(s, 0, s, sparse(vec![0], vec![1.0])), t0),
+            ));
+        }
+        // The write of version 2 is under way when the server stops at 3.
+        assert_eq!(due, vec![2]);
+        assert!(checkpoints(&c.handle(Event::Shutdown, t0)).is_empty());
+        assert!(c.checkpoint_outstanding());
+        let acts = c.handle(
+            Event::CheckpointDone {
+                version: 2,
+                ok: true,
+            },
+            t0,
+        );
+        assert_eq!(checkpoints(&acts), vec![3]);
+        assert!(c.checkpoint_outstanding());
+        // A failed final write is not retried: the stop goes on without it.
+        let acts = c.handle(
+            Event::CheckpointDone {
+                version: 3,
+                ok: false,
+            },
+            t0,
+        );
+        assert!(checkpoints(&acts).is_empty());
+        assert!(!c.checkpoint_outstanding());
     }
 }

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 
 use ps_shared::cli::{describe_error, init_logging, stop_signal};
 use ps_shared::config::ClusterConfig;
-use ps_shared::pki::{ensure_cluster_pki, PkiPaths};
+use ps_shared::pki::{ensure_cluster_pki, Existing, PkiPaths};
 use ps_shared::transport::read_pem;
 
 /// Stratus parameter server: serves this process's shards of the flat
@@ -43,7 +43,8 @@ enum Command {
     Run,
     /// Write the cluster CA (tls.ca, tls.ca_key), the server certificate
     /// (tls.cert, tls.key) and one client certificate per worker rank
-    /// (tls.worker_cert, tls.worker_key); existing files are kept.
+    /// (tls.worker_cert, tls.worker_key); valid files are kept, and a server
+    /// certificate issued again keeps the names it had.
     Certs {
         /// Extra DNS names or IP addresses for the server certificate.
         #[arg(long = "name")]
@@ -69,7 +70,12 @@ fn run() -> anyhow::Result<()> {
     let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
     match cli.command.unwrap_or(Command::Run) {
         Command::Certs { names, force } => {
-            let report = write_certs(&cfg, &names, force)?;
+            let existing = if force {
+                Existing::Replace
+            } else {
+                Existing::Check
+            };
+            let report = write_certs(&cfg, &names, existing)?;
             for path in &report.written {
                 println!("wrote {}", path.display());
             }
@@ -99,11 +105,12 @@ fn pki_paths(cfg: &ClusterConfig) -> PkiPaths {
     }
 }
 
-/// Create the CA and whatever certificate is missing (or all, with `force`).
+/// Create the CA and whatever certificate is missing; `existing` says what
+/// happens to the files already there.
 fn write_certs(
     cfg: &ClusterConfig,
     extra: &[String],
-    force: bool,
+    existing: Existing,
 ) -> anyhow::Result<ps_shared::pki::PkiReport> {
     let mut names = vec![
         cfg.tls.server_name.clone(),
@@ -123,7 +130,7 @@ fn write_certs(
         &pki_paths(cfg),
         &names,
         cfg.cluster.workers as u32,
-        force,
+        existing,
     )?)
 }
 
@@ -144,23 +151,23 @@ fn serve(cfg: &ClusterConfig, index: usize, listen: Option<SocketAddr>) -> anyho
             format!("cluster.servers[{index}] = `{entry}` is not an IP:port; pass --listen")
         })?,
     };
-    let missing = [&cfg.tls.cert, &cfg.tls.key, &cfg.tls.ca]
-        .into_iter()
-        .any(|p| !exists(p));
-    if missing || cfg.tls.generate_if_missing {
-        if cfg.tls.generate_if_missing {
-            let report = write_certs(cfg, &[], false)?;
-            for path in &report.written {
-                tracing::info!(path = %path.display(), "generated");
-            }
-        } else {
-            bail!(
-                "TLS certificate {}, key {} or CA {} is missing (run `ps-server certs` or set tls.generate_if_missing)",
-                cfg.tls.cert.display(),
-                cfg.tls.key.display(),
-                cfg.tls.ca.display()
-            );
+    if cfg.tls.generate_if_missing {
+        // Only what is missing: certificates already there (from `ps-server
+        // certs`, perhaps with extra --name entries) stay as they are.
+        let report = write_certs(cfg, &[], Existing::Keep)?;
+        for path in &report.written {
+            tracing::info!(path = %path.display(), "generated");
         }
+    } else if [&cfg.tls.cert, &cfg.tls.key, &cfg.tls.ca]
+        .into_iter()
+        .any(|p| !exists(p))
+    {
+        bail!(
+            "TLS certificate {}, key {} or CA {} is missing (run `ps-server certs` or set tls.generate_if_missing)",
+            cfg.tls.cert.display(),
+            cfg.tls.key.display(),
+            cfg.tls.ca.display()
+        );
     }
     let tls = ps_server::net::ServerTls {
         cert_pem: read_pem(&cfg.tls.cert)?,

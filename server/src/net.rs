@@ -170,6 +170,7 @@ pub struct RunningServer {
     ctx: Arc<Ctx>,
     outcome: watch::Receiver<Option<Result<(), ServerExit>>>,
     versions: Vec<watch::Receiver<u64>>,
+    waiting: HashMap<u32, watch::Receiver<usize>>,
     arbiters: Vec<Arbiter>,
     io: Option<tokio::runtime::Runtime>,
 }
@@ -269,6 +270,25 @@ impl RunningServer {
         }
     }
 
+    /// Wait until the number of requests waiting for a reply on local shard
+    /// `shard` satisfies `pred` (an event: each shard publishes the number
+    /// whenever it changes), and return it; `None` when the shard is not
+    /// served here or has stopped.
+    pub async fn waiting_replies(
+        &self,
+        shard: u32,
+        pred: impl FnMut(&usize) -> bool,
+    ) -> Option<usize> {
+        let mut rx = self.waiting.get(&shard)?.clone();
+        let n = *rx.wait_for(pred).await.ok()?;
+        Some(n)
+    }
+
+    /// Workers that said goodbye.
+    pub fn finished_workers(&self) -> usize {
+        self.ctx.membership().finished()
+    }
+
     /// Open connections and those not yet past Hello.
     pub fn connections(&self) -> (usize, usize) {
         self.ctx.membership().connections()
@@ -364,6 +384,7 @@ pub async fn start(
     let mut welcome = Vec::new();
     let mut arbiters = Vec::new();
     let mut versions = Vec::new();
+    let mut waiting = HashMap::new();
     for shard in cfg.shards_of_server(index) {
         let range = map
             .range(shard)
@@ -399,10 +420,12 @@ pub async fn start(
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);
         versions.push(version_rx);
+        let (waiting_tx, waiting_rx) = watch::channel(0);
+        waiting.insert(shard as u32, waiting_rx);
         let arbiter = Arbiter::new();
         let target = checkpoints.clone();
         let addr = ShardActor::start_in_arbiter(&arbiter.handle(), move |_| {
-            ShardActor::new(core, target, tick, version_tx)
+            ShardActor::new(core, target, tick, version_tx, waiting_tx)
         });
         arbiters.push(arbiter);
         shards.insert(shard as u32, addr);
@@ -490,6 +513,7 @@ pub async fn start(
         ctx,
         outcome: outcome_rx,
         versions,
+        waiting,
         arbiters,
         io: Some(io),
     })

@@ -32,6 +32,8 @@
 //! ```
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use rayon::prelude::*;
 
@@ -129,6 +131,41 @@ fn trust_ratio(eta: f32, param_sq: f64, grad_sq: f64) -> f32 {
     }
 }
 
+/// CPU time the calling thread has used so far (zero where the clock is
+/// not available).
+pub fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec we pass.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}
+
+/// Runs `work`, adding the CPU time it takes on the current thread to
+/// `spent` (nanoseconds) when there is a `spent`.
+#[inline]
+fn charged<R>(spent: Option<&AtomicU64>, work: impl FnOnce() -> R) -> R {
+    let Some(spent) = spent else {
+        return work();
+    };
+    let t0 = thread_cpu_time();
+    let result = work();
+    let used = thread_cpu_time().saturating_sub(t0);
+    spent.fetch_add(
+        u64::try_from(used.as_nanos()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
+    result
+}
+
 /// One fused pass over the shard, parallel over chunks, no full-size temporaries.
 /// With LARS, a parallel reduction pass computes per-segment norms first. Without
 /// LARS `segments` is not used. `momentum_buf` may be empty when momentum is off.
@@ -139,6 +176,43 @@ pub fn fused_update(
     segments: &[Range<usize>],
     rule: &UpdateRule,
     grad_scale: f32,
+) -> Result<(), UpdateError> {
+    fused_update_charged(params, grad, momentum_buf, segments, rule, grad_scale, None)
+}
+
+/// [`fused_update`], returning the CPU time of its parallel work: each work
+/// item is timed with the clock of the thread that runs it (a rayon pool
+/// thread), and the times are summed. A caller outside the pool only waits
+/// for that work, so its own thread CPU time leaves it out.
+pub fn fused_update_timed(
+    params: &mut [f32],
+    grad: &[f32],
+    momentum_buf: &mut [f32],
+    segments: &[Range<usize>],
+    rule: &UpdateRule,
+    grad_scale: f32,
+) -> Result<Duration, UpdateError> {
+    let spent = AtomicU64::new(0);
+    fused_update_charged(
+        params,
+        grad,
+        momentum_buf,
+        segments,
+        rule,
+        grad_scale,
+        Some(&spent),
+    )?;
+    Ok(Duration::from_nanos(spent.into_inner()))
+}
+
+fn fused_update_charged(
+    params: &mut [f32],
+    grad: &[f32],
+    momentum_buf: &mut [f32],
+    segments: &[Range<usize>],
+    rule: &UpdateRule,
+    grad_scale: f32,
+    spent: Option<&AtomicU64>,
 ) -> Result<(), UpdateError> {
     check_inputs(params, grad, momentum_buf, segments, rule)?;
     let whole = 0..params.len();
@@ -166,12 +240,14 @@ pub fn fused_update(
             let partial: Vec<(usize, f64, f64)> = pieces
                 .par_iter()
                 .map(|(segment, range)| {
-                    let (param_sq, grad_sq) = piece_norms(
-                        &params_view[range.clone()],
-                        &grad[range.clone()],
-                        rule,
-                        grad_scale,
-                    );
+                    let (param_sq, grad_sq) = charged(spent, || {
+                        piece_norms(
+                            &params_view[range.clone()],
+                            &grad[range.clone()],
+                            rule,
+                            grad_scale,
+                        )
+                    });
                     (*segment, param_sq, grad_sq)
                 })
                 .collect();
@@ -214,7 +290,9 @@ pub fn fused_update(
     }
     work.into_par_iter()
         .for_each(|(params, grad, momentum, lr)| {
-            update_piece(params, grad, momentum, lr, rule, grad_scale)
+            charged(spent, || {
+                update_piece(params, grad, momentum, lr, rule, grad_scale)
+            })
         });
     Ok(())
 }
@@ -363,6 +441,28 @@ mod tests {
             nesterov,
             weight_decay,
             lars,
+        }
+    }
+
+    #[test]
+    fn timed_update_matches_and_counts_the_pool_work() {
+        let n = 4 * UPDATE_CHUNK + 17;
+        let grad: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+        let segments = [0..n / 3, n / 3..n];
+        for r in [
+            rule(0.9, true, 1e-4, None),
+            rule(0.0, false, 0.0, Some(1e-3)),
+        ] {
+            let mut p_plain = vec![0.5f32; n];
+            let mut m_plain = vec![0.0f32; n];
+            fused_update(&mut p_plain, &grad, &mut m_plain, &segments, &r, 0.5).unwrap();
+            let mut p_timed = vec![0.5f32; n];
+            let mut m_timed = vec![0.0f32; n];
+            let cpu =
+                fused_update_timed(&mut p_timed, &grad, &mut m_timed, &segments, &r, 0.5).unwrap();
+            assert_eq!(p_plain, p_timed);
+            assert_eq!(m_plain, m_timed);
+            assert!(cpu > Duration::ZERO, "no CPU time counted for {n} elements");
         }
     }
 

@@ -116,7 +116,8 @@ pub struct TlsSection {
     /// Name the workers expect in the server certificate.
     pub server_name: String,
     /// Create the CA and any missing server or worker certificate on a
-    /// server's first start (development clusters).
+    /// server's start (development clusters). Files already there are kept
+    /// as they are; a missing certificate needs `ca_key` when `ca` exists.
     pub generate_if_missing: bool,
 }
 

@@ -24,8 +24,10 @@
 //! # Files
 //!
 //! [`ensure_cluster_pki`] creates whatever is missing under a [`PkiPaths`]
-//! layout and keeps what is already there and still valid, so it can run on
-//! every start. Private keys are written owner-readable only (mode 0600).
+//! layout and keeps what is already there and still valid
+//! ([`Existing::Check`]), or keeps every file that is there as it is
+//! ([`Existing::Keep`], what a server's start does), so it can run on every
+//! start. Private keys are written owner-readable only (mode 0600).
 //!
 //! ```
 //! use ps_shared::pki::{rank_from_cert_der, ClusterCa};
@@ -37,9 +39,9 @@
 //! ```
 //!
 //! ```no_run
-//! use ps_shared::pki::{ensure_cluster_pki, PkiPaths};
+//! use ps_shared::pki::{ensure_cluster_pki, Existing, PkiPaths};
 //! let paths = PkiPaths::under("certs".as_ref());
-//! let report = ensure_cluster_pki(&paths, &["ps-0.internal".into()], 8, false).unwrap();
+//! let report = ensure_cluster_pki(&paths, &["ps-0.internal".into()], 8, Existing::Check).unwrap();
 //! println!("wrote {} files, kept {}", report.written.len(), report.kept.len());
 //! ```
 
@@ -327,18 +329,13 @@ impl ClusterCa {
                 Err(e) => Err(e.to_string()),
             },
             Role::Server(names) => {
-                let want = names
-                    .iter()
-                    .map(|n| match n.parse::<IpAddr>() {
-                        Ok(ip) => NameKey::Ip(ip),
-                        Err(_) => NameKey::Dns(n.to_ascii_lowercase()),
-                    })
-                    .collect::<BTreeSet<_>>();
+                let want = names.iter().map(|n| name_key(n)).collect::<BTreeSet<_>>();
                 let have = cert_names(&cert).map_err(|e| e.to_string())?;
-                if want == have {
+                let lacking: Vec<&NameKey> = want.difference(&have).collect();
+                if lacking.is_empty() {
                     Ok(())
                 } else {
-                    Err("names differ from the requested server names".into())
+                    Err(format!("lacks the server names {lacking:?}"))
                 }
             }
         }
@@ -494,22 +491,45 @@ pub struct PkiReport {
     pub kept: Vec<PathBuf>,
 }
 
+/// How [`ensure_cluster_pki`] treats files that are already there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Existing {
+    /// Keep a pair that is still good and issue again one that is not
+    /// (`ps-server certs`).
+    Check,
+    /// Keep every file that is there, as it is, and create only what is
+    /// missing (a server's start with `tls.generate_if_missing`).
+    Keep,
+    /// Replace everything, CA included (`ps-server certs --force`).
+    Replace,
+}
+
 /// Make sure the cluster's CA, server certificate and worker certificates for
 /// ranks `0..workers` exist under `paths`.
 ///
+/// With [`Existing::Check`]:
+///
 /// - The CA is reused when both of its files exist, else created. A reused
-///   CA must load and must not have expired (the error names the file; pass
-///   `force` to start over).
+///   CA must load and must not have expired (the error names the file).
 /// - The server and each worker pair is kept when both files exist and the
 ///   certificate is still good: signed by this CA, currently valid, matching
-///   its key, and issued for the same server names / the same rank. Otherwise
-///   it is (re)issued. A newly created CA reissues every pair.
-/// - `force` replaces everything, CA included.
+///   its key, and issued for the same rank / for every one of
+///   `server_names` (names it carries beyond those are fine). Otherwise it
+///   is (re)issued. A newly created CA reissues every pair.
+/// - A server certificate issued again keeps the names the one it replaces
+///   carried, so names added once (`ps-server certs --name`) stay.
+///
+/// With [`Existing::Keep`] no existing file is touched: a pair with a file
+/// missing is issued with the CA that is there (its key is then needed), and
+/// a CA is created only when no file of the cluster exists yet.
+///
+/// [`Existing::Replace`] replaces everything, CA included, with
+/// `server_names` alone.
 pub fn ensure_cluster_pki(
     paths: &PkiPaths,
     server_names: &[String],
     workers: u32,
-    force: bool,
+    existing: Existing,
 ) -> Result<PkiReport, PkiError> {
     for template in [&paths.worker_cert, &paths.worker_key] {
         if !template.contains(RANK_PLACEHOLDER) {
@@ -518,87 +538,162 @@ pub fn ensure_cluster_pki(
             });
         }
     }
+    let leaves: Vec<(PathBuf, PathBuf, Role<'_>)> = std::iter::once((
+        paths.server_cert.clone(),
+        paths.server_key.clone(),
+        Role::Server(server_names),
+    ))
+    .chain((0..workers).map(|rank| {
+        let (cert, key) = paths.worker_paths(rank);
+        (cert, key, Role::Worker(rank))
+    }))
+    .collect();
+    if existing == Existing::Keep {
+        return create_missing(paths, &leaves);
+    }
     let mut report = PkiReport::default();
-    let reuse_ca = !force && paths.ca_cert.exists() && paths.ca_key.exists();
+    let reuse_ca = existing == Existing::Check && paths.ca_cert.exists() && paths.ca_key.exists();
     let ca = if reuse_ca {
-        let cert_pem = read_file(&paths.ca_cert)?;
-        let key_pem = read_file(&paths.ca_key)?;
-        let ca = ClusterCa::from_pem(&cert_pem, &key_pem).map_err(|e| PkiError::BadFile {
-            path: paths.ca_cert.clone(),
-            message: format!(
-                "{e} (key {}; pass force to replace the CA)",
-                paths.ca_key.display()
-            ),
-        })?;
-        if ca.not_after <= OffsetDateTime::now_utc() {
-            return Err(PkiError::BadFile {
-                path: paths.ca_cert.clone(),
-                message: format!(
-                    "the cluster CA expired on {}; pass force to replace the cluster's certificates",
-                    ca.not_after
-                ),
-            });
-        }
+        load_ca(paths)?
+    } else {
+        new_ca(paths, &mut report)?
+    };
+    if reuse_ca {
         report
             .kept
             .extend([paths.ca_cert.clone(), paths.ca_key.clone()]);
-        ca
-    } else {
-        let ca = ClusterCa::generate("Stratus cluster CA")?;
-        CertPair {
-            cert_pem: ca.cert_pem.clone(),
-            key_pem: ca.key_pem.clone(),
+    }
+    for (cert, key, role) in &leaves {
+        let both = cert.exists() && key.exists();
+        if reuse_ca && both {
+            let pair = CertPair::read(cert, key)?;
+            match ca.check_leaf(&pair, role) {
+                Ok(()) => {
+                    report.kept.extend([cert.clone(), key.clone()]);
+                    continue;
+                }
+                Err(why) => tracing::warn!("{}: {why}; issuing a new certificate", cert.display()),
+            }
         }
-        .write(&paths.ca_cert, &paths.ca_key)?;
-        report
-            .written
-            .extend([paths.ca_cert.clone(), paths.ca_key.clone()]);
-        ca
-    };
-    let reissue_all = !reuse_ca;
-
-    ensure_leaf(
-        &ca,
-        &paths.server_cert,
-        &paths.server_key,
-        &Role::Server(server_names),
-        reissue_all,
-        &mut report,
-    )?;
-    for rank in 0..workers {
-        let (cert, key) = paths.worker_paths(rank);
-        ensure_leaf(
-            &ca,
-            &cert,
-            &key,
-            &Role::Worker(rank),
-            reissue_all,
-            &mut report,
-        )?;
+        let keep_names = existing == Existing::Check;
+        issue_leaf(&ca, cert, key, role, keep_names, &mut report)?;
     }
     Ok(report)
 }
 
-fn ensure_leaf(
+/// [`Existing::Keep`]: create only the missing files.
+fn create_missing(
+    paths: &PkiPaths,
+    leaves: &[(PathBuf, PathBuf, Role<'_>)],
+) -> Result<PkiReport, PkiError> {
+    let mut report = PkiReport::default();
+    let missing: Vec<&(PathBuf, PathBuf, Role<'_>)> = leaves
+        .iter()
+        .filter(|(cert, key, _)| !(cert.exists() && key.exists()))
+        .collect();
+    let ca = if paths.ca_cert.exists() {
+        report.kept.push(paths.ca_cert.clone());
+        if paths.ca_key.exists() {
+            report.kept.push(paths.ca_key.clone());
+        }
+        if missing.is_empty() {
+            None
+        } else if paths.ca_key.exists() {
+            Some(load_ca(paths)?)
+        } else {
+            return Err(PkiError::BadFile {
+                path: paths.ca_key.clone(),
+                message: format!(
+                    "the CA key is needed to issue {} and is not there (issue it where the CA key is, with `ps-server certs`)",
+                    missing[0].0.display()
+                ),
+            });
+        }
+    } else {
+        let existing: Vec<&PathBuf> = std::iter::once(&paths.ca_key)
+            .chain(leaves.iter().flat_map(|(cert, key, _)| [cert, key]))
+            .filter(|p| p.exists())
+            .collect();
+        if let Some(found) = existing.first() {
+            return Err(PkiError::BadFile {
+                path: paths.ca_cert.clone(),
+                message: format!(
+                    "the CA certificate is missing but {} is there: a new CA would not match it (restore the CA, or replace everything with `ps-server certs --force`)",
+                    found.display()
+                ),
+            });
+        }
+        Some(new_ca(paths, &mut report)?)
+    };
+    for (cert, key, role) in leaves {
+        if !missing.iter().any(|(c, _, _)| c == cert) {
+            report.kept.extend([cert.clone(), key.clone()]);
+            continue;
+        }
+        if let Some(ca) = &ca {
+            issue_leaf(ca, cert, key, role, true, &mut report)?;
+        }
+    }
+    Ok(report)
+}
+
+fn load_ca(paths: &PkiPaths) -> Result<ClusterCa, PkiError> {
+    let cert_pem = read_file(&paths.ca_cert)?;
+    let key_pem = read_file(&paths.ca_key)?;
+    let ca = ClusterCa::from_pem(&cert_pem, &key_pem).map_err(|e| PkiError::BadFile {
+        path: paths.ca_cert.clone(),
+        message: format!(
+            "{e} (key {}; pass force to replace the CA)",
+            paths.ca_key.display()
+        ),
+    })?;
+    if ca.not_after <= OffsetDateTime::now_utc() {
+        return Err(PkiError::BadFile {
+            path: paths.ca_cert.clone(),
+            message: format!(
+                "the cluster CA expired on {}; pass force to replace the cluster's certificates",
+                ca.not_after
+            ),
+        });
+    }
+    Ok(ca)
+}
+
+fn new_ca(paths: &PkiPaths, report: &mut PkiReport) -> Result<ClusterCa, PkiError> {
+    let ca = ClusterCa::generate("Stratus cluster CA")?;
+    CertPair {
+        cert_pem: ca.cert_pem.clone(),
+        key_pem: ca.key_pem.clone(),
+    }
+    .write(&paths.ca_cert, &paths.ca_key)?;
+    report
+        .written
+        .extend([paths.ca_cert.clone(), paths.ca_key.clone()]);
+    Ok(ca)
+}
+
+/// Issue the pair for `role`; a server certificate also carries the names
+/// of the certificate at `cert` when `keep_names` and one is readable there.
+fn issue_leaf(
     ca: &ClusterCa,
     cert: &Path,
     key: &Path,
     role: &Role<'_>,
-    reissue: bool,
+    keep_names: bool,
     report: &mut PkiReport,
 ) -> Result<(), PkiError> {
-    if !reissue && cert.exists() && key.exists() {
-        let pair = CertPair::read(cert, key)?;
-        match ca.check_leaf(&pair, role) {
-            Ok(()) => {
-                report.kept.extend([cert.to_path_buf(), key.to_path_buf()]);
-                return Ok(());
-            }
-            Err(why) => tracing::warn!("{}: {why}; issuing a new certificate", cert.display()),
-        }
-    }
     let pair = match role {
-        Role::Server(names) => ca.issue_server(names),
+        Role::Server(names) => {
+            let mut all = names.to_vec();
+            if keep_names {
+                for name in names_in_cert_file(cert) {
+                    if !all.iter().any(|n| name_key(n) == name_key(&name)) {
+                        all.push(name);
+                    }
+                }
+            }
+            ca.issue_server(&all)
+        }
         Role::Worker(rank) => ca.issue_worker(*rank),
     }
     .map_err(|e| PkiError::BadFile {
@@ -610,6 +705,38 @@ fn ensure_leaf(
         .written
         .extend([cert.to_path_buf(), key.to_path_buf()]);
     Ok(())
+}
+
+/// The DNS names and IP addresses of the certificate in `path`, if it can
+/// be read (else none).
+fn names_in_cert_file(path: &Path) -> Vec<String> {
+    let Ok(pem) = std::fs::read_to_string(path) else {
+        return Vec::new();
+    };
+    let Ok(der) = first_cert_der(&pem) else {
+        return Vec::new();
+    };
+    let Ok(cert) = parse_cert(&der) else {
+        return Vec::new();
+    };
+    cert_names(&cert)
+        .map(|names| {
+            names
+                .into_iter()
+                .map(|n| match n {
+                    NameKey::Dns(d) => d,
+                    NameKey::Ip(ip) => ip.to_string(),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn name_key(name: &str) -> NameKey {
+    match name.parse::<IpAddr>() {
+        Ok(ip) => NameKey::Ip(ip),
+        Err(_) => NameKey::Dns(name.to_ascii_lowercase()),
+    }
 }
 
 fn san_for(name: &str) -> Result<SanType, PkiError> {
@@ -812,7 +939,7 @@ mod tests {
         let names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
         let all = 2 + 2 + 2 * 3;
 
-        let first = ensure_cluster_pki(&paths, &names, 3, false).unwrap();
+        let first = ensure_cluster_pki(&paths, &names, 3, Existing::Check).unwrap();
         assert_eq!(first.written.len(), all);
         assert!(first.kept.is_empty());
         for path in &first.written {
@@ -830,27 +957,27 @@ mod tests {
         let pair = CertPair::read(&w1, &k1).unwrap();
         assert_eq!(rank_from_cert_der(&pair.cert_der().unwrap()).unwrap(), 1);
 
-        let second = ensure_cluster_pki(&paths, &names, 3, false).unwrap();
+        let second = ensure_cluster_pki(&paths, &names, 3, Existing::Check).unwrap();
         assert!(second.written.is_empty(), "{second:?}");
         assert_eq!(second.kept.len(), all);
         assert_eq!(CertPair::read(&w1, &k1).unwrap(), pair);
 
         // One more worker, and a lost worker key: only those are written.
         std::fs::remove_file(&k1).unwrap();
-        let grow = ensure_cluster_pki(&paths, &names, 4, false).unwrap();
+        let grow = ensure_cluster_pki(&paths, &names, 4, Existing::Check).unwrap();
         let (w3, k3) = paths.worker_paths(3);
         assert_eq!(grow.written, vec![w1.clone(), k1.clone(), w3, k3]);
 
         // New server names reissue the server certificate only.
         let more = vec!["localhost".to_string(), "ps-0.internal".to_string()];
-        let renamed = ensure_cluster_pki(&paths, &more, 4, false).unwrap();
+        let renamed = ensure_cluster_pki(&paths, &more, 4, Existing::Check).unwrap();
         assert_eq!(
             renamed.written,
             vec![paths.server_cert.clone(), paths.server_key.clone()]
         );
 
         let ca_before = std::fs::read_to_string(&paths.ca_cert).unwrap();
-        let forced = ensure_cluster_pki(&paths, &more, 4, true).unwrap();
+        let forced = ensure_cluster_pki(&paths, &more, 4, Existing::Replace).unwrap();
         assert_eq!(forced.written.len(), 4 + 2 * 4);
         assert!(forced.kept.is_empty());
         assert_ne!(std::fs::read_to_string(&paths.ca_cert).unwrap(), ca_before);
@@ -859,14 +986,111 @@ mod tests {
         assert_eq!(rank_from_cert_der(&after.cert_der().unwrap()).unwrap(), 1);
     }
 
+    /// Every file of the layout, by path, with its contents.
+    fn snapshot(paths: &PkiPaths, workers: u32) -> Vec<(PathBuf, String)> {
+        let mut files = vec![
+            paths.ca_cert.clone(),
+            paths.ca_key.clone(),
+            paths.server_cert.clone(),
+            paths.server_key.clone(),
+        ];
+        for rank in 0..workers {
+            let (cert, key) = paths.worker_paths(rank);
+            files.extend([cert, key]);
+        }
+        files
+            .into_iter()
+            .map(|p| {
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                (p, text)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn extra_names_stay_and_a_start_creates_only_what_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = PkiPaths::under(dir.path());
+        let base = vec!["localhost".to_string(), "127.0.0.1".to_string()];
+        let mut with_extra = base.clone();
+        with_extra.push("ps-0.example".to_string());
+        // `ps-server certs --name ps-0.example`, then a server's first start
+        // (which knows only the names of the config).
+        ensure_cluster_pki(&paths, &with_extra, 2, Existing::Check).unwrap();
+        let before = snapshot(&paths, 2);
+        let start = ensure_cluster_pki(&paths, &base, 2, Existing::Keep).unwrap();
+        assert!(start.written.is_empty(), "{start:?}");
+        assert_eq!(start.kept.len(), 2 + 2 + 2 * 2);
+        assert_eq!(snapshot(&paths, 2), before);
+        // `ps-server certs` without the --name keeps the certificate too.
+        let again = ensure_cluster_pki(&paths, &base, 2, Existing::Check).unwrap();
+        assert!(again.written.is_empty(), "{again:?}");
+        assert_eq!(snapshot(&paths, 2), before);
+        // A new name reissues the server certificate with the old names kept.
+        let mut renamed = base.clone();
+        renamed.push("ps-1.example".to_string());
+        let report = ensure_cluster_pki(&paths, &renamed, 2, Existing::Check).unwrap();
+        assert_eq!(
+            report.written,
+            vec![paths.server_cert.clone(), paths.server_key.clone()]
+        );
+        let names = names_in_cert_file(&paths.server_cert);
+        for name in ["localhost", "127.0.0.1", "ps-0.example", "ps-1.example"] {
+            assert!(names.iter().any(|n| n == name), "{name} not in {names:?}");
+        }
+
+        // A start with a worker key lost issues that pair only, and keeps
+        // the names of the server certificate.
+        let before = snapshot(&paths, 3);
+        let (w1, k1) = paths.worker_paths(1);
+        std::fs::remove_file(&k1).unwrap();
+        let start = ensure_cluster_pki(&paths, &base, 3, Existing::Keep).unwrap();
+        let (w2, k2) = paths.worker_paths(2);
+        assert_eq!(start.written, vec![w1.clone(), k1.clone(), w2, k2]);
+        let after = snapshot(&paths, 3);
+        for ((path, old), (_, new)) in before.iter().zip(&after) {
+            if ![&w1, &k1].contains(&path) && !path.to_string_lossy().contains("worker-2") {
+                assert_eq!(old, new, "{} changed", path.display());
+            }
+        }
+        let pair = CertPair::read(&w1, &k1).unwrap();
+        assert_eq!(rank_from_cert_der(&pair.cert_der().unwrap()).unwrap(), 1);
+        let ca = load_ca(&paths).unwrap();
+        assert!(ca.check_leaf(&pair, &Role::Worker(1)).is_ok());
+
+        // Without the CA key, a start that has everything needs nothing...
+        std::fs::remove_file(&paths.ca_key).unwrap();
+        let before = snapshot(&paths, 3);
+        let start = ensure_cluster_pki(&paths, &base, 3, Existing::Keep).unwrap();
+        assert!(start.written.is_empty(), "{start:?}");
+        assert_eq!(snapshot(&paths, 3), before);
+        // ...and one that misses a certificate says which key it lacks,
+        // instead of making a CA of its own.
+        std::fs::remove_file(&w1).unwrap();
+        let err = ensure_cluster_pki(&paths, &base, 3, Existing::Keep).unwrap_err();
+        assert!(err.to_string().contains("ca.key"), "{err}");
+        assert!(!paths.ca_key.exists());
+        // Certificates without their CA certificate are an error too.
+        std::fs::remove_file(&paths.ca_cert).unwrap();
+        let err = ensure_cluster_pki(&paths, &base, 3, Existing::Keep).unwrap_err();
+        assert!(err.to_string().contains("ca.pem"), "{err}");
+
+        // An empty directory: a start creates everything.
+        let fresh = tempfile::tempdir().unwrap();
+        let paths = PkiPaths::under(fresh.path());
+        let start = ensure_cluster_pki(&paths, &base, 2, Existing::Keep).unwrap();
+        assert_eq!(start.written.len(), 2 + 2 + 2 * 2);
+        assert!(start.kept.is_empty());
+    }
+
     #[test]
     fn a_new_ca_reissues_every_pair() {
         let dir = tempfile::tempdir().unwrap();
         let paths = PkiPaths::under(dir.path());
         let names = vec!["localhost".to_string()];
-        ensure_cluster_pki(&paths, &names, 2, false).unwrap();
+        ensure_cluster_pki(&paths, &names, 2, Existing::Check).unwrap();
         std::fs::remove_file(&paths.ca_key).unwrap();
-        let report = ensure_cluster_pki(&paths, &names, 2, false).unwrap();
+        let report = ensure_cluster_pki(&paths, &names, 2, Existing::Check).unwrap();
         assert!(report.kept.is_empty(), "{report:?}");
         assert_eq!(report.written.len(), 4 + 2 * 2);
     }
@@ -877,12 +1101,14 @@ mod tests {
         let paths = PkiPaths::under(dir.path());
         std::fs::write(&paths.ca_cert, "garbage").unwrap();
         std::fs::write(&paths.ca_key, "garbage").unwrap();
-        let err = ensure_cluster_pki(&paths, &["localhost".into()], 1, false).unwrap_err();
+        let err =
+            ensure_cluster_pki(&paths, &["localhost".into()], 1, Existing::Check).unwrap_err();
         assert!(err.to_string().contains("ca.pem"), "{err}");
 
         let mut bad = PkiPaths::under(dir.path());
         bad.worker_key = dir.path().join("worker.key").display().to_string();
-        let err = ensure_cluster_pki(&bad, &["localhost".into()], 1, true).unwrap_err();
+        let err =
+            ensure_cluster_pki(&bad, &["localhost".into()], 1, Existing::Replace).unwrap_err();
         assert!(matches!(err, PkiError::Template { .. }), "{err}");
 
         let missing = dir.path().join("nope.pem");

@@ -217,8 +217,8 @@ async fn damaged_disk_cache_files_are_fetched_again() {
     for _ in 0..12 {
         got.push(loader.next().await.expect("epoch 1").expect("a batch"));
     }
-    // Epoch 1 is over. The pump is blocked (window and queue full), so once
-    // the queued disk writes are done the tier stops changing; then damage
+    // Epoch 1 is over. Once the pump is blocked (window and queue full) and
+    // the queued disk writes are done, the tier stops changing; then damage
     // every file in it.
     let rec_files = || {
         std::fs::read_dir(&tier)
@@ -230,17 +230,9 @@ async fn damaged_disk_cache_files_are_fetched_again() {
             })
             .unwrap_or_default()
     };
-    let mut last = usize::MAX;
-    let mut stable = 0;
-    for _ in 0..500 {
-        let n = rec_files().len();
-        stable = if n == last { stable + 1 } else { 0 };
-        last = n;
-        if stable >= 10 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    tokio::time::timeout(Duration::from_secs(60), loader.settled())
+        .await
+        .expect("the loader comes to rest while nobody takes batches");
     let files = rec_files();
     for path in &files {
         std::fs::write(path, b"not a cache file").unwrap();

@@ -6,11 +6,14 @@
 //!   every shard from the workers' copies;
 //! * a server is stopped cleanly (SIGTERM path) with checkpoints and momentum:
 //!   final checkpoint, workers wait, restart, optimizer state restored;
-//! * a real `ps-server` process is killed with SIGKILL and started again;
+//! * a server dies after applying a step whose reply one worker never got:
+//!   that worker's retry must not count its gradient again;
 //! * a worker stopped by a signal says goodbye;
 //! * ends that must never be silent: no worker joins, a peer never arrives,
 //!   a server stays unreachable;
 //! * an attacker sends garbage and tries to impersonate ranks during training.
+//!
+//! A real `ps-server` process killed with SIGKILL is in `tests/process.rs`.
 //!
 //! "Updates lost" is counted from versions: in BSP every planned step must
 //! be applied exactly once, so it is the planned steps minus the shards'
@@ -18,6 +21,7 @@
 //! worker's step counter, a shard's version, a connection closing).
 
 use std::future::Future;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,10 +32,10 @@ use ps_server::core::RecoverySource;
 use ps_server::net::RunningServer;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataset::SyntheticSpec;
-use ps_shared::protocol::{ErrorCode, Request, Response, PROTOCOL_VERSION};
+use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, PROTOCOL_VERSION};
 use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{start_loopback_server, synthetic_bucket, test_config, TestPki};
-use ps_worker::comm::CommError;
+use ps_worker::comm::{Comm, CommError, Outgoing, ParamSource};
 use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
 
 const ACCURACY_BAR: f32 = 0.90;
@@ -213,16 +217,17 @@ async fn restart_server(
 ) -> (Vec<u64>, RunningServer, u32) {
     wait_steps(steps, at).await;
     let addr = first.local_addr();
+    let mut injected = 0;
     let held = if clean {
         let saved = first.shutdown().await;
+        injected += 1;
         saved.iter().map(|(_, v)| v.unwrap_or(0)).collect()
     } else {
         let held = first.status().await.iter().map(|s| s.version).collect();
         first.abort().await;
+        injected += 1;
         held
     };
-    // One fault injected: the stop or the kill above.
-    let injected = 1;
     let second = ps_server::net::start(setup_cfg, 0, addr, &pki.server)
         .await
         .expect("restart on the same address");
@@ -360,13 +365,16 @@ fn a_worker_stopped_by_a_signal_says_goodbye() {
             matches!(result, Err(WorkerError::Interrupted(_))),
             "{result:?}"
         );
+        // The worker had its goodbye acknowledged before it returned.
+        let goodbyes = server.finished_workers();
+        assert_eq!(goodbyes, 1);
         // Its goodbye makes the one-worker cluster finish cleanly.
         let outcome = tokio::time::timeout(RUN_LIMIT, server.wait())
             .await
             .expect("server stops");
         assert!(outcome.is_ok(), "{outcome:?}");
         println!(
-            "faults: worker signal: goodbyes received 1, server exit clean {}",
+            "faults: worker signal: goodbyes received {goodbyes}, server exit clean {}",
             outcome.is_ok()
         );
     });
@@ -550,5 +558,156 @@ fn garbage_and_impersonation_during_training_are_refused() {
             a.steps_short_of_workers + b.steps_short_of_workers,
             100.0 * a.final_accuracy
         );
+    });
+}
+
+fn hello(cfg: &ClusterConfig, rank: u32) -> Request {
+    Request::Hello {
+        protocol_version: PROTOCOL_VERSION,
+        token: cfg.cluster.token.clone(),
+        worker_rank: rank,
+        workers: cfg.cluster.workers as u32,
+        num_params: cfg.model.num_params() as u64,
+        layout_hash: cfg.model.layout_hash(),
+    }
+}
+
+/// A connection of worker `rank` that said Hello, driven by the test.
+async fn raw_worker(setup: &Setup, addr: std::net::SocketAddr, rank: u32) -> quinn::Connection {
+    let tls = setup.pki.worker(rank);
+    let ep = transport::client_endpoint(
+        &tls.ca_pem,
+        &tls.identity,
+        false,
+        &EndpointLimits::default(),
+    )
+    .expect("client endpoint");
+    let conn = transport::connect(&ep, addr, "localhost", Duration::from_secs(10))
+        .await
+        .expect("connect");
+    let (resp, _) = transport::call(
+        &conn,
+        &hello(&setup.cfg, rank),
+        setup.cfg.server.max_frame_bytes,
+    )
+    .await
+    .expect("hello");
+    assert!(matches!(resp, Response::Welcome { .. }), "{resp:?}");
+    conn
+}
+
+#[test]
+fn a_step_the_restarted_server_already_applied_is_not_pushed_again() {
+    // Rank 1 pushed step 0; the server applied it, replied to rank 0 and
+    // died before rank 1 had its reply. The restarted server recovers
+    // version 1 from rank 0's copy, so rank 1's retry must take the
+    // parameters after step 0 instead of pushing its gradient as step 1.
+    let mut cfg = config(1);
+    cfg.cluster.shards_per_server = 1;
+    // Bounds a push that wrongly waits at the barrier.
+    cfg.server.request_timeout_secs = 10.0;
+    cfg.validate().expect("valid config");
+    with_cluster(cfg, |mut setup| async move {
+        let first = setup.server();
+        let addr = first.local_addr();
+        let n = setup.cfg.model.num_params();
+        let limit = setup.cfg.server.max_frame_bytes;
+        let start = vec![0.0f32; n];
+        let held = start.clone();
+        let params: ParamSource = Rc::new(move || {
+            let held = held.clone();
+            Box::pin(async move { held })
+        });
+        let comm = Comm::connect(&setup.cfg, 1, setup.pki.worker(1), params)
+            .await
+            .expect("rank 1 connects");
+        let rank0 = raw_worker(&setup, addr, 0).await;
+        let offer = |version: u64, values: Vec<f32>| Request::Offer {
+            shard: 0,
+            version,
+            next_step: version,
+            values,
+        };
+        let (joined, offered) = futures::future::join(
+            comm.join(),
+            transport::call(&rank0, &offer(0, start.clone()), limit),
+        )
+        .await;
+        joined.expect("rank 1 joins");
+        let (resp, _) = offered.expect("rank 0 offers");
+        assert!(
+            matches!(resp, Response::Params { version: 0, .. }),
+            "{resp:?}"
+        );
+
+        // The server dies; a new one starts on the same address.
+        let mut injected = 0u32;
+        first.abort().await;
+        injected += 1;
+        let second = ps_server::net::start(&setup.cfg, 0, addr, &setup.pki.server)
+            .await
+            .expect("restart on the same address");
+        // Rank 0 holds version 1, the parameters after step 0.
+        let after_step0 = vec![-0.25f32; n];
+        let rank0 = raw_worker(&setup, addr, 0).await;
+        let (stepped, offered) = futures::future::join(
+            comm.step(Outgoing::Dense(vec![1.0; n])),
+            transport::call(&rank0, &offer(1, after_step0.clone()), limit),
+        )
+        .await;
+        let (updates, _) = stepped.expect("rank 1's step ends");
+        let (resp, _) = offered.expect("rank 0 offers");
+        assert!(
+            matches!(resp, Response::Params { version: 1, .. }),
+            "{resp:?}"
+        );
+        let status = second.status().await;
+        let pushes_counted = status[0].stats.pushes;
+        assert_eq!(
+            (status[0].version, pushes_counted, status[0].parked),
+            (1, 0, 0),
+            "rank 1's gradient of step 0 was counted again"
+        );
+        assert_eq!(
+            (comm.min_version(), comm.start_step(), comm.recoveries()),
+            (1, 1, 1)
+        );
+        // What rank 1 applies is version 1: the copy the server recovered.
+        match &updates[..] {
+            [u] => match &u.update {
+                ParamUpdate::Dense(v) => assert_eq!(v, &after_step0),
+                other => panic!("{other:?}"),
+            },
+            other => panic!("{other:?}"),
+        }
+
+        // Both go on in step: step 1 needs both pushes and gives version 2.
+        let push = Request::Step {
+            shard: 0,
+            step: 1,
+            have_version: Some(1),
+            grad: ps_shared::protocol::WireGrad::Dense(ps_shared::protocol::WireValues::F32(
+                vec![1.0; n],
+            )),
+        };
+        let (stepped, pushed) = futures::future::join(
+            comm.step(Outgoing::Dense(vec![1.0; n])),
+            transport::call(&rank0, &push, limit),
+        )
+        .await;
+        stepped.expect("step 1 of rank 1");
+        let (resp, _) = pushed.expect("step 1 of rank 0");
+        assert!(
+            matches!(resp, Response::Params { version: 2, .. }),
+            "{resp:?}"
+        );
+        assert_eq!(comm.min_version(), 2);
+        let status = second.status().await;
+        assert_eq!((status[0].version, status[0].stats.pushes), (2, 2));
+        println!(
+            "faults: step applied before a server crash: faults injected {injected}, rank 1's retry pushed {pushes_counted} gradients to the restarted server (its step 0 was already in version 1), then both ranks reached version {}",
+            status[0].version
+        );
+        second.abort().await;
     });
 }

@@ -17,6 +17,8 @@ use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{start_loopback_server, test_config, TestPki};
 
 const CONNECT: Duration = Duration::from_secs(10);
+/// Upper bound on waiting for an event, so a bug cannot hang the suite.
+const EVENT_BOUND: Duration = Duration::from_secs(60);
 
 fn hello(cfg: &ClusterConfig, rank: u32) -> Request {
     Request::Hello {
@@ -262,6 +264,78 @@ fn unauthenticated_connections_are_capped_and_timed_out() {
         println!(
             "limits: {} idle connections closed at the Hello deadline, 1 over the cap refused, then a worker was welcomed",
             idle.len()
+        );
+        server.abort().await;
+    });
+}
+
+#[test]
+fn a_parked_reply_is_dropped_when_its_connection_closes() {
+    // Two ranks, so rank 0's push waits at the barrier for rank 1's.
+    let cfg = test_config(CompressionKind::Topk, 0.01, 1);
+    let pki = TestPki::new(2);
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = start_loopback_server(&cfg, &pki).await;
+        let addr = server.local_addr();
+        let limit = cfg.server.max_frame_bytes;
+        let mut conns = Vec::new();
+        let mut shard0 = None;
+        for rank in 0..2 {
+            let conn = connect_as(&pki, rank, addr).await;
+            let (resp, _) = transport::call(&conn, &hello(&cfg, rank), limit).await.unwrap();
+            let Response::Welcome { shards, .. } = resp else {
+                panic!("rank {rank} was not welcomed: {resp:?}");
+            };
+            shard0 = shards.into_iter().find(|s| s.shard == 0);
+            conns.push(conn);
+        }
+        let shard0 = shard0.expect("the server holds shard 0");
+        let n = (shard0.hi - shard0.lo) as usize;
+        // Both ranks offer their copy, so shard 0 starts serving.
+        let offer = Request::Offer { shard: 0, version: 0, next_step: 0, values: vec![0.5; n] };
+        let offers = conns.iter().map(|c| transport::call(c, &offer, limit));
+        for resp in futures::future::join_all(offers).await {
+            let (resp, _) = resp.unwrap();
+            assert!(matches!(resp, Response::Params { version: 0, .. }), "{resp:?}");
+        }
+        let push = |grad_at: u32| Request::Step {
+            shard: 0,
+            step: 0,
+            have_version: Some(0),
+            grad: WireGrad::Sparse { indices: vec![grad_at], values: WireValues::F32(vec![1.0]) },
+        };
+        // Rank 0 pushes step 0; its reply waits for rank 1 at the barrier.
+        let conn0 = conns[0].clone();
+        let first = push(1);
+        let pending = tokio::task::spawn_local(async move { transport::call(&conn0, &first, limit).await });
+        let waiting = tokio::time::timeout(EVENT_BOUND, server.waiting_replies(0, |n| *n == 1))
+            .await
+            .expect("the push reached the shard");
+        assert_eq!(waiting, Some(1));
+        let before = server.status().await.into_iter().find(|s| s.shard == 0).unwrap();
+        assert_eq!((before.parked, before.waiting_replies, before.version), (1, 1, 0));
+
+        // Rank 0 goes away with its reply still parked.
+        conns[0].close(0u32.into(), b"gone");
+        let released = tokio::time::timeout(EVENT_BOUND, server.waiting_replies(0, |n| *n == 0))
+            .await
+            .expect("the closed connection's reply slot was released");
+        assert_eq!(released, Some(0));
+        let after = server.status().await.into_iter().find(|s| s.shard == 0).unwrap();
+        assert_eq!((after.parked, after.waiting_replies, after.version), (0, 0, 0));
+        let answered = pending.await.expect("the client task ran");
+        assert!(answered.is_err(), "a closed connection got a reply: {answered:?}");
+
+        // The shard goes on: rank 1's push completes the step (rank 0's push
+        // was counted before it left).
+        let (resp, _) = transport::call(&conns[1], &push(2), limit).await.unwrap();
+        assert!(matches!(resp, Response::Params { version: 1, .. }), "{resp:?}");
+        let last = server.status().await.into_iter().find(|s| s.shard == 0).unwrap();
+        assert_eq!((last.parked, last.waiting_replies), (0, 0));
+        println!(
+            "parked reply: shard 0 held {} parked ({} reply slots) before rank 0 closed, {} ({} slots) after; rank 1 then completed version {}",
+            before.parked, before.waiting_replies, after.parked, after.waiting_replies, last.version
         );
         server.abort().await;
     });

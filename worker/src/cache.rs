@@ -46,7 +46,7 @@ use bytes::Bytes;
 use moka::future::Cache;
 use moka::policy::EvictionPolicy;
 use serde::Serialize;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 /// Key of a cached sample: its index in the training split.
 pub type SampleKey = u64;
@@ -364,6 +364,8 @@ pub struct DiskTier {
     lanes: Vec<mpsc::Sender<DiskOp>>,
     threads: Vec<JoinHandle<()>>,
     failed: Arc<Mutex<Vec<SampleKey>>>,
+    /// Operations queued and not finished yet.
+    pending: Arc<watch::Sender<usize>>,
 }
 
 impl DiskTier {
@@ -376,15 +378,17 @@ impl DiskTier {
         std::fs::create_dir_all(dir).map_err(io)?;
         remove_cache_files(dir).map_err(io)?;
         let failed = Arc::new(Mutex::new(Vec::new()));
+        let pending = Arc::new(watch::Sender::new(0usize));
         let mut lanes = Vec::new();
         let mut threads = Vec::new();
         for lane in 0..DISK_LANES {
             let (tx, rx) = mpsc::channel();
             let dir = dir.to_path_buf();
             let failed = failed.clone();
+            let pending = pending.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("disk-cache-{lane}"))
-                .spawn(move || disk_lane(lane, &dir, &rx, &failed))
+                .spawn(move || disk_lane(lane, &dir, &rx, &failed, &pending))
                 .map_err(io)?;
             lanes.push(tx);
             threads.push(handle);
@@ -394,6 +398,27 @@ impl DiskTier {
             lanes,
             threads,
             failed,
+            pending,
+        })
+    }
+
+    /// The number of queued operations not finished yet, to wait on (it
+    /// changes as they are queued and as they finish).
+    pub fn pending_ops(&self) -> watch::Receiver<usize> {
+        self.pending.subscribe()
+    }
+
+    /// Queue `op` on its lane; the count of pending operations covers it
+    /// until the lane is done with it. Gives the operation back when the
+    /// lane is gone.
+    fn queue(&self, key: SampleKey, op: DiskOp) -> Result<(), DiskOp> {
+        let Some(lane) = self.lane(key) else {
+            return Err(op);
+        };
+        self.pending.send_modify(|n| *n += 1);
+        lane.send(op).map_err(|mpsc::SendError(op)| {
+            self.pending.send_modify(|n| *n -= 1);
+            op
         })
     }
 
@@ -413,10 +438,7 @@ impl DiskTier {
 
     /// Queues a write; a failure shows up in [`DiskTier::take_failed`].
     pub fn write(&self, key: SampleKey, bytes: Bytes) {
-        let sent = self
-            .lane(key)
-            .is_some_and(|l| l.send(DiskOp::Write(key, bytes)).is_ok());
-        if !sent {
+        if self.queue(key, DiskOp::Write(key, bytes)).is_err() {
             self.note_failed(key);
         }
     }
@@ -424,19 +446,15 @@ impl DiskTier {
     /// Queues a read; the answer arrives on the returned channel.
     pub fn read(&self, key: SampleKey) -> oneshot::Receiver<Result<Bytes, CacheError>> {
         let (tx, rx) = oneshot::channel();
-        if let Some(lane) = self.lane(key) {
-            if let Err(mpsc::SendError(DiskOp::Read(_, tx))) = lane.send(DiskOp::Read(key, tx)) {
-                let _ = tx.send(Err(CacheError::Closed));
-            }
+        if let Err(DiskOp::Read(_, tx)) = self.queue(key, DiskOp::Read(key, tx)) {
+            let _ = tx.send(Err(CacheError::Closed));
         }
         rx
     }
 
     /// Queues a delete (a missing file is fine).
     pub fn delete(&self, key: SampleKey) {
-        if let Some(lane) = self.lane(key) {
-            let _ = lane.send(DiskOp::Delete(key));
-        }
+        let _ = self.queue(key, DiskOp::Delete(key));
     }
 
     /// Keys whose writes failed since the last call.
@@ -485,31 +503,42 @@ fn record_path(dir: &Path, key: SampleKey) -> PathBuf {
     dir.join(format!("{key:016x}.rec"))
 }
 
-fn disk_lane(lane: usize, dir: &Path, rx: &mpsc::Receiver<DiskOp>, failed: &Mutex<Vec<SampleKey>>) {
+fn disk_lane(
+    lane: usize,
+    dir: &Path,
+    rx: &mpsc::Receiver<DiskOp>,
+    failed: &Mutex<Vec<SampleKey>>,
+    pending: &watch::Sender<usize>,
+) {
     let mut seq = 0u64;
     while let Ok(op) = rx.recv() {
-        match op {
-            DiskOp::Write(key, bytes) => {
-                seq += 1;
-                let tmp = dir.join(format!("{key:016x}.{lane}-{seq}.tmp"));
-                if let Err(e) = write_file(&tmp, &record_path(dir, key), &bytes) {
-                    tracing::warn!("disk cache write of sample {key} failed: {e}");
-                    let _ = std::fs::remove_file(&tmp);
-                    match failed.lock() {
-                        Ok(mut g) => g.push(key),
-                        Err(poisoned) => poisoned.into_inner().push(key),
-                    }
+        disk_op(lane, dir, op, &mut seq, failed);
+        pending.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+fn disk_op(lane: usize, dir: &Path, op: DiskOp, seq: &mut u64, failed: &Mutex<Vec<SampleKey>>) {
+    match op {
+        DiskOp::Write(key, bytes) => {
+            *seq += 1;
+            let tmp = dir.join(format!("{key:016x}.{lane}-{seq}.tmp"));
+            if let Err(e) = write_file(&tmp, &record_path(dir, key), &bytes) {
+                tracing::warn!("disk cache write of sample {key} failed: {e}");
+                let _ = std::fs::remove_file(&tmp);
+                match failed.lock() {
+                    Ok(mut g) => g.push(key),
+                    Err(poisoned) => poisoned.into_inner().push(key),
                 }
             }
-            DiskOp::Read(key, reply) => {
-                let _ = reply.send(read_file(&record_path(dir, key)));
-            }
-            DiskOp::Delete(key) => {
-                let path = record_path(dir, key);
-                if let Err(e) = std::fs::remove_file(&path) {
-                    if e.kind() != std::io::ErrorKind::NotFound {
-                        tracing::warn!("disk cache: cannot remove {}: {e}", path.display());
-                    }
+        }
+        DiskOp::Read(key, reply) => {
+            let _ = reply.send(read_file(&record_path(dir, key)));
+        }
+        DiskOp::Delete(key) => {
+            let path = record_path(dir, key);
+            if let Err(e) = std::fs::remove_file(&path) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!("disk cache: cannot remove {}: {e}", path.display());
                 }
             }
         }

@@ -514,6 +514,8 @@ impl Comm {
                 .collect(),
         };
         let n = per_shard.len();
+        // The step this call pushes to each shard.
+        let pushed_steps: Vec<u64> = self.next_steps.borrow().clone();
         let round_trips_before = self.round_trips.get();
         let mut results: Vec<Option<ShardReply>> = (0..n).map(|_| None).collect();
         let mut pending: Vec<usize> = (0..n).collect();
@@ -591,14 +593,18 @@ impl Comm {
                 last.unwrap_or_default()
             );
             // A lost server: reconnect, offer every shard it serves, then send
-            // all of them the step again (the server answers an applied step
-            // with the current parameters, so nothing is counted twice).
+            // the step again to each shard that has not applied it yet. A
+            // shard whose recovered copy is past this step (the server
+            // applied it and died before this worker had the reply) answers
+            // the offer with the parameters after it: that is this step's
+            // reply, and pushing the gradient again would count it twice.
             let params = if failed_links.is_empty() {
                 Vec::new()
             } else {
                 (self.params)().await
             };
             pending = retry;
+            let mut applied = std::collections::BTreeSet::new();
             for link in failed_links {
                 self.reconnect(link, stopping.contains(&link)).await?;
                 let shards: Vec<usize> = (0..n).filter(|s| self.route[*s] == link).collect();
@@ -607,16 +613,22 @@ impl Comm {
                 for &s in &shards {
                     if results[s].take().is_some() {
                         self.versions.borrow_mut()[s] = self.held_before(s);
+                        self.next_steps.borrow_mut()[s] = pushed_steps[s];
                     }
                 }
                 let offers = try_join_all(shards.iter().map(|&s| self.offer(s, &params))).await?;
                 for (&s, reply) in shards.iter().zip(offers) {
                     self.versions.borrow_mut()[s] = Some(reply.version);
                     self.next_steps.borrow_mut()[s] = reply.next_step;
+                    if reply.next_step > pushed_steps[s] {
+                        applied.insert(s);
+                    } else {
+                        pending.push(s);
+                    }
                     results[s] = Some(reply);
                 }
-                pending.extend(shards);
             }
+            pending.retain(|s| !applied.contains(s));
             pending.sort_unstable();
             pending.dedup();
         }

@@ -59,14 +59,14 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix::prelude::*;
 use bytes::Bytes;
 use serde::Serialize;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use ps_shared::config::ClusterConfig;
@@ -525,6 +525,13 @@ struct Shared {
     stats: Arc<LoaderStats>,
     finished: AtomicBool,
     failure: Mutex<Option<String>>,
+    /// Batches the trainer has taken.
+    taken: AtomicU64,
+    /// `Some(t)`: the pump can do nothing until the trainer takes a batch
+    /// (nothing in flight, the queue of ready batches full), as seen when
+    /// `t` batches had been taken; `u64::MAX` once it has ended. `None`:
+    /// busy.
+    rest: watch::Sender<Option<u64>>,
 }
 
 impl Shared {
@@ -580,6 +587,7 @@ impl Pump {
         } = self;
         // Clean the disk tier up before the trainer can see the end.
         drop(cache);
+        shared.rest.send_replace(Some(u64::MAX));
         match outcome {
             Ok(()) => shared.finished.store(true, Ordering::SeqCst),
             Err(e) => {
@@ -612,6 +620,13 @@ impl Pump {
             }
             let front_complete = self.front_complete();
             let tx = self.tx.clone();
+            // Read `taken` before looking at the queue: a batch taken after
+            // that makes this `rest` stale (see `Loader::settled`).
+            let taken = self.shared.taken.load(Ordering::SeqCst);
+            let rest = (self.tasks.is_empty() && self.tx.capacity() == 0).then_some(taken);
+            self.shared
+                .rest
+                .send_if_modified(|r| std::mem::replace(r, rest) != rest);
             tokio::select! {
                 done = self.tasks.join_next(), if !self.tasks.is_empty() => match done {
                     Some(Ok(done)) => self.complete(done).await?,
@@ -966,6 +981,8 @@ pub struct Loader {
     shared: Arc<Shared>,
     steps_per_epoch: usize,
     task: JoinHandle<()>,
+    /// Operations queued on the disk tier and not finished, if there is one.
+    disk_ops: Option<watch::Receiver<usize>>,
 }
 
 impl Loader {
@@ -988,11 +1005,14 @@ impl Loader {
         }
         let next = (steps > 0 && first.0 < settings.epochs).then_some(first);
         let cache = TieredCache::new(settings.memory_cache_bytes, settings.disk_cache.clone())?;
+        let disk_ops = cache.disk().map(|d| d.pending_ops());
         let (tx, rx) = mpsc::channel(settings.ready_batches);
         let shared = Arc::new(Shared {
             stats: Arc::new(LoaderStats::default()),
             finished: AtomicBool::new(false),
             failure: Mutex::new(None),
+            taken: AtomicU64::new(0),
+            rest: watch::Sender::new(None),
         });
         let window = PrefetchWindow {
             lookahead_samples: settings.lookahead_samples,
@@ -1026,6 +1046,7 @@ impl Loader {
             shared,
             steps_per_epoch: steps,
             task,
+            disk_ops,
         })
     }
 
@@ -1050,12 +1071,34 @@ impl Loader {
         self.shared.stats.clone()
     }
 
+    /// Resolves once the loader is at rest while nobody takes batches: the
+    /// pump waits for the trainer with nothing in flight and the ready
+    /// queue full (or has ended), and the disk tier has finished every
+    /// operation it was given. Until the next batch is taken, the caches do
+    /// not change.
+    pub async fn settled(&self) {
+        let shared = &self.shared;
+        let mut rest = shared.rest.subscribe();
+        let _ = rest
+            .wait_for(|r| {
+                r.is_some_and(|t| t == u64::MAX || t == shared.taken.load(Ordering::SeqCst))
+            })
+            .await;
+        if let Some(ops) = &self.disk_ops {
+            let mut ops = ops.clone();
+            let _ = ops.wait_for(|n| *n == 0).await;
+        }
+    }
+
     /// The next batch in order, `None` after the last one. After an error
     /// every later call fails too.
     pub async fn next(&self) -> Result<Option<(BatchPos, Arc<Batch>)>, LoaderError> {
         let mut rx = self.rx.lock().await;
         match rx.recv().await {
-            Some(Ok(item)) => Ok(Some(item)),
+            Some(Ok(item)) => {
+                self.shared.taken.fetch_add(1, Ordering::SeqCst);
+                Ok(Some(item))
+            }
             Some(Err(e)) => Err(e),
             None if self.shared.finished.load(Ordering::SeqCst) => Ok(None),
             None => {

@@ -152,9 +152,12 @@ struct RunResult {
     wall_s: f64,
     /// Request/reply round trips per worker per step per shard.
     round_trips_per_step_per_shard: f64,
-    /// CPU time of the shard threads per applied update (aggregation, the
-    /// update itself when it runs on that thread, replies).
+    /// Server CPU time per applied update: the shard threads (aggregation,
+    /// replies, sparse updates) plus the dense updates' work on the rayon
+    /// pool threads.
     server_cpu_ms_per_update: f64,
+    /// The rayon pool's part of `server_cpu_ms_per_update`.
+    server_pool_cpu_ms_per_update: f64,
     /// Share of updates that touched only the pushed entries.
     sparse_update_share: f64,
 }
@@ -272,6 +275,14 @@ fn measure(
             let cpu: f64 = shards.iter().map(|s| s.cpu.as_secs_f64()).sum();
             1e3 * cpu / updates.max(1) as f64
         },
+        server_pool_cpu_ms_per_update: {
+            let updates: u64 = shards.iter().map(|s| s.stats.updates).sum();
+            let pool: f64 = shards
+                .iter()
+                .map(|s| s.stats.update_pool_cpu.as_secs_f64())
+                .sum();
+            1e3 * pool / updates.max(1) as f64
+        },
         sparse_update_share: {
             let updates: u64 = shards.iter().map(|s| s.stats.updates).sum();
             let sparse: u64 = shards.iter().map(|s| s.stats.sparse_updates).sum();
@@ -372,15 +383,20 @@ fn run() -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "{:<11} {:>22} {:>24} {:>14}",
-        "run", "round trips/step/shard", "server CPU ms/update", "sparse updates"
+        "{:<11} {:>22} {:>24} {:>18} {:>14}",
+        "run",
+        "round trips/step/shard",
+        "server CPU ms/update",
+        "of it rayon pool",
+        "sparse updates"
     );
     for r in &results {
         println!(
-            "{:<11} {:>22.3} {:>24.3} {:>13.0}%",
+            "{:<11} {:>22.3} {:>24.3} {:>18.3} {:>13.0}%",
             r.name,
             r.round_trips_per_step_per_shard,
             r.server_cpu_ms_per_update,
+            r.server_pool_cpu_ms_per_update,
             100.0 * r.sparse_update_share
         );
     }

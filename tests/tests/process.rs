@@ -1,0 +1,404 @@
+//! A real `ps-server` process killed with SIGKILL in the middle of a
+//! training run and started again on the same port.
+//!
+//! The server runs as a child process with a config file, certificates that
+//! `ps-server certs` wrote, and file:// checkpoints every few updates; two
+//! workers train in this process. Once worker 0 has done a number of steps
+//! and every shard has published a checkpoint, the process is killed with
+//! SIGKILL (no goodbye, no final checkpoint, connections left to time out)
+//! and the same binary is started again. The workers must reconnect, the
+//! new process must rebuild every shard from the workers' copies (the newest
+//! version on which they agree, newer than its checkpoint), and the run must
+//! finish with every planned update applied exactly once. Nothing waits on a
+//! sleep: the test waits on the workers' step counters, the child's log
+//! lines and its exit.
+#![cfg(unix)]
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{mpsc, watch};
+
+use ps_shared::config::{ClusterConfig, CompressionKind, TOKEN_ENV};
+use ps_shared::dataset::SyntheticSpec;
+use ps_shared::pki::CertPair;
+use ps_shared::transport::read_pem;
+use ps_tests::{synthetic_bucket, test_config};
+use ps_worker::comm::WorkerTls;
+use ps_worker::run::{run_worker, WorkerOptions};
+
+const ACCURACY_BAR: f32 = 0.90;
+/// Upper bound on every wait, so a bug cannot hang the suite.
+const RUN_LIMIT: Duration = Duration::from_secs(300);
+const EPOCHS: u64 = 6;
+const STEPS_PER_EPOCH: u64 = 4096 / 2 / 64;
+/// Worker 0's step count at which the server is killed.
+const KILL_AT: u64 = 50;
+const CHECKPOINT_EVERY: u64 = 20;
+const SIGKILL: i32 = 9;
+
+/// The `ps-server` binary of the build this test belongs to.
+///
+/// Cargo builds a package's binaries only for that package's own
+/// integration tests (`CARGO_BIN_EXE_<name>`), never for a package that
+/// depends on it, and artifact dependencies are not stable. ps-tests
+/// depends on the ps-server library; the ps-server binary comes from the
+/// ps-server package's own integration test (`server/tests/cli.rs`), which
+/// makes `cargo test --workspace` (and `cargo test -p ps-server`) build it
+/// into the target profile directory this test runs from:
+/// `<target>/<profile>/deps/process-<hash>` next to `<target>/<profile>/ps-server`.
+/// Running cargo from inside the test instead would rebuild with the test's
+/// environment (cargo fingerprints depend on it) and contend with the outer
+/// build. So the test takes that binary, and refuses it when it is missing
+/// or older than a source file it was built from (its dep-info file
+/// `ps-server.d` lists them), rather than test stale code.
+fn server_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test runs from <target>/<profile>/deps");
+    let bin = profile_dir.join("ps-server");
+    let hint = "build it with `cargo build -p ps-server` in the same profile \
+                (`cargo test --workspace` builds it)";
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
+    let deps = std::fs::read_to_string(profile_dir.join("ps-server.d")).unwrap_or_default();
+    let sources = deps.split_once(": ").map(|(_, s)| s).unwrap_or("");
+    for source in sources.split_whitespace() {
+        let changed = std::fs::metadata(source)
+            .and_then(|m| m.modified())
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        assert!(
+            changed <= built,
+            "{} is older than {source}; {hint}",
+            bin.display()
+        );
+    }
+    bin
+}
+
+/// A `ps-server` child process whose log lines (stderr) the test reads.
+struct ServerProcess {
+    child: Child,
+    lines: mpsc::UnboundedReceiver<String>,
+    /// Every line read so far.
+    log: Vec<String>,
+}
+
+impl ServerProcess {
+    fn start(bin: &Path, config: &Path, token: &str) -> Self {
+        let mut child = Command::new(bin)
+            .arg("--config")
+            .arg(config)
+            .arg("run")
+            .env(TOKEN_ENV, token)
+            .env("STRATUS_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (tx, lines) = mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines,
+            log: Vec::new(),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Wait until the lines logged so far satisfy `done`; fails when the
+    /// process ends first.
+    async fn wait_for(&mut self, what: &str, done: impl Fn(&[String]) -> bool) {
+        while !done(&self.log) {
+            match tokio::time::timeout(RUN_LIMIT, self.lines.recv()).await {
+                Ok(Some(line)) => self.log.push(line),
+                Ok(None) => panic!("ps-server ended before {what}:\n{}", self.log.join("\n")),
+                Err(_) => panic!("ps-server did not get to {what}:\n{}", self.log.join("\n")),
+            }
+        }
+    }
+
+    /// Kill the process with SIGKILL and reap it.
+    fn kill(mut self) -> (ExitStatus, Vec<String>) {
+        self.child.kill().expect("SIGKILL ps-server");
+        let status = self.child.wait().expect("reap ps-server");
+        while let Ok(line) = self.lines.try_recv() {
+            self.log.push(line);
+        }
+        (status, self.log)
+    }
+
+    /// Wait for the process to exit by itself; returns its status and log.
+    async fn exit(mut self) -> (ExitStatus, Vec<String>) {
+        // Its stderr closes when it exits.
+        while let Ok(Some(line)) = tokio::time::timeout(RUN_LIMIT, self.lines.recv()).await {
+            self.log.push(line);
+        }
+        let mut child = self.child;
+        let status =
+            tokio::time::timeout(RUN_LIMIT, tokio::task::spawn_blocking(move || child.wait()))
+                .await
+                .expect("ps-server exits")
+                .expect("wait task")
+                .expect("reap ps-server");
+        (status, self.log)
+    }
+}
+
+fn lines_with<'a>(log: &'a [String], needle: &'a str) -> impl Iterator<Item = &'a String> {
+    log.iter().filter(move |l| l.contains(needle))
+}
+
+/// `key: value` inside a `Debug`-formatted struct on a log line.
+fn debug_field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let tag = format!(" {key}: ");
+    let start = line.find(&tag)? + tag.len();
+    let rest = &line[start..];
+    let end = rest.find([',', ' ', '}']).unwrap_or(rest.len());
+    Some(&rest[..end])
+}
+
+/// `key=value` of a log line's fields.
+fn log_field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let tag = format!(" {key}=");
+    let start = line.find(&tag)? + tag.len();
+    let rest = &line[start..];
+    Some(rest.split_whitespace().next().unwrap_or(""))
+}
+
+fn number(text: Option<&str>) -> Option<u64> {
+    text?.parse().ok()
+}
+
+/// What a shard of the restarted process logged when it decided where it
+/// starts ("shard starts ... report=RecoveryReport { .. }").
+#[derive(Debug)]
+struct Recovered {
+    shard: u64,
+    source: String,
+    version: u64,
+    offers: u64,
+    conflicting: u64,
+    updates_lost: u64,
+    checkpoint_version: Option<u64>,
+}
+
+fn recoveries(log: &[String]) -> Vec<Recovered> {
+    let mut out: Vec<Recovered> = lines_with(log, "shard starts")
+        .map(|l| Recovered {
+            shard: number(debug_field(l, "shard")).expect("shard"),
+            source: debug_field(l, "source").expect("source").to_string(),
+            version: number(debug_field(l, "version")).expect("version"),
+            offers: number(debug_field(l, "offers")).expect("offers"),
+            conflicting: number(debug_field(l, "conflicting")).expect("conflicting"),
+            updates_lost: number(debug_field(l, "updates_lost")).expect("updates_lost"),
+            checkpoint_version: debug_field(l, "checkpoint_version")
+                .and_then(|v| v.strip_prefix("Some("))
+                .and_then(|v| v.strip_suffix(')'))
+                .and_then(|v| v.parse().ok()),
+        })
+        .collect();
+    out.sort_by_key(|r| r.shard);
+    out
+}
+
+/// The shards that published a checkpoint, with the newest version each.
+fn published(log: &[String]) -> std::collections::BTreeMap<u64, u64> {
+    let mut newest = std::collections::BTreeMap::new();
+    for line in lines_with(log, "checkpoint published") {
+        if let (Some(shard), Some(version)) = (
+            number(log_field(line, "shard")),
+            number(log_field(line, "version")),
+        ) {
+            let v = newest.entry(shard).or_insert(0);
+            *v = version.max(*v);
+        }
+    }
+    newest
+}
+
+/// The cluster config: one server on `port` of loopback, certificates and
+/// checkpoints under `dir`.
+fn config(dir: &Path, port: u16) -> ClusterConfig {
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, EPOCHS);
+    cfg.cluster.servers = vec![format!("127.0.0.1:{port}")];
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 5.0;
+    cfg.server.connect_timeout_secs = 30;
+    cfg.server.recovery_window_secs = 5.0;
+    let checkpoints = dir.join("checkpoints");
+    std::fs::create_dir_all(&checkpoints).expect("checkpoint directory");
+    cfg.server.checkpoint_url = format!("file://{}", checkpoints.display());
+    cfg.server.checkpoint_every = CHECKPOINT_EVERY;
+    let certs = dir.join("certs");
+    cfg.tls.ca = certs.join("ca.pem");
+    cfg.tls.ca_key = certs.join("ca.key");
+    cfg.tls.cert = certs.join("server.pem");
+    cfg.tls.key = certs.join("server.key");
+    cfg.tls.worker_cert = certs.join("worker-{rank}.pem").display().to_string();
+    cfg.tls.worker_key = certs.join("worker-{rank}.key").display().to_string();
+    cfg.tls.generate_if_missing = false;
+    cfg.validate().expect("valid config");
+    cfg
+}
+
+/// Worker `rank`'s TLS material, from the files `ps-server certs` wrote.
+fn worker_tls(cfg: &ClusterConfig, rank: u32) -> WorkerTls {
+    let (cert, key) = cfg.tls.worker_paths(rank);
+    WorkerTls {
+        ca_pem: read_pem(&cfg.tls.ca).expect("CA certificate"),
+        identity: CertPair::read(&cert, &key).expect("worker certificate"),
+    }
+}
+
+fn options(cfg: &ClusterConfig, rank: u32) -> WorkerOptions {
+    WorkerOptions {
+        rank,
+        tls: worker_tls(cfg, rank),
+        progress: false,
+        epoch_lines: false,
+        crash_after_steps: None,
+        stop: None,
+        steps_done: None,
+    }
+}
+
+#[test]
+fn a_killed_server_process_restarts_and_no_update_is_lost() {
+    let bin = server_binary();
+    let dir = tempfile::tempdir().expect("temp dir");
+    // A free UDP port on loopback; both server processes bind it.
+    let port = {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port");
+        socket.local_addr().expect("its address").port()
+    };
+    let cfg = config(dir.path(), port);
+    let config_path = dir.path().join("cluster.toml");
+    // The token goes to the process through the environment.
+    std::fs::write(&config_path, cfg.to_redacted_toml().expect("toml")).expect("write config");
+    let token = cfg.cluster.token.clone();
+    let certs = Command::new(&bin)
+        .arg("--config")
+        .arg(&config_path)
+        .arg("certs")
+        .env(TOKEN_ENV, &token)
+        .output()
+        .expect("run ps-server certs");
+    assert!(
+        certs.status.success(),
+        "ps-server certs: {}",
+        String::from_utf8_lossy(&certs.stderr)
+    );
+
+    let spec = SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    };
+    let planned = EPOCHS * STEPS_PER_EPOCH;
+    let system = actix::System::new();
+    system.block_on(async move {
+        let (store, prefix) = synthetic_bucket(&spec).await;
+        let mut first = ServerProcess::start(&bin, &config_path, &token);
+        first
+            .wait_for("listening", |log| {
+                lines_with(log, "ps-server listening").next().is_some()
+            })
+            .await;
+        let first_pid = first.pid();
+        let (steps_tx, mut steps) = watch::channel(0);
+        let o0 = WorkerOptions {
+            steps_done: Some(steps_tx),
+            ..options(&cfg, 0)
+        };
+        let workers = futures::future::join(
+            run_worker(&cfg, o0, store.clone(), prefix.clone()),
+            run_worker(&cfg, options(&cfg, 1), store.clone(), prefix.clone()),
+        );
+        let mut injected = 0u32;
+        let chaos = async {
+            // Copy the value out: a held watch::Ref would block the worker.
+            let reached = tokio::time::timeout(RUN_LIMIT, steps.wait_for(|s| *s >= KILL_AT))
+                .await
+                .map(|r| r.map(|v| *v));
+            assert!(
+                matches!(reached, Ok(Ok(_))),
+                "worker 0 never reached step {KILL_AT}"
+            );
+            // Every shard has a checkpoint on disk before the kill.
+            first
+                .wait_for("a checkpoint of every shard", |log| {
+                    published(log).len() == cfg.total_shards()
+                })
+                .await;
+            let step_at_kill = *steps.borrow();
+            let (status, log) = first.kill();
+            injected += 1;
+            let second = ServerProcess::start(&bin, &config_path, &token);
+            (step_at_kill, status, published(&log), second)
+        };
+        let ((a, b), (step_at_kill, killed, saved, second)) =
+            tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
+                .await
+                .expect("the run finished in time");
+        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
+        // Both workers said goodbye, so the new process exits by itself.
+        let (exited, log) = second.exit().await;
+
+        assert_eq!(killed.signal(), Some(SIGKILL), "{killed:?}");
+        assert!(exited.success(), "restarted ps-server: {exited:?}\n{}", log.join("\n"));
+        let recovered = recoveries(&log);
+        assert_eq!(recovered.len(), cfg.total_shards(), "{}", log.join("\n"));
+        for r in &recovered {
+            assert_eq!(r.source, "Workers", "{r:?}");
+            assert_eq!((r.updates_lost, r.conflicting), (0, 0), "{r:?}");
+            assert!(r.version >= step_at_kill, "{r:?} (killed at step {step_at_kill})");
+            let found = r.checkpoint_version.expect("the checkpoint was found");
+            assert!(found <= r.version && found >= CHECKPOINT_EVERY, "{r:?}");
+            // At least the newest checkpoint the killed process said it
+            // published (a write may have ended just before the kill).
+            let said = saved.get(&r.shard).copied().unwrap_or(0);
+            assert!(found >= said, "{r:?} vs published {saved:?}");
+        }
+        assert_eq!((a.steps, b.steps), (planned, planned));
+        let final_version = a.final_version.min(b.final_version);
+        let lost = planned - final_version;
+        assert_eq!(lost, 0, "every planned step was applied once");
+        assert_eq!((a.final_version, b.final_version), (planned, planned));
+        assert!(a.recoveries > 0 && b.recoveries > 0, "both workers reconnected");
+        for r in [&a, &b] {
+            assert!(r.final_accuracy > ACCURACY_BAR, "accuracy {}", r.final_accuracy);
+        }
+        println!(
+            "process: ps-server pid {first_pid} killed with SIGKILL (signal {}) at worker step {step_at_kill} and started again on 127.0.0.1:{port}: faults injected {injected}, shards recovered from the workers' copies at versions {:?} from {} offers (checkpoints found at {:?}), updates lost {lost}, final version {final_version} of {planned} planned, reconnects {}+{}, accuracy {:.2}% / {:.2}%",
+            killed.signal().unwrap_or(0),
+            recovered.iter().map(|r| r.version).collect::<Vec<_>>(),
+            recovered.iter().map(|r| r.offers).sum::<u64>(),
+            recovered.iter().map(|r| r.checkpoint_version).collect::<Vec<_>>(),
+            a.recoveries,
+            b.recoveries,
+            100.0 * a.final_accuracy,
+            100.0 * b.final_accuracy
+        );
+    });
+}

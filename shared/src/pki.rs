@@ -554,15 +554,15 @@ pub fn ensure_cluster_pki(
     let mut report = PkiReport::default();
     let reuse_ca = existing == Existing::Check && paths.ca_cert.exists() && paths.ca_key.exists();
     let ca = if reuse_ca {
-        load_ca(paths)?
-    } else {
-        new_ca(paths, &mut report)?
-    };
-    if reuse_ca {
+        let ca = load_ca(paths)?;
         report
             .kept
             .extend([paths.ca_cert.clone(), paths.ca_key.clone()]);
-    }
+        ca
+    } else {
+        new_ca(paths, &mut report)?
+    };
+    let keep_names = existing == Existing::Check;
     for (cert, key, role) in &leaves {
         let both = cert.exists() && key.exists();
         if reuse_ca && both {
@@ -575,7 +575,6 @@ pub fn ensure_cluster_pki(
                 Err(why) => tracing::warn!("{}: {why}; issuing a new certificate", cert.display()),
             }
         }
-        let keep_names = existing == Existing::Check;
         issue_leaf(&ca, cert, key, role, keep_names, &mut report)?;
     }
     Ok(report)

@@ -10,7 +10,10 @@
 # accuracy bar, print a summary, and remove everything it created
 # (containers, network, volumes, image), also on failure or Ctrl-C.
 #
-# Usage: scripts/compose-smoke.sh
+# Usage: scripts/compose-smoke.sh               docker-compose.yml
+#        scripts/compose-smoke.sh --colocated   with docker-compose.colocated.yml
+#                                               on top (each worker in its
+#                                               server's network namespace)
 # Environment: SMOKE_TIMEOUT    seconds allowed for the cluster run (default 600)
 #              SMOKE_ACCURACY   test accuracy bar in percent (default 90)
 #              SMOKE_KEEP_LOGS  keep target/compose-smoke/*.log (default 1)
@@ -21,8 +24,10 @@ cd "$(dirname "$0")/.."
 timeout_s=${SMOKE_TIMEOUT:-600}
 bar=${SMOKE_ACCURACY:-90}
 keep_logs=${SMOKE_KEEP_LOGS:-1}
+files=(-f docker-compose.yml)
 case "${1:-}" in
     "") ;;
+    --colocated) files+=(-f docker-compose.colocated.yml) ;;
     -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "compose-smoke: unknown argument $1 (try --help)" >&2; exit 2 ;;
 esac
@@ -58,7 +63,7 @@ mkdir -p "$work"
 rm -rf "$context"
 
 compose() {
-    "${compose_tool[@]}" -p "$project" -f docker-compose.yml -f "$override" "$@"
+    "${compose_tool[@]}" -p "$project" "${files[@]}" -f "$override" "$@"
 }
 
 image_built=0
@@ -67,7 +72,7 @@ cleanup() {
     local rc=$?
     set +e
     if [[ $cluster_started -eq 1 ]]; then
-        timeout 120 "${compose_tool[@]}" -p "$project" -f docker-compose.yml -f "$override" \
+        timeout 120 "${compose_tool[@]}" -p "$project" "${files[@]}" -f "$override" \
             down --volumes --remove-orphans --timeout 5 >"$work/down.log" 2>&1 ||
             say "warning: compose down failed; see $work/down.log"
     fi
@@ -134,7 +139,7 @@ say "starting the cluster (project $project, ${compose_tool[*]})"
 cluster_started=1
 run_started=$(date +%s)
 timeout "$timeout_s" env STRATUS_IMAGE="$image" "${compose_tool[@]}" -p "$project" \
-    -f docker-compose.yml -f "$override" up -d --no-build "${services[@]}" \
+    "${files[@]}" -f "$override" up -d --no-build "${services[@]}" \
     >"$work/up.log" 2>&1 || {
     say "compose up failed; see $work/up.log" >&2
     tail -n 20 "$work/up.log" >&2
@@ -227,7 +232,9 @@ echo
 say "summary"
 echo "  compose tool:     ${compose_tool[*]} ($("${compose_tool[@]}" version --short 2>/dev/null || echo '?'))"
 echo "  image:            $image, $((size_bytes / 1000000)) MB (FROM scratch, static binaries)"
-echo "  cluster:          2 ps-server (1 shard each) + 2 ps-worker, configs/compose.toml"
+layout="separate network namespaces"
+[[ ${#files[@]} -gt 2 ]] && layout="colocated: worker i in server i's network namespace"
+echo "  cluster:          2 ps-server (1 shard each) + 2 ps-worker, configs/compose.toml ($layout)"
 echo "  certificates:     ${cert_files[*]} (ca and certs volumes; servers and workers see no CA key)"
 echo "  exit codes:       workers ${codes_arr[0]:-?} ${codes_arr[1]:-?}, servers ${codes_arr[2]:-?} ${codes_arr[3]:-?}"
 echo "  test accuracy:    ${accuracies[*]:-none} % (bar $bar%)"

@@ -36,7 +36,7 @@ use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, PROTOCOL_VE
 use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{start_loopback_server, synthetic_bucket, test_config, TestPki};
 use ps_worker::comm::{Comm, CommError, Outgoing, ParamSource};
-use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
+use ps_worker::run::{run_worker, WorkerError, WorkerOptions, WorkerReport};
 
 const ACCURACY_BAR: f32 = 0.90;
 const RUN_LIMIT: Duration = Duration::from_secs(300);
@@ -204,6 +204,51 @@ fn crashed_worker_is_dropped_and_a_replacement_rejoins() {
     });
 }
 
+/// What a run through a server restart left behind.
+struct Restarted {
+    a: WorkerReport,
+    b: WorkerReport,
+    /// Per shard: the version the first server held (or checkpointed, when
+    /// stopped cleanly).
+    held: Vec<u64>,
+    /// The second server's shards at the end of the run.
+    status: Vec<ps_server::actor::ShardStatus>,
+    injected: u32,
+}
+
+impl Setup {
+    /// Train both workers while the server is killed (or, with `clean`,
+    /// stopped) once worker 0 reached step `at` and started again on the
+    /// same address; the second server must end cleanly.
+    async fn train_through_restart(&mut self, at: u64, clean: bool) -> Restarted {
+        let first = self.server();
+        let (o0, mut steps) = self.watched(0);
+        let workers = futures::future::join(
+            run_worker(&self.cfg, o0, self.store.clone(), self.prefix.clone()),
+            run_worker(
+                &self.cfg,
+                self.opts(1),
+                self.store.clone(),
+                self.prefix.clone(),
+            ),
+        );
+        let chaos = restart_server(&self.cfg, &self.pki, first, &mut steps, at, clean);
+        let ((a, b), (held, second, injected)) =
+            tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
+                .await
+                .expect("run finished in time");
+        let status = second.status().await;
+        second.wait().await.expect("server ends cleanly");
+        Restarted {
+            a: a.expect("worker 0"),
+            b: b.expect("worker 1"),
+            held,
+            status,
+            injected,
+        }
+    }
+}
+
 /// Kill (or stop) the server once worker 0 reached `at`, start a new one on
 /// the same address, and return it with the version the first one held
 /// per shard (for a clean stop: the versions of its final checkpoints).
@@ -237,26 +282,14 @@ async fn restart_server(
 #[test]
 fn server_killed_before_any_checkpoint_recovers_from_the_workers() {
     with_cluster(config(6), |mut setup| async move {
-        let first = setup.server();
         let planned = 6 * STEPS_PER_EPOCH;
-        let (o0, mut steps) = setup.watched(0);
-        let workers = futures::future::join(
-            run_worker(&setup.cfg, o0, setup.store.clone(), setup.prefix.clone()),
-            run_worker(
-                &setup.cfg,
-                setup.opts(1),
-                setup.store.clone(),
-                setup.prefix.clone(),
-            ),
-        );
-        let chaos = restart_server(&setup.cfg, &setup.pki, first, &mut steps, 50, false);
-        let ((a, b), (held, second, injected)) =
-            tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
-                .await
-                .expect("run finished in time");
-        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
-        let status = second.status().await;
-        second.wait().await.expect("server ends cleanly");
+        let Restarted {
+            a,
+            b,
+            held,
+            status,
+            injected,
+        } = setup.train_through_restart(50, false).await;
         let reports: Vec<_> = status.iter().filter_map(|s| s.recovery.clone()).collect();
         assert_eq!(reports.len(), status.len(), "every shard recovered");
         for (r, held) in reports.iter().zip(&held) {
@@ -300,26 +333,14 @@ fn server_stopped_cleanly_keeps_its_momentum() {
     cfg.server.checkpoint_url = format!("file://{}", dir.path().display());
     cfg.server.checkpoint_every = 1000;
     with_cluster(cfg, |mut setup| async move {
-        let first = setup.server();
         let planned = 4 * STEPS_PER_EPOCH;
-        let (o0, mut steps) = setup.watched(0);
-        let workers = futures::future::join(
-            run_worker(&setup.cfg, o0, setup.store.clone(), setup.prefix.clone()),
-            run_worker(
-                &setup.cfg,
-                setup.opts(1),
-                setup.store.clone(),
-                setup.prefix.clone(),
-            ),
-        );
-        let chaos = restart_server(&setup.cfg, &setup.pki, first, &mut steps, 30, true);
-        let ((a, b), (held, second, injected)) =
-            tokio::time::timeout(RUN_LIMIT, futures::future::join(workers, chaos))
-                .await
-                .expect("run finished in time");
-        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
-        let status = second.status().await;
-        second.wait().await.expect("server ends cleanly");
+        let Restarted {
+            a,
+            b,
+            held,
+            status,
+            injected,
+        } = setup.train_through_restart(30, true).await;
         let reports: Vec<_> = status.iter().filter_map(|s| s.recovery.clone()).collect();
         for (r, held) in reports.iter().zip(&held) {
             assert_eq!(

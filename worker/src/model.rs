@@ -385,14 +385,7 @@ impl Model {
     /// Forward + backward on a batch, writing the flat gradient into `out`
     /// (every entry is overwritten); returns the mean cross-entropy loss.
     pub fn gradient_into(&mut self, batch: &Batch, out: &mut [f32]) -> Result<f32, ModelError> {
-        if out.len() != self.num_params() {
-            return Err(ModelError::Length {
-                expected: self.num_params(),
-                got: out.len(),
-            });
-        }
-        self.check_labels(batch)?;
-        let x = self.input_of(batch)?;
+        let x = self.checked_input(batch, out)?;
         match self.spec.kind {
             ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out),
             ModelKind::Cnn => self.autograd_backward(&x, &batch.labels, out),
@@ -406,6 +399,13 @@ impl Model {
         batch: &Batch,
         out: &mut [f32],
     ) -> Result<f32, ModelError> {
+        let x = self.checked_input(batch, out)?;
+        self.autograd_backward(&x, &batch.labels, out)
+    }
+
+    /// The batch's input tensor, once `out` fits the flat gradient and every
+    /// label is a class.
+    fn checked_input(&self, batch: &Batch, out: &[f32]) -> Result<Tensor, ModelError> {
         if out.len() != self.num_params() {
             return Err(ModelError::Length {
                 expected: self.num_params(),
@@ -413,8 +413,7 @@ impl Model {
             });
         }
         self.check_labels(batch)?;
-        let x = self.input_of(batch)?;
-        self.autograd_backward(&x, &batch.labels, out)
+        self.input_of(batch)
     }
 
     /// The MLP's backward pass by hand, in a feature-major layout: each
@@ -509,6 +508,17 @@ mod tests {
         }
     }
 
+    /// `(loss(p + eps e_i) - loss(p - eps e_i)) / 2 eps` around `base`.
+    fn central_difference(m: &mut Model, base: &[f32], batch: &Batch, i: usize, eps: f32) -> f32 {
+        let mut at = |delta: f32| {
+            let mut p = base.to_vec();
+            p[i] += delta;
+            m.set_flat(&p).unwrap();
+            m.evaluate(batch).unwrap().0
+        };
+        (at(eps) - at(-eps)) / (2.0 * eps)
+    }
+
     #[test]
     fn same_seed_same_weights() {
         let a = Model::new(&spec(), Device::Cpu, 3).unwrap();
@@ -566,14 +576,7 @@ mod tests {
         for i in [0usize, 5, 18, 20, base.len() - 1] {
             // Central differences with a small step: ReLU and max-pool kinks
             // make one-sided differences with a large step unreliable.
-            let eps = 2e-3;
-            let mut at = |delta: f32| {
-                let mut p = base.clone();
-                p[i] += delta;
-                m.set_flat(&p).unwrap();
-                m.evaluate(&batch).unwrap().0
-            };
-            let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+            let fd = central_difference(&mut m, &base, &batch, i, 2e-3);
             assert!(
                 (fd - grad[i]).abs() < 1e-2,
                 "param {i}: fd {fd} vs {}",
@@ -638,14 +641,7 @@ mod tests {
         // The first, a middle and the last entry of every weight and bias.
         for r in &ranges {
             for i in [r.start, (r.start + r.end) / 2, r.end - 1] {
-                let eps = 1e-3;
-                let mut at = |delta: f32| {
-                    let mut p = base.clone();
-                    p[i] += delta;
-                    m.set_flat(&p).unwrap();
-                    m.evaluate(&batch).unwrap().0
-                };
-                let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+                let fd = central_difference(&mut m, &base, &batch, i, 1e-3);
                 assert!(
                     (fd - grad[i]).abs() < 5e-3,
                     "param {i} in {r:?}: fd {fd} vs {}",

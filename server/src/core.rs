@@ -1245,13 +1245,15 @@ mod tests {
     }
 
     /// A serving core whose ranks `0..workers` joined on connections `100 + rank`.
-    fn serving(workers: u32, momentum: f32, mode: Mode) -> (ShardCore, Instant) {
-        let t0 = Instant::now();
-        let mut c = ShardCore::new(
-            setup(workers, momentum, mode),
-            CoreSettings::default(),
-            None,
-        );
+    /// A core whose `workers` ranks joined (rank r on connection 100 + r),
+    /// still waiting for offers.
+    fn joined(workers: u32, settings: CoreSettings, t0: Instant) -> ShardCore {
+        joined_with(setup(workers, 0.0, Mode::Bsp), settings, t0)
+    }
+
+    fn joined_with(setup: ShardSetup, settings: CoreSettings, t0: Instant) -> ShardCore {
+        let workers = setup.workers;
+        let mut c = ShardCore::new(setup, settings, None);
         for r in 0..workers {
             c.handle(
                 Event::Joined {
@@ -1261,6 +1263,12 @@ mod tests {
                 t0,
             );
         }
+        c
+    }
+
+    fn serving(workers: u32, momentum: f32, mode: Mode) -> (ShardCore, Instant) {
+        let t0 = Instant::now();
+        let mut c = joined_with(setup(workers, momentum, mode), CoreSettings::default(), t0);
         for r in 0..workers {
             c.handle(offer(r, 0, vec![0.0; 8]), t0);
         }
@@ -1310,16 +1318,7 @@ mod tests {
     #[test]
     fn offers_of_what_the_shard_starts_from_get_no_values_back() {
         let t0 = Instant::now();
-        let mut c = ShardCore::new(setup(3, 0.0, Mode::Bsp), CoreSettings::default(), None);
-        for r in 0..3 {
-            c.handle(
-                Event::Joined {
-                    rank: r,
-                    conn: 100 + u64::from(r),
-                },
-                t0,
-            );
-        }
+        let mut c = joined(3, CoreSettings::default(), t0);
         // Ranks 0 and 1 start from the same initial weights, rank 2 from others.
         let init: Vec<f32> = (0..8).map(|i| i as f32 / 8.0).collect();
         let mut acts = c.handle(offer(0, 0, init.clone()), t0);
@@ -1772,8 +1771,7 @@ mod tests {
         assert_eq!(c.stats().clipped, 1);
         assert!((c.params()[0] + 0.6).abs() < 1e-6 && (c.params()[1] + 0.8).abs() < 1e-6);
         settings.norm_policy = NormPolicy::Refuse;
-        let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings, None);
-        c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
+        let mut c = joined(1, settings, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
         let acts = c.handle(step(1, 0, 0, sparse(vec![0], vec![1e30])), t0);
         assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::GradientTooLarge));
@@ -1834,8 +1832,7 @@ mod tests {
             checkpoint_every: 2,
             ..CoreSettings::default()
         };
-        let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings, None);
-        c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
+        let mut c = joined(1, settings, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
         let mut written = vec![];
         for s in 0..5 {
@@ -1875,8 +1872,7 @@ mod tests {
             checkpoint_every: 2,
             ..CoreSettings::default()
         };
-        let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings, None);
-        c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
+        let mut c = joined(1, settings, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
         let checkpoints = |acts: &[Action]| {
             acts.iter()

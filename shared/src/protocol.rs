@@ -147,10 +147,14 @@ pub fn decode_indices(bytes: &[u8]) -> Result<Vec<u32>, BadIndices> {
 
 impl rkyv::with::ArchiveWith<Vec<u32>> for DeltaVarint {
     type Archived = rkyv::vec::ArchivedVec<u8>;
-    type Resolver = rkyv::vec::VecResolver;
+    /// Where the encoded bytes went, and how many there are.
+    type Resolver = (rkyv::vec::VecResolver, usize);
 
-    fn resolve_with(field: &Vec<u32>, resolver: Self::Resolver, out: rkyv::Place<Self::Archived>) {
-        let len = encoded_indices_len(field);
+    fn resolve_with(
+        _: &Vec<u32>,
+        (resolver, len): Self::Resolver,
+        out: rkyv::Place<Self::Archived>,
+    ) {
         rkyv::vec::ArchivedVec::<u8>::resolve_from_len(len, resolver, out);
     }
 }
@@ -173,7 +177,9 @@ where
     S: rancor::Fallible + rkyv::ser::Allocator + rkyv::ser::Writer + ?Sized,
 {
     fn serialize_with(field: &Vec<u32>, serializer: &mut S) -> Result<Self::Resolver, S::Error> {
-        rkyv::vec::ArchivedVec::<u8>::serialize_from_slice(&encode_indices(field), serializer)
+        let bytes = encode_indices(field);
+        let resolver = rkyv::vec::ArchivedVec::<u8>::serialize_from_slice(&bytes, serializer)?;
+        Ok((resolver, bytes.len()))
     }
 }
 

@@ -97,6 +97,13 @@ pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterC
     cfg
 }
 
+/// Raise `server.max_frame_bytes` to hold one dense shard of the model with
+/// framing, whatever the model size.
+pub fn fit_frames_to_model(cfg: &mut ClusterConfig) {
+    let dense_shard = 4 * cfg.model.num_params().div_ceil(cfg.total_shards());
+    cfg.server.max_frame_bytes = cfg.server.max_frame_bytes.max(2 * dense_shard + 4096);
+}
+
 /// Start server process 0 of `cfg` on a free loopback port.
 pub async fn start_loopback_server(
     cfg: &ClusterConfig,

@@ -361,7 +361,7 @@ async fn train(
         pulled: 0,
     };
     let max_steps = cfg.training.max_steps;
-    let mut stopping = (max_steps > 0 && step >= max_steps).then_some(StopReason::MaxSteps);
+    let mut stopping = max_steps_reached(max_steps, step).then_some(StopReason::MaxSteps);
     // Overlap (asp/ssp with training.overlap): the next batch, taken from
     // the loader and its gradient computed while this step's exchange is in
     // flight.
@@ -504,7 +504,7 @@ async fn train(
                 stopping = Some(StopReason::TargetAccuracy);
             }
         }
-        if stopping.is_none() && max_steps > 0 && step >= max_steps {
+        if stopping.is_none() && max_steps_reached(max_steps, step) {
             stopping = Some(StopReason::MaxSteps);
         }
     }
@@ -547,6 +547,7 @@ async fn train(
     })
 }
 
+/// Whether a run at `step` has trained `training.max_steps` (0 = no cap).
 fn max_steps_reached(max_steps: u64, step: u64) -> bool {
     max_steps > 0 && step >= max_steps
 }

@@ -33,7 +33,7 @@ use serde::Serialize;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataset::{synthetic, Batch, SyntheticSpec};
 use ps_shared::sparse::{k_for_density, Compressor};
-use ps_tests::{run_cluster_detailed, synthetic_bucket, test_config};
+use ps_tests::{fit_frames_to_model, run_cluster_detailed, synthetic_bucket, test_config};
 use ps_worker::model::{device_from_str, Model};
 use ps_worker::run::WorkerReport;
 
@@ -207,9 +207,7 @@ fn base_config(args: &Args, case: &Case) -> anyhow::Result<ClusterConfig> {
         cfg.server.staleness = 1;
         cfg.training.overlap = overlap;
     }
-    // Room for one dense shard with framing, whatever the model size.
-    let dense_shard = 4 * cfg.model.num_params().div_ceil(cfg.total_shards());
-    cfg.server.max_frame_bytes = cfg.server.max_frame_bytes.max(2 * dense_shard + 4096);
+    fit_frames_to_model(&mut cfg);
     cfg.validate().context("benchmark configuration")?;
     Ok(cfg)
 }

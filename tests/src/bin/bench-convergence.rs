@@ -21,7 +21,7 @@ use clap::Parser;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataset::SyntheticSpec;
 use ps_shared::sparse::TopKMethod;
-use ps_tests::{run_cluster, synthetic_bucket, test_config};
+use ps_tests::{fit_frames_to_model, run_cluster, synthetic_bucket, test_config};
 use ps_worker::run::WorkerReport;
 
 /// Largest ratio of top-k 0.1%'s steps to the target over dense's.
@@ -109,8 +109,7 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
             cfg.compression.clip_norm = args.clip_norm;
         }
     }
-    let dense_shard = 4 * cfg.model.num_params().div_ceil(cfg.total_shards());
-    cfg.server.max_frame_bytes = cfg.server.max_frame_bytes.max(2 * dense_shard + 4096);
+    fit_frames_to_model(&mut cfg);
     cfg.validate().context("benchmark configuration")?;
     Ok(cfg)
 }

@@ -97,6 +97,18 @@ pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterC
     cfg
 }
 
+/// The Hello a worker of `cfg` with `rank` sends first.
+pub fn hello(cfg: &ClusterConfig, rank: u32) -> ps_shared::protocol::Request {
+    ps_shared::protocol::Request::Hello {
+        protocol_version: ps_shared::protocol::PROTOCOL_VERSION,
+        token: cfg.cluster.token.clone(),
+        worker_rank: rank,
+        workers: cfg.cluster.workers as u32,
+        num_params: cfg.model.num_params() as u64,
+        layout_hash: cfg.model.layout_hash(),
+    }
+}
+
 /// Raise `server.max_frame_bytes` to hold one dense shard of the model with
 /// framing, whatever the model size.
 pub fn fit_frames_to_model(cfg: &mut ClusterConfig) {

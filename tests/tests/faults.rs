@@ -32,9 +32,9 @@ use ps_server::core::RecoverySource;
 use ps_server::net::RunningServer;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataset::SyntheticSpec;
-use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, PROTOCOL_VERSION};
+use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response};
 use ps_shared::transport::{self, EndpointLimits};
-use ps_tests::{start_loopback_server, synthetic_bucket, test_config, TestPki};
+use ps_tests::{hello, start_loopback_server, synthetic_bucket, test_config, TestPki};
 use ps_worker::comm::{Comm, CommError, Outgoing, ParamSource};
 use ps_worker::run::{run_worker, WorkerError, WorkerOptions, WorkerReport};
 
@@ -480,14 +480,6 @@ fn garbage_and_impersonation_during_training_are_refused() {
         );
         let addr = server.local_addr();
         let limit = setup.cfg.server.max_frame_bytes;
-        let hello = |rank: u32| Request::Hello {
-            protocol_version: PROTOCOL_VERSION,
-            token: setup.cfg.cluster.token.clone(),
-            worker_rank: rank,
-            workers: 2,
-            num_params: setup.cfg.model.num_params() as u64,
-            layout_hash: setup.cfg.model.layout_hash(),
-        };
         let attacker = async {
             wait_steps(&mut steps, 5).await;
             let (mut tried, mut refused) = (0u32, 0u32);
@@ -524,12 +516,12 @@ fn garbage_and_impersonation_during_training_are_refused() {
                             transport::call_raw(&conn, &frame, limit).await.ok()
                         }
                         // Rank 0's certificate claiming rank 1.
-                        1 => transport::call(&conn, &hello(1), limit)
+                        1 => transport::call(&conn, &hello(&setup.cfg, 1), limit)
                             .await
                             .ok()
                             .map(|r| r.0),
                         // Rank 1's own certificate while rank 1 is alive.
-                        _ => transport::call(&conn, &hello(1), limit)
+                        _ => transport::call(&conn, &hello(&setup.cfg, 1), limit)
                             .await
                             .ok()
                             .map(|r| r.0),
@@ -580,17 +572,6 @@ fn garbage_and_impersonation_during_training_are_refused() {
             100.0 * a.final_accuracy
         );
     });
-}
-
-fn hello(cfg: &ClusterConfig, rank: u32) -> Request {
-    Request::Hello {
-        protocol_version: PROTOCOL_VERSION,
-        token: cfg.cluster.token.clone(),
-        worker_rank: rank,
-        workers: cfg.cluster.workers as u32,
-        num_params: cfg.model.num_params() as u64,
-        layout_hash: cfg.model.layout_hash(),
-    }
 }
 
 /// A connection of worker `rank` that said Hello, driven by the test.

@@ -11,25 +11,13 @@ use quinn::Connection;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::protocol::{
     encode_request, ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues,
-    PROTOCOL_VERSION,
 };
 use ps_shared::transport::{self, EndpointLimits};
-use ps_tests::{start_loopback_server, test_config, TestPki};
+use ps_tests::{hello, start_loopback_server, test_config, TestPki};
 
 const CONNECT: Duration = Duration::from_secs(10);
 /// Upper bound on waiting for an event, so a bug cannot hang the suite.
 const EVENT_BOUND: Duration = Duration::from_secs(60);
-
-fn hello(cfg: &ClusterConfig, rank: u32) -> Request {
-    Request::Hello {
-        protocol_version: PROTOCOL_VERSION,
-        token: cfg.cluster.token.clone(),
-        worker_rank: rank,
-        workers: cfg.cluster.workers as u32,
-        num_params: cfg.model.num_params() as u64,
-        layout_hash: cfg.model.layout_hash(),
-    }
-}
 
 fn error_code(resp: &Response) -> Option<ErrorCode> {
     match resp {

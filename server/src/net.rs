@@ -34,8 +34,8 @@ use actix::prelude::*;
 use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
 use tokio::sync::watch;
 
+use ps_shared::bucket::open_bucket;
 use ps_shared::config::{ClusterConfig, GradNormPolicy, SyncMode};
-use ps_shared::dataset::open_bucket;
 use ps_shared::protocol::{
     close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
     MAX_HELLO_BYTES,

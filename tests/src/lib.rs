@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use object_store::{memory::InMemory, path::Path, ObjectStore};
+use ps_dataset::{synthetic, write_dataset, SyntheticSpec};
 use ps_server::net::ServerTls;
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::dataset::{synthetic, write_dataset, SyntheticSpec};
 use ps_shared::pki::{CertPair, ClusterCa};
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_worker, WorkerOptions, WorkerReport};

@@ -13,8 +13,8 @@
 
 use std::sync::Mutex;
 
+use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::dataset::SyntheticSpec;
 use ps_shared::sparse::k_for_density;
 use ps_tests::{run_cluster, synthetic_bucket, test_config};
 use ps_worker::run::WorkerReport;

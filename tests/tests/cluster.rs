@@ -1,8 +1,8 @@
 //! A whole cluster in one process: 1 server process with 2 shards, 2 workers,
 //! trained on the synthetic set, dense and top-k.
 
+use ps_dataset::SyntheticSpec;
 use ps_shared::config::{CompressionKind, SyncMode};
-use ps_shared::dataset::SyntheticSpec;
 use ps_tests::{run_cluster, synthetic_bucket, test_config};
 use ps_worker::run::StopReason;
 

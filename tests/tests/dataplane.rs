@@ -11,11 +11,11 @@ use std::time::Duration;
 use object_store::memory::InMemory;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
-use ps_shared::config::CompressionKind;
-use ps_shared::dataplane::CacheSize;
-use ps_shared::dataset::{
+use ps_dataset::{
     synthetic, write_dataset_with, Batch, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
+use ps_shared::config::CompressionKind;
+use ps_shared::dataplane::CacheSize;
 use ps_shared::sampler::{EpochSampler, Partition, SamplerError};
 use ps_shared::simstore::{SimSettings, SimStore};
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};

@@ -28,10 +28,10 @@ use std::time::Duration;
 use object_store::{path::Path, ObjectStore};
 use tokio::sync::watch;
 
+use ps_dataset::SyntheticSpec;
 use ps_server::core::RecoverySource;
 use ps_server::net::RunningServer;
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::dataset::SyntheticSpec;
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response};
 use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{hello, start_loopback_server, synthetic_bucket, test_config, TestPki};

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use object_store::{memory::InMemory, path::Path, ObjectStore};
+use ps_dataset::{read_mnist_csv, train_test_split, write_dataset};
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::dataset::{read_mnist_csv, train_test_split, write_dataset};
 use ps_tests::run_cluster;
 
 fn repo_file(rel: &str) -> PathBuf {

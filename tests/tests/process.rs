@@ -22,8 +22,8 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{mpsc, watch};
 
+use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, TOKEN_ENV};
-use ps_shared::dataset::SyntheticSpec;
 use ps_shared::pki::CertPair;
 use ps_shared::transport::read_pem;
 use ps_tests::{synthetic_bucket, test_config};

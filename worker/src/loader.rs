@@ -33,7 +33,7 @@
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! use std::sync::Arc;
 //! use object_store::{memory::InMemory, path::Path, ObjectStore};
-//! use ps_shared::dataset::{synthetic, write_dataset, DatasetReader, SyntheticSpec};
+//! use ps_dataset::{synthetic, write_dataset, DatasetReader, SyntheticSpec};
 //! use ps_shared::sampler::EpochSampler;
 //! use ps_worker::loader::{Loader, LoaderSettings};
 //!
@@ -69,9 +69,9 @@ use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
+use ps_dataset::{Batch, DatasetError, DatasetReader, Manifest, RecordRequest, Split};
 use ps_shared::config::ClusterConfig;
 use ps_shared::dataplane::CostModel;
-use ps_shared::dataset::{Batch, DatasetError, DatasetReader, Manifest, RecordRequest, Split};
 use ps_shared::sampler::{EpochSampler, ResumePoint, SamplerError};
 
 use crate::cache::{CacheError, Lookup, TieredCache};

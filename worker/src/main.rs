@@ -5,12 +5,12 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use ps_shared::cli::{describe_error, init_logging, stop_signal};
-use ps_shared::config::ClusterConfig;
-use ps_shared::dataset::{
+use ps_dataset::{
     open_bucket, read_mnist_csv, read_mnist_idx, synthetic, train_test_split, write_dataset_with,
     Layout, SyntheticSpec, WriteOptions,
 };
+use ps_shared::cli::{describe_error, init_logging, stop_signal};
+use ps_shared::config::ClusterConfig;
 use ps_shared::pki::CertPair;
 use ps_shared::transport::read_pem;
 use ps_worker::comm::WorkerTls;

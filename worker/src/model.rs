@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use ps_shared::config::ModelSection;
-//! use ps_shared::dataset::Batch;
+//! use ps_dataset::Batch;
 //! use ps_worker::model::Model;
 //! let spec = ModelSection { input: 4, hidden: vec![8], classes: 3, ..ModelSection::default() };
 //! let mut model = Model::new(&spec, candle_core::Device::Cpu, 7).unwrap();
@@ -32,8 +32,8 @@ use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Module, Storage
 use candle_nn::Linear;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use ps_dataset::Batch;
 use ps_shared::config::{ModelKind, ModelSection, TensorSpec};
-use ps_shared::dataset::Batch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

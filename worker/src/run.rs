@@ -16,9 +16,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use object_store::{path::Path as StorePath, ObjectStore};
 use serde::Serialize;
 
+use ps_dataset::{DatasetError, DatasetReader, Split};
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataplane::CostModel;
-use ps_shared::dataset::{DatasetError, DatasetReader, Split};
 use ps_shared::sampler::{EpochSampler, ResumePoint};
 use ps_shared::simstore::SimStore;
 use ps_shared::sparse::Compressor;
@@ -318,7 +318,7 @@ async fn train(
     cfg: &ClusterConfig,
     opts: &WorkerOptions,
     trainer: &Addr<TrainerActor>,
-    test: Arc<ps_shared::dataset::Batch>,
+    test: Arc<ps_dataset::Batch>,
     run: Run,
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
@@ -366,7 +366,7 @@ async fn train(
     // the loader and its gradient computed while this step's exchange is in
     // flight.
     let overlap = cfg.overlaps_compute();
-    let mut lookahead: Option<Option<(BatchPos, Arc<ps_shared::dataset::Batch>)>> = None;
+    let mut lookahead: Option<Option<(BatchPos, Arc<ps_dataset::Batch>)>> = None;
     let mut precomputed: Option<crate::trainer::StepOutput> = None;
     loop {
         let t_wait = Instant::now();
@@ -615,7 +615,7 @@ impl Evals {
         &mut self,
         step: u64,
         trainer: &Addr<TrainerActor>,
-        test: &Arc<ps_shared::dataset::Batch>,
+        test: &Arc<ps_dataset::Batch>,
     ) -> Result<(f32, f32), WorkerError> {
         if let Some(p) = self.points.last().filter(|p| p.step == step) {
             return Ok((p.test_loss, p.test_accuracy));

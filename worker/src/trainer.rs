@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use ps_shared::dataset::Batch;
+use ps_dataset::Batch;
 use ps_shared::protocol::ParamUpdate;
 use ps_shared::sparse::{Compressor, SparseError};
 

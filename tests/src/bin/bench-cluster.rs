@@ -30,8 +30,8 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde::Serialize;
 
+use ps_dataset::{synthetic, Batch, SyntheticSpec};
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::dataset::{synthetic, Batch, SyntheticSpec};
 use ps_shared::sparse::{k_for_density, Compressor};
 use ps_tests::{fit_frames_to_model, run_cluster_detailed, synthetic_bucket, test_config};
 use ps_worker::model::{device_from_str, Model};

@@ -18,8 +18,8 @@
 use anyhow::Context;
 use clap::Parser;
 
+use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::dataset::SyntheticSpec;
 use ps_shared::sparse::TopKMethod;
 use ps_tests::{fit_frames_to_model, run_cluster, synthetic_bucket, test_config};
 use ps_worker::run::WorkerReport;

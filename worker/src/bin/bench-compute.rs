@@ -26,8 +26,8 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::Parser;
 
+use ps_dataset::{synthetic, Batch, SyntheticSpec};
 use ps_shared::config::ModelSection;
-use ps_shared::dataset::{synthetic, Batch, SyntheticSpec};
 use ps_worker::model::Model;
 
 /// Largest candle/torch ratio of forward + backward time the project aims for.

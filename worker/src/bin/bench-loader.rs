@@ -37,10 +37,10 @@ use object_store::path::Path;
 use object_store::ObjectStore;
 use serde::Serialize;
 
-use ps_shared::dataplane::{CacheSize, CostModel, SimBucketSection};
-use ps_shared::dataset::{
+use ps_dataset::{
     synthetic, write_dataset_with, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
+use ps_shared::dataplane::{CacheSize, CostModel, SimBucketSection};
 use ps_shared::sampler::EpochSampler;
 use ps_shared::simstore::{SimSettings, SimStore};
 use ps_worker::loader::{EpochDataStats, Loader, LoaderSettings};

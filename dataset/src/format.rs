@@ -1,0 +1,543 @@
+use std::fmt;
+use std::ops::Range;
+use std::path::PathBuf;
+
+use object_store::path::Path;
+use serde::{Deserialize, Serialize};
+
+/// Name of the manifest object under a dataset prefix.
+pub const MANIFEST_NAME: &str = "manifest.json";
+
+/// Manifest format of the shard layout (also every manifest without a layout field).
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Manifest format of the one-object-per-sample layout.
+pub const FORMAT_PER_SAMPLE: u32 = 2;
+
+/// Per-sample objects fetched at the same time by one [`DatasetReader`] call.
+pub(crate) const MAX_CONCURRENT_SAMPLE_READS: usize = 64;
+
+/// Per-sample objects uploaded at the same time by [`write_dataset_with`].
+pub(crate) const MAX_CONCURRENT_SAMPLE_WRITES: usize = 32;
+
+/// Shard objects fetched at the same time by one [`DatasetReader`] call.
+pub(crate) const MAX_CONCURRENT_SHARD_READS: usize = 16;
+
+/// Shard objects uploaded at the same time by [`write_dataset`].
+pub(crate) const MAX_CONCURRENT_SHARD_WRITES: usize = 8;
+
+/// Bytes of the label in front of each record.
+pub(crate) const LABEL_BYTES: usize = 4;
+
+/// Everything that can go wrong reading or writing a dataset.
+#[derive(Debug, thiserror::Error)]
+pub enum DatasetError {
+    /// The object store failed (network, permissions, ...).
+    #[error("object store error: {0}")]
+    Store(#[from] object_store::Error),
+    /// A local file could not be read or created.
+    #[error("cannot access {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A text input (CSV) has a bad line.
+    #[error("{}:{line}: {message}", path.display())]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
+    /// A binary input (IDX) has a bad header or size.
+    #[error("{}: {message}", path.display())]
+    Format { path: PathBuf, message: String },
+    /// The manifest could not be parsed or is inconsistent.
+    #[error("bad dataset manifest: {0}")]
+    Manifest(String),
+    /// A shard object does not match what the manifest promises.
+    #[error("corrupt dataset object {object}: {message}")]
+    Corrupt { object: String, message: String },
+    /// A sample index past the end of its split.
+    #[error("sample index {index} is out of range for a split of {len} samples")]
+    IndexOutOfRange { index: usize, len: usize },
+    /// Bad arguments or samples handed to a function of this module.
+    #[error("invalid dataset input: {0}")]
+    Invalid(String),
+    /// No manifest under the prefix.
+    #[error("no dataset at '{prefix}': {MANIFEST_NAME} not found; write one with `ps-worker dataset ...`")]
+    NotFound { prefix: String },
+    /// A bucket URL that [`open_bucket`](crate::open_bucket) cannot serve.
+    #[error(transparent)]
+    Bucket(#[from] ps_shared::bucket::BucketError),
+}
+
+/// Which half of a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Split {
+    Train,
+    Test,
+}
+
+impl Split {
+    /// Both splits, train first.
+    pub const ALL: [Split; 2] = [Split::Train, Split::Test];
+
+    /// Lower-case name, also the folder of the split's shards.
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Test => "test",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Split::Train => 0,
+            Split::Test => 1,
+        }
+    }
+}
+
+impl fmt::Display for Split {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How the records of a dataset are cut into objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// Shard objects of many fixed-size records, read with range GETs.
+    #[default]
+    Shards,
+    /// One object per sample (`train/00000123.bin`), one GET per sample.
+    PerSample,
+}
+
+impl Layout {
+    /// The manifest `format` number of this layout.
+    pub fn format(self) -> u32 {
+        match self {
+            Layout::Shards => FORMAT_VERSION,
+            Layout::PerSample => FORMAT_PER_SAMPLE,
+        }
+    }
+
+    /// The name used on the command line and in the manifest.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Shards => "shards",
+            Layout::PerSample => "per-sample",
+        }
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Layout {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "shards" | "shard" => Ok(Layout::Shards),
+            "per-sample" => Ok(Layout::PerSample),
+            other => Err(format!(
+                "unknown layout `{other}`; use shards or per-sample"
+            )),
+        }
+    }
+}
+
+/// Object path, relative to the dataset prefix, of sample `index` of a split
+/// in the per-sample layout.
+pub fn sample_object_path(split: Split, index: usize) -> String {
+    format!("{}/{index:08}.bin", split.name())
+}
+
+/// The `manifest.json` of a dataset.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT_VERSION`] for the shard layout, [`FORMAT_PER_SAMPLE`] for one
+    /// object per sample.
+    pub format: u32,
+    /// How records are cut into objects; `shards` when absent (older manifests).
+    #[serde(default)]
+    pub layout: Layout,
+    pub name: String,
+    /// Features per sample.
+    pub features: usize,
+    /// Labels lie in `0..classes`.
+    pub classes: usize,
+    /// `4 + 4 * features`.
+    pub record_bytes: usize,
+    pub train: SplitInfo,
+    pub test: SplitInfo,
+}
+
+/// Samples and shards of one split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SplitInfo {
+    pub num_samples: usize,
+    /// In index order; shard `k` starts where shard `k - 1` ends. Empty in
+    /// the per-sample layout.
+    #[serde(default)]
+    pub shards: Vec<ShardInfo>,
+}
+
+/// One shard object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    /// Object path relative to the dataset prefix.
+    pub path: String,
+    /// Global index of its first record.
+    pub first: usize,
+    /// Records in the shard.
+    pub count: usize,
+}
+
+/// One labelled sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub label: u32,
+    pub features: Vec<f32>,
+}
+
+/// A batch in row-major form, ready for a tensor: `features.len() == len * dim`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Batch {
+    pub features: Vec<f32>,
+    pub labels: Vec<u32>,
+    pub dim: usize,
+}
+
+impl Batch {
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Packs samples row by row. Each row gets exactly `dim` values: a sample
+    /// with fewer features is padded with zeros and one with more is cut, so
+    /// the shape invariant always holds (samples from this module always have
+    /// the right length).
+    pub fn from_samples(samples: &[Sample], dim: usize) -> Batch {
+        let mut batch = Batch::with_capacity(samples.len(), dim);
+        for s in samples {
+            batch.push(s.label, &s.features);
+        }
+        batch
+    }
+
+    /// Features of row `i`, if there is one.
+    pub fn row(&self, i: usize) -> Option<&[f32]> {
+        let start = i.checked_mul(self.dim)?;
+        self.features.get(start..start.checked_add(self.dim)?)
+    }
+
+    pub(crate) fn with_capacity(rows: usize, dim: usize) -> Batch {
+        Batch {
+            features: Vec::with_capacity(rows.saturating_mul(dim)),
+            labels: Vec::with_capacity(rows),
+            dim,
+        }
+    }
+
+    fn push(&mut self, label: u32, features: &[f32]) {
+        let take = features.len().min(self.dim);
+        self.features.extend_from_slice(&features[..take]);
+        self.features
+            .extend(std::iter::repeat_n(0.0, self.dim - take));
+        self.labels.push(label);
+    }
+}
+
+impl Manifest {
+    /// Checks the format version against the layout, the record size and,
+    /// in the shard layout, that every split's shards tile `0..num_samples` in
+    /// order with valid relative paths.
+    pub fn validate(&self) -> Result<(), DatasetError> {
+        let bad = |msg: String| Err(DatasetError::Manifest(msg));
+        if self.format != FORMAT_VERSION && self.format != FORMAT_PER_SAMPLE {
+            return bad(format!(
+                "format {} is not supported; this build reads formats {FORMAT_VERSION} (shards) and {FORMAT_PER_SAMPLE} (per-sample)",
+                self.format
+            ));
+        }
+        if self.format != self.layout.format() {
+            return bad(format!(
+                "format {} does not match layout {} (format {})",
+                self.format,
+                self.layout,
+                self.layout.format()
+            ));
+        }
+        if self.features == 0 {
+            return bad("features must be at least 1".into());
+        }
+        if self.classes == 0 || u32::try_from(self.classes).is_err() {
+            return bad(format!(
+                "classes must be in 1..=u32::MAX, got {}",
+                self.classes
+            ));
+        }
+        let expected = record_bytes(self.features).ok_or_else(|| {
+            DatasetError::Manifest(format!("{} features do not fit a record", self.features))
+        })?;
+        if self.record_bytes != expected {
+            return bad(format!(
+                "record_bytes is {} but {} features need {expected}",
+                self.record_bytes, self.features
+            ));
+        }
+        for split in Split::ALL {
+            let info = self.split(split);
+            if self.layout == Layout::PerSample {
+                if !info.shards.is_empty() {
+                    return bad(format!("{split} lists shards but the layout is per-sample"));
+                }
+                continue;
+            }
+            let mut next = 0usize;
+            for (k, shard) in info.shards.iter().enumerate() {
+                if shard.first != next {
+                    return bad(format!(
+                        "{split} shard {k} ({}) starts at {} but the previous shards end at {next}",
+                        shard.path, shard.first
+                    ));
+                }
+                if shard.count == 0 {
+                    return bad(format!("{split} shard {k} ({}) is empty", shard.path));
+                }
+                if shard
+                    .count
+                    .checked_mul(self.record_bytes)
+                    .and_then(|b| u64::try_from(b).ok())
+                    .is_none()
+                {
+                    return bad(format!("{split} shard {k} ({}) is too large", shard.path));
+                }
+                relative_object_path(&shard.path)
+                    .map_err(|msg| DatasetError::Manifest(format!("{split} shard {k}: {msg}")))?;
+                next = match next.checked_add(shard.count) {
+                    Some(n) => n,
+                    None => return bad(format!("{split} shard counts overflow")),
+                };
+            }
+            if next != info.num_samples {
+                return bad(format!(
+                    "{split} has num_samples {} but its shards hold {next}",
+                    info.num_samples
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The split's samples and shards.
+    pub fn split(&self, s: Split) -> &SplitInfo {
+        match s {
+            Split::Train => &self.train,
+            Split::Test => &self.test,
+        }
+    }
+
+    /// Bytes of all shards of a split.
+    pub fn total_bytes(&self, s: Split) -> u64 {
+        (self.split(s).num_samples as u64).saturating_mul(self.record_bytes as u64)
+    }
+}
+
+pub(crate) fn record_bytes(features: usize) -> Option<usize> {
+    features.checked_mul(4)?.checked_add(LABEL_BYTES)
+}
+
+/// Parses a manifest shard path: relative, no empty or `..` segments.
+pub(crate) fn relative_object_path(rel: &str) -> Result<Path, String> {
+    if rel.is_empty() || rel.starts_with('/') || rel.ends_with('/') {
+        return Err(format!(
+            "shard path '{rel}' must be a non-empty relative path"
+        ));
+    }
+    Path::parse(rel).map_err(|e| format!("shard path '{rel}' is invalid: {e}"))
+}
+
+pub(crate) fn join(prefix: &Path, rel: &Path) -> Path {
+    prefix.parts().chain(rel.parts()).collect()
+}
+
+/// The label of a record if it is below `classes`, else the bad label.
+/// Records are at least [`LABEL_BYTES`] long (checked by the callers).
+pub(crate) fn check_label(record: &[u8], classes: usize) -> Result<u32, u32> {
+    let label = match record.get(..LABEL_BYTES) {
+        Some(b) => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        None => return Err(u32::MAX),
+    };
+    if (label as usize) < classes {
+        Ok(label)
+    } else {
+        Err(label)
+    }
+}
+
+/// Merges sorted, deduplicated record indices into runs of adjacent records.
+pub(crate) fn merge_runs(sorted: &[usize]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for &i in sorted {
+        match runs.last_mut() {
+            Some(last) if last.end == i => last.end = i + 1,
+            _ => runs.push(i..i + 1),
+        }
+    }
+    runs
+}
+
+pub(crate) fn features_iter(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+}
+
+pub(crate) fn decode_features(bytes: &[u8]) -> Vec<f32> {
+    features_iter(bytes).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manifest_validation() {
+        let good = Manifest {
+            format: 1,
+            layout: Layout::Shards,
+            name: "m".into(),
+            features: 2,
+            classes: 3,
+            record_bytes: 12,
+            train: SplitInfo {
+                num_samples: 5,
+                shards: vec![
+                    ShardInfo {
+                        path: "train/a".into(),
+                        first: 0,
+                        count: 3,
+                    },
+                    ShardInfo {
+                        path: "train/b".into(),
+                        first: 3,
+                        count: 2,
+                    },
+                ],
+            },
+            test: SplitInfo {
+                num_samples: 0,
+                shards: vec![],
+            },
+        };
+        good.validate().unwrap();
+        assert_eq!(good.split(Split::Train).num_samples, 5);
+        assert_eq!(good.total_bytes(Split::Train), 60);
+        assert_eq!(good.total_bytes(Split::Test), 0);
+
+        let mut m = good.clone();
+        m.record_bytes = 11;
+        assert!(m.validate().is_err());
+        let mut m = good.clone();
+        m.train.shards[1].first = 4;
+        assert!(m.validate().is_err());
+        let mut m = good.clone();
+        m.train.num_samples = 6;
+        assert!(m.validate().is_err());
+        let mut m = good.clone();
+        m.train.shards[0].path = "../escape".into();
+        assert!(m.validate().is_err());
+        let mut m = good.clone();
+        m.train.shards[0].path = "/abs".into();
+        assert!(m.validate().is_err());
+        let mut m = good.clone();
+        m.layout = Layout::PerSample;
+        assert!(m
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("does not match"));
+        m.format = FORMAT_PER_SAMPLE;
+        assert!(m
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("lists shards"));
+        m.train.shards.clear();
+        m.validate().unwrap();
+        let mut m = good;
+        m.classes = 0;
+        assert!(m.validate().is_err());
+    }
+
+    #[test]
+    fn manifest_without_layout_reads_as_shards() {
+        let old = r#"{"format":1,"name":"o","features":1,"classes":2,"record_bytes":8,
+            "train":{"num_samples":2,"shards":[{"path":"train/shard-00000.bin","first":0,"count":2}]},
+            "test":{"num_samples":0,"shards":[]}}"#;
+        let m: Manifest = serde_json::from_str(old).unwrap();
+        assert_eq!(m.layout, Layout::Shards);
+        m.validate().unwrap();
+        let json = serde_json::to_string(&m).unwrap();
+        assert!(json.contains("\"layout\":\"shards\""), "{json}");
+    }
+
+    #[test]
+    fn layout_names() {
+        for (text, layout) in [
+            ("shards", Layout::Shards),
+            ("per-sample", Layout::PerSample),
+            ("per_sample", Layout::PerSample),
+        ] {
+            assert_eq!(text.parse::<Layout>(), Ok(layout));
+        }
+        assert!("folder".parse::<Layout>().is_err());
+        assert_eq!(Layout::PerSample.to_string(), "per-sample");
+        assert_eq!(sample_object_path(Split::Train, 123), "train/00000123.bin");
+    }
+
+    #[test]
+    fn merge_runs_joins_adjacent() {
+        assert_eq!(merge_runs(&[]), Vec::<Range<usize>>::new());
+        assert_eq!(merge_runs(&[0, 1, 2, 5, 7, 8]), vec![0..3, 5..6, 7..9]);
+    }
+
+    #[test]
+    fn batch_helpers() {
+        let samples = vec![
+            Sample {
+                label: 2,
+                features: vec![1.0, 2.0],
+            },
+            Sample {
+                label: 0,
+                features: vec![3.0],
+            },
+            Sample {
+                label: 1,
+                features: vec![4.0, 5.0, 6.0],
+            },
+        ];
+        let b = Batch::from_samples(&samples, 2);
+        assert_eq!(b.len(), 3);
+        assert!(!b.is_empty());
+        assert_eq!(b.labels, vec![2, 0, 1]);
+        assert_eq!(b.features, vec![1.0, 2.0, 3.0, 0.0, 4.0, 5.0]);
+        assert_eq!(b.row(1), Some(&[3.0, 0.0][..]));
+        assert_eq!(b.row(3), None);
+        assert!(Batch::default().is_empty());
+    }
+}

@@ -1,0 +1,891 @@
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{GetOptions, ObjectStore};
+
+use crate::format::*;
+use crate::plan::{ReadPlanner, RecordRequest};
+
+struct ReaderInner {
+    store: Arc<dyn ObjectStore>,
+    planner: ReadPlanner,
+}
+
+/// Reads records by global index with range GETs. Cheap to clone.
+#[derive(Clone)]
+pub struct DatasetReader {
+    inner: Arc<ReaderInner>,
+}
+
+impl fmt::Debug for DatasetReader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatasetReader")
+            .field("store", &self.inner.store.to_string())
+            .field("prefix", &self.inner.planner.prefix)
+            .field("name", &self.inner.planner.manifest.name)
+            .finish()
+    }
+}
+
+/// The record runs to read from one shard.
+struct ShardPlan {
+    shard: usize,
+    /// Sorted, disjoint, non-adjacent runs of local record indices.
+    runs: Vec<Range<usize>>,
+}
+
+/// The records of one shard that were read, as one buffer per run.
+struct ShardData {
+    runs: Vec<Range<usize>>,
+    buffers: Vec<Bytes>,
+}
+
+impl DatasetReader {
+    /// Reads and validates `manifest.json` under `prefix`.
+    pub async fn open(store: Arc<dyn ObjectStore>, prefix: Path) -> Result<Self, DatasetError> {
+        let manifest_path = prefix.clone().join(MANIFEST_NAME);
+        let bytes = match store.get_opts(&manifest_path, GetOptions::default()).await {
+            Ok(result) => result.bytes().await?,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(DatasetError::NotFound {
+                    prefix: prefix.to_string(),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let manifest: Manifest = serde_json::from_slice(&bytes)
+            .map_err(|e| DatasetError::Manifest(format!("{manifest_path}: {e}")))?;
+        let planner = ReadPlanner::new(manifest, prefix)?;
+        Ok(Self {
+            inner: Arc::new(ReaderInner { store, planner }),
+        })
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.inner.planner.manifest
+    }
+
+    /// The prefix the dataset was opened at.
+    pub fn prefix(&self) -> &Path {
+        &self.inner.planner.prefix
+    }
+
+    /// The store the dataset is read from.
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner.store
+    }
+
+    /// Samples in a split.
+    pub fn len(&self, split: Split) -> usize {
+        self.inner.planner.manifest.split(split).num_samples
+    }
+
+    /// Whether a split has no samples.
+    pub fn is_empty(&self, split: Split) -> bool {
+        self.len(split) == 0
+    }
+
+    /// How the dataset is cut into objects.
+    pub fn layout(&self) -> Layout {
+        self.inner.planner.manifest.layout
+    }
+
+    /// Bytes of one record (label and features).
+    pub fn record_bytes(&self) -> usize {
+        self.inner.planner.manifest.record_bytes
+    }
+
+    /// The GETs that read `indices` of a split: see [`ReadPlanner::plan`].
+    pub fn plan_requests(
+        &self,
+        split: Split,
+        indices: &[usize],
+        max_request_bytes: u64,
+    ) -> Result<Vec<RecordRequest>, DatasetError> {
+        self.inner.planner.plan(split, indices, max_request_bytes)
+    }
+
+    /// Issues one request and returns its records in index order, each checked
+    /// for length and label. A missing object, a short body or a bad label is
+    /// [`DatasetError::Corrupt`] naming the object; a store failure is
+    /// [`DatasetError::Store`].
+    pub async fn read_request(&self, req: &RecordRequest) -> Result<Vec<Bytes>, DatasetError> {
+        let m = &self.inner.planner.manifest;
+        let rb = m.record_bytes;
+        let corrupt = |message: String| DatasetError::Corrupt {
+            object: req.object.to_string(),
+            message,
+        };
+        let mut options = GetOptions::new();
+        if let Some(range) = &req.range {
+            options = options.with_range(Some(range.clone()));
+        }
+        let body = match self.inner.store.get_opts(&req.object, options).await {
+            Ok(result) => result.bytes().await?,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(corrupt(
+                    "the object listed in the manifest is missing".into(),
+                ))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let want = req.count.saturating_mul(rb);
+        if body.len() != want {
+            return Err(corrupt(format!(
+                "came back as {} bytes, expected {want} ({} records of {rb} bytes; object truncated?)",
+                body.len(),
+                req.count
+            )));
+        }
+        let mut out = Vec::with_capacity(req.count);
+        for i in 0..req.count {
+            let record = body.slice(i * rb..(i + 1) * rb);
+            check_label(&record, m.classes).map_err(|label| {
+                corrupt(format!(
+                    "record {} has label {label}, not below the manifest's {} classes",
+                    req.first + i,
+                    m.classes
+                ))
+            })?;
+            out.push(record);
+        }
+        Ok(out)
+    }
+
+    /// Packs records (as [`DatasetReader::read_request`] returns them) into a
+    /// batch, checking each one's length and label again.
+    pub fn batch_from_records(&self, records: &[Bytes]) -> Result<Batch, DatasetError> {
+        let m = &self.inner.planner.manifest;
+        let mut batch = Batch::with_capacity(records.len(), m.features);
+        for (i, r) in records.iter().enumerate() {
+            if r.len() != m.record_bytes {
+                return Err(DatasetError::Invalid(format!(
+                    "record {i} of the batch has {} bytes, expected {}",
+                    r.len(),
+                    m.record_bytes
+                )));
+            }
+            let label = check_label(r, m.classes).map_err(|label| {
+                DatasetError::Invalid(format!(
+                    "record {i} of the batch has label {label}, not below {}",
+                    m.classes
+                ))
+            })?;
+            batch.labels.push(label);
+            batch.features.extend(features_iter(&r[LABEL_BYTES..]));
+        }
+        Ok(batch)
+    }
+
+    /// Fetches the given global indices of a split, in the order asked
+    /// (duplicates allowed). Issues one `get_ranges` call per shard touched,
+    /// with adjacent records merged into one range. A short or corrupt shard
+    /// gives [`DatasetError::Corrupt`] naming the object; an index past the
+    /// end gives [`DatasetError::IndexOutOfRange`].
+    pub async fn fetch(
+        &self,
+        split: Split,
+        indices: &[usize],
+    ) -> Result<Vec<Sample>, DatasetError> {
+        let mut out = Vec::with_capacity(indices.len());
+        self.fetch_each(split, indices, |label, bytes| {
+            out.push(Sample {
+                label,
+                features: decode_features(bytes),
+            })
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Like [`DatasetReader::fetch`], packed into a [`Batch`].
+    pub async fn fetch_batch(
+        &self,
+        split: Split,
+        indices: &[usize],
+    ) -> Result<Batch, DatasetError> {
+        let dim = self.inner.planner.manifest.features;
+        let mut batch = Batch::with_capacity(indices.len(), dim);
+        self.fetch_each(split, indices, |label, bytes| {
+            batch.labels.push(label);
+            batch.features.extend(features_iter(bytes));
+        })
+        .await?;
+        Ok(batch)
+    }
+
+    /// The whole split in index order (meant for the small test set).
+    pub async fn fetch_all(&self, split: Split) -> Result<Batch, DatasetError> {
+        let info = self.inner.planner.manifest.split(split);
+        if self.layout() == Layout::PerSample {
+            let all: Vec<usize> = (0..info.num_samples).collect();
+            return self.fetch_batch(split, &all).await;
+        }
+        let plans = info
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(k, s)| ShardPlan {
+                shard: k,
+                runs: std::iter::once(0..s.count).collect(),
+            })
+            .collect();
+        let data = self.read_plans(split, plans).await?;
+        let m = &self.inner.planner.manifest;
+        let mut batch = Batch::with_capacity(info.num_samples, m.features);
+        for (shard, d) in &data {
+            for buf in &d.buffers {
+                for record in buf.chunks_exact(m.record_bytes) {
+                    let (label, feats) = self.decode_record(split, *shard, record)?;
+                    batch.labels.push(label);
+                    batch.features.extend(features_iter(feats));
+                }
+            }
+        }
+        Ok(batch)
+    }
+
+    /// Reads `indices` and hands each record's label and feature bytes to
+    /// `sink` in the order asked.
+    async fn fetch_each(
+        &self,
+        split: Split,
+        indices: &[usize],
+        mut sink: impl FnMut(u32, &[u8]),
+    ) -> Result<(), DatasetError> {
+        if self.layout() == Layout::PerSample {
+            let requests = self.plan_requests(split, indices, u64::MAX)?;
+            let records: HashMap<usize, Bytes> = futures::stream::iter(requests)
+                .map(|req| async move {
+                    let record = self.read_request(&req).await?.into_iter().next();
+                    Ok::<_, DatasetError>((req.first, record.unwrap_or_default()))
+                })
+                .buffer_unordered(MAX_CONCURRENT_SAMPLE_READS)
+                .try_collect()
+                .await?;
+            for &index in indices {
+                let record = records.get(&index).ok_or_else(|| {
+                    DatasetError::Invalid(format!("{split} sample {index} was not read"))
+                })?;
+                let label =
+                    check_label(record, self.inner.planner.manifest.classes).map_err(|l| {
+                        DatasetError::Invalid(format!("{split} sample {index} has label {l}"))
+                    })?;
+                sink(label, &record[LABEL_BYTES..]);
+            }
+            return Ok(());
+        }
+        let info = self.inner.planner.manifest.split(split);
+        let len = info.num_samples;
+        // (shard, local record) per requested position.
+        let mut locations = Vec::with_capacity(indices.len());
+        let mut wanted: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for &index in indices {
+            if index >= len {
+                return Err(DatasetError::IndexOutOfRange { index, len });
+            }
+            // Validated manifests start at 0, so the partition point is >= 1.
+            let shard = info.shards.partition_point(|s| s.first <= index) - 1;
+            let local = index - info.shards[shard].first;
+            wanted.entry(shard).or_default().push(local);
+            locations.push((shard, local));
+        }
+        let plans = wanted
+            .into_iter()
+            .map(|(shard, mut locals)| {
+                locals.sort_unstable();
+                locals.dedup();
+                ShardPlan {
+                    shard,
+                    runs: merge_runs(&locals),
+                }
+            })
+            .collect();
+        let data = self.read_plans(split, plans).await?;
+        let rb = self.inner.planner.manifest.record_bytes;
+        for (shard, local) in locations {
+            let corrupt = |message: String| DatasetError::Corrupt {
+                object: self.inner.planner.shard_paths[split.index()][shard].to_string(),
+                message,
+            };
+            let d = data
+                .get(&shard)
+                .ok_or_else(|| corrupt("shard was not read".into()))?;
+            let run = d.runs.partition_point(|r| r.start <= local).wrapping_sub(1);
+            let (range, buf) = d
+                .runs
+                .get(run)
+                .zip(d.buffers.get(run))
+                .filter(|(r, _)| r.contains(&local))
+                .ok_or_else(|| corrupt(format!("record {local} was not read")))?;
+            let at = (local - range.start) * rb;
+            let record = buf
+                .get(at..at + rb)
+                .ok_or_else(|| corrupt(format!("record {local} is cut short")))?;
+            let (label, feats) = self.decode_record(split, shard, record)?;
+            sink(label, feats);
+        }
+        Ok(())
+    }
+
+    /// Runs the shard reads, a bounded number at a time.
+    async fn read_plans(
+        &self,
+        split: Split,
+        plans: Vec<ShardPlan>,
+    ) -> Result<BTreeMap<usize, ShardData>, DatasetError> {
+        futures::stream::iter(plans)
+            .map(|plan| async move {
+                let buffers = self.read_runs(split, plan.shard, &plan.runs).await?;
+                Ok::<_, DatasetError>((
+                    plan.shard,
+                    ShardData {
+                        runs: plan.runs,
+                        buffers,
+                    },
+                ))
+            })
+            .buffer_unordered(MAX_CONCURRENT_SHARD_READS)
+            .try_collect()
+            .await
+    }
+
+    /// One `get_ranges` call for the record runs of one shard, with every
+    /// returned length checked.
+    async fn read_runs(
+        &self,
+        split: Split,
+        shard: usize,
+        runs: &[Range<usize>],
+    ) -> Result<Vec<Bytes>, DatasetError> {
+        let inner = &self.inner;
+        let object = &inner.planner.shard_paths[split.index()][shard];
+        let rb = inner.planner.manifest.record_bytes as u64;
+        let count = inner.planner.manifest.split(split).shards[shard].count as u64;
+        let corrupt = |message: String| DatasetError::Corrupt {
+            object: object.to_string(),
+            message,
+        };
+        let ranges: Vec<Range<u64>> = runs
+            .iter()
+            .map(|r| r.start as u64 * rb..r.end as u64 * rb)
+            .collect();
+        let buffers = match inner.store.get_ranges(object, &ranges).await {
+            Ok(buffers) => buffers,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(corrupt(
+                    "the shard listed in the manifest is missing".into(),
+                ))
+            }
+            Err(err) => {
+                // A range past the end of a truncated object fails in the
+                // store; report it as corruption when the size explains it.
+                let head = inner
+                    .store
+                    .get_opts(object, GetOptions::new().with_head(true))
+                    .await;
+                return match head {
+                    Ok(meta) if meta.meta.size != count * rb => Err(corrupt(format!(
+                        "object is {} bytes but the manifest expects {} ({count} records of {rb} bytes)",
+                        meta.meta.size,
+                        count * rb
+                    ))),
+                    _ => Err(err.into()),
+                };
+            }
+        };
+        if buffers.len() != ranges.len() {
+            return Err(corrupt(format!(
+                "asked for {} ranges, got {}",
+                ranges.len(),
+                buffers.len()
+            )));
+        }
+        for (range, buf) in ranges.iter().zip(&buffers) {
+            let want = range.end - range.start;
+            if buf.len() as u64 != want {
+                return Err(corrupt(format!(
+                    "bytes {}..{} came back as {} bytes (object truncated?); the manifest expects {} bytes",
+                    range.start,
+                    range.end,
+                    buf.len(),
+                    count * rb
+                )));
+            }
+        }
+        Ok(buffers)
+    }
+
+    /// Splits one record into its label (checked against `classes`) and its
+    /// feature bytes.
+    fn decode_record<'a>(
+        &self,
+        split: Split,
+        shard: usize,
+        record: &'a [u8],
+    ) -> Result<(u32, &'a [u8]), DatasetError> {
+        let m = &self.inner.planner.manifest;
+        let corrupt = |message: String| DatasetError::Corrupt {
+            object: self.inner.planner.shard_paths[split.index()][shard].to_string(),
+            message,
+        };
+        if record.len() != m.record_bytes {
+            return Err(corrupt(format!(
+                "record of {} bytes, expected {}",
+                record.len(),
+                m.record_bytes
+            )));
+        }
+        let (label_bytes, feats) = record.split_at(LABEL_BYTES);
+        let label = u32::from_le_bytes([
+            label_bytes[0],
+            label_bytes[1],
+            label_bytes[2],
+            label_bytes[3],
+        ]);
+        if label as usize >= m.classes {
+            return Err(corrupt(format!(
+                "label {label} is not below the manifest's {} classes",
+                m.classes
+            )));
+        }
+        Ok((label, feats))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::*;
+    use object_store::local::LocalFileSystem;
+    use object_store::memory::InMemory;
+    use object_store::ObjectStoreExt;
+    use object_store::PutPayload;
+    use rand::rngs::StdRng;
+    use rand::Rng;
+    use rand::SeedableRng;
+
+    fn small_spec() -> SyntheticSpec {
+        SyntheticSpec {
+            train: 203,
+            test: 37,
+            features: 5,
+            classes: 4,
+            seed: 3,
+            label_noise: 0.1,
+        }
+    }
+
+    async fn write_small(store: &dyn ObjectStore, prefix: &Path) -> (Vec<Sample>, Vec<Sample>) {
+        let (train, test) = synthetic(&small_spec());
+        let m = write_dataset(store, prefix, "small", 5, 4, &train, &test, 16)
+            .await
+            .unwrap();
+        assert_eq!(m.train.shards.len(), 13);
+        assert_eq!(m.train.shards[12].count, 203 - 12 * 16);
+        assert_eq!(m.test.shards.len(), 3);
+        assert_eq!(m.record_bytes, 24);
+        assert_eq!(m.total_bytes(Split::Train), 203 * 24);
+        (train, test)
+    }
+
+    async fn roundtrip(store: Arc<dyn ObjectStore>, prefix: Path) {
+        let (train, test) = write_small(store.as_ref(), &prefix).await;
+        let reader = DatasetReader::open(store, prefix).await.unwrap();
+        assert_eq!(reader.manifest().name, "small");
+        assert_eq!(reader.len(Split::Train), 203);
+
+        let mut rng = StdRng::seed_from_u64(1);
+        let mut indices: Vec<usize> = (0..150).map(|_| rng.random_range(0..203)).collect();
+        // Adjacent runs, duplicates and shard edges.
+        indices.extend([15, 16, 17, 17, 0, 202, 201, 200, 31, 32]);
+        let got = reader.fetch(Split::Train, &indices).await.unwrap();
+        let want: Vec<Sample> = indices.iter().map(|&i| train[i].clone()).collect();
+        assert_eq!(got, want);
+
+        let batch = reader.fetch_batch(Split::Train, &indices).await.unwrap();
+        assert_eq!(batch, Batch::from_samples(&want, 5));
+        assert_eq!(batch.features.len(), batch.len() * 5);
+
+        let all = reader.fetch_all(Split::Test).await.unwrap();
+        assert_eq!(all, Batch::from_samples(&test, 5));
+        let all_train = reader.fetch_all(Split::Train).await.unwrap();
+        assert_eq!(all_train, Batch::from_samples(&train, 5));
+
+        assert!(reader.fetch(Split::Test, &[]).await.unwrap().is_empty());
+        assert!(reader
+            .fetch_batch(Split::Test, &[])
+            .await
+            .unwrap()
+            .is_empty());
+    }
+
+    #[tokio::test]
+    async fn roundtrip_in_memory() {
+        roundtrip(Arc::new(InMemory::new()), Path::from("sets/small")).await;
+    }
+
+    #[tokio::test]
+    async fn roundtrip_local_filesystem() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(LocalFileSystem::new_with_prefix(dir.path()).unwrap());
+        roundtrip(store, Path::from("nested/small")).await;
+        assert!(dir.path().join("nested/small/manifest.json").exists());
+        assert!(dir
+            .path()
+            .join("nested/small/train/shard-00000.bin")
+            .exists());
+        assert!(dir
+            .path()
+            .join("nested/small/test/shard-00002.bin")
+            .exists());
+    }
+
+    #[tokio::test]
+    async fn roundtrip_at_bucket_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", dir.path().join("fresh").display());
+        let (store, prefix) = open_bucket(&url).unwrap();
+        assert_eq!(prefix, Path::default());
+        roundtrip(store, prefix).await;
+        assert!(dir.path().join("fresh/manifest.json").exists());
+    }
+
+    #[tokio::test]
+    async fn fetch_future_is_send() {
+        fn assert_send<T: Send>(_: &T) {}
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let (train, test) = synthetic(&small_spec());
+        let root = Path::default();
+        let write = write_dataset(store.as_ref(), &root, "s", 5, 4, &train, &test, 64);
+        assert_send(&write);
+        write.await.unwrap();
+        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+        let fut = reader.fetch_batch(Split::Train, &[1, 2]);
+        assert_send(&fut);
+        let handle = tokio::spawn({
+            let reader = reader.clone();
+            async move { reader.fetch_all(Split::Test).await }
+        });
+        assert_eq!(handle.await.unwrap().unwrap().len(), 37);
+        assert_eq!(fut.await.unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn missing_manifest_is_not_found() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let err = DatasetReader::open(store, Path::from("nothing/here"))
+            .await
+            .unwrap_err();
+        assert!(matches!(&err, DatasetError::NotFound { prefix } if prefix == "nothing/here"));
+        let msg = err.to_string();
+        assert!(
+            msg.contains("nothing/here") && msg.contains("manifest.json not found"),
+            "{msg}"
+        );
+        assert!(msg.contains("ps-worker dataset"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn bad_manifest_is_rejected() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let prefix = Path::from("d");
+        store
+            .put(
+                &prefix.clone().join(MANIFEST_NAME),
+                PutPayload::from_static(b"{not json"),
+            )
+            .await
+            .unwrap();
+        let err = DatasetReader::open(store.clone(), prefix.clone())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DatasetError::Manifest(_)), "{err}");
+
+        let (train, test) = synthetic(&small_spec());
+        let mut m = write_dataset(store.as_ref(), &prefix, "s", 5, 4, &train, &test, 50)
+            .await
+            .unwrap();
+        m.format = 2;
+        store
+            .put(
+                &prefix.clone().join(MANIFEST_NAME),
+                serde_json::to_vec(&m).unwrap().into(),
+            )
+            .await
+            .unwrap();
+        let err = DatasetReader::open(store, prefix).await.unwrap_err();
+        assert!(err.to_string().contains("format 2"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn per_sample_roundtrip_and_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let local: Arc<dyn ObjectStore> =
+            Arc::new(LocalFileSystem::new_with_prefix(dir.path()).unwrap());
+        let memory: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let options = WriteOptions {
+            layout: Layout::PerSample,
+            records_per_shard: 16,
+        };
+        for store in [local, memory] {
+            let prefix = Path::from("ps");
+            let (train, test) = synthetic(&small_spec());
+            let m = write_dataset_with(store.as_ref(), &prefix, "p", 5, 4, &train, &test, &options)
+                .await
+                .unwrap();
+            assert_eq!((m.format, m.layout), (FORMAT_PER_SAMPLE, Layout::PerSample));
+            assert!(m.train.shards.is_empty());
+            let reader = DatasetReader::open(store.clone(), prefix.clone())
+                .await
+                .unwrap();
+            assert_eq!(reader.layout(), Layout::PerSample);
+            let indices = [5usize, 1, 202, 5, 0];
+            let got = reader.fetch(Split::Train, &indices).await.unwrap();
+            let want: Vec<Sample> = indices.iter().map(|&i| train[i].clone()).collect();
+            assert_eq!(got, want);
+            assert_eq!(
+                reader.fetch_all(Split::Test).await.unwrap(),
+                Batch::from_samples(&test, 5)
+            );
+            let reqs = reader
+                .plan_requests(Split::Train, &indices, 1 << 20)
+                .unwrap();
+            assert_eq!(reqs.len(), 4);
+            assert_eq!(reqs[0].object, Path::from("ps/train/00000000.bin"));
+            let recs = reader.read_request(&reqs[3]).await.unwrap();
+            assert_eq!(
+                reader.batch_from_records(&recs).unwrap(),
+                Batch::from_samples(&train[202..], 5)
+            );
+            // A truncated and a missing object are corrupt, named.
+            let obj = Path::from("ps/train/00000007.bin");
+            store.put(&obj, vec![1u8; 10].into()).await.unwrap();
+            let err = reader.fetch(Split::Train, &[7]).await.unwrap_err();
+            assert!(
+                matches!(&err, DatasetError::Corrupt { object, .. } if object == "ps/train/00000007.bin"),
+                "{err}"
+            );
+            store.delete(&obj).await.unwrap();
+            let err = reader.fetch(Split::Train, &[3, 7]).await.unwrap_err();
+            assert!(err.to_string().contains("missing"), "{err}");
+            assert!(err.to_string().contains("00000007.bin"), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn shard_requests_merge_adjacent_records() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let (train, _) = write_small(store.as_ref(), &Path::default()).await;
+        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+        // Shards hold 16 records of 24 bytes.
+        let reqs = reader
+            .plan_requests(Split::Train, &[3, 4, 5, 15, 16, 17, 40, 3], 1 << 20)
+            .unwrap();
+        let spans: Vec<(usize, usize, Option<Range<u64>>)> = reqs
+            .iter()
+            .map(|r| (r.first, r.count, r.range.clone()))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![
+                (3, 3, Some(72..144)),
+                (15, 1, Some(360..384)),
+                (16, 2, Some(0..48)),
+                (40, 1, Some(192..216)),
+            ]
+        );
+        assert_eq!(reqs[2].object, Path::from("train/shard-00001.bin"));
+        // A byte cap splits long runs.
+        let capped = reader
+            .plan_requests(Split::Train, &[0, 1, 2, 3, 4], 48)
+            .unwrap();
+        assert_eq!(
+            capped.iter().map(|r| r.count).collect::<Vec<_>>(),
+            vec![2, 2, 1]
+        );
+        for r in &capped {
+            let recs = reader.read_request(r).await.unwrap();
+            let batch = reader.batch_from_records(&recs).unwrap();
+            assert_eq!(batch, Batch::from_samples(&train[r.indices()], 5));
+        }
+        let err = reader
+            .plan_requests(Split::Train, &[203], 1 << 20)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            DatasetError::IndexOutOfRange {
+                index: 203,
+                len: 203
+            }
+        ));
+        assert!(reader
+            .batch_from_records(&[Bytes::from_static(b"abc")])
+            .is_err());
+    }
+
+    #[tokio::test]
+    async fn truncated_shard_is_corrupt() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let prefix = Path::from("t");
+        write_small(store.as_ref(), &prefix).await;
+        let shard = prefix.clone().join("train").join("shard-00001.bin");
+        let full = store.get(&shard).await.unwrap().bytes().await.unwrap();
+        // Cut the shard in the middle of record 10 of 16.
+        store
+            .put(&shard, full.slice(..10 * 24 + 7).into())
+            .await
+            .unwrap();
+
+        let reader = DatasetReader::open(store.clone(), prefix.clone())
+            .await
+            .unwrap();
+        // Records before the cut still read fine.
+        reader.fetch(Split::Train, &[16, 20]).await.unwrap();
+        // A record straddling the cut comes back short.
+        let err = reader.fetch(Split::Train, &[26]).await.unwrap_err();
+        assert!(
+            matches!(&err, DatasetError::Corrupt { object, .. } if object == "t/train/shard-00001.bin"),
+            "{err}"
+        );
+        // A record past the end fails in the store; still reported as corrupt.
+        let err = reader.fetch(Split::Train, &[30]).await.unwrap_err();
+        assert!(
+            matches!(&err, DatasetError::Corrupt { object, .. } if object.ends_with("shard-00001.bin")),
+            "{err}"
+        );
+        let err = reader.fetch_all(Split::Train).await.unwrap_err();
+        assert!(matches!(err, DatasetError::Corrupt { .. }), "{err}");
+
+        // A missing shard is corrupt too.
+        store
+            .delete(&prefix.clone().join("test").join("shard-00000.bin"))
+            .await
+            .unwrap();
+        let err = reader.fetch_all(Split::Test).await.unwrap_err();
+        assert!(matches!(err, DatasetError::Corrupt { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn truncated_shard_on_disk_is_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn ObjectStore> =
+            Arc::new(LocalFileSystem::new_with_prefix(dir.path()).unwrap());
+        write_small(store.as_ref(), &Path::default()).await;
+        let file = dir.path().join("train/shard-00000.bin");
+        let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        f.set_len(5 * 24 + 3).unwrap();
+        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+        for idx in [5usize, 9] {
+            let err = reader.fetch(Split::Train, &[idx]).await.unwrap_err();
+            assert!(
+                matches!(&err, DatasetError::Corrupt { object, .. } if object == "train/shard-00000.bin"),
+                "{idx}: {err}"
+            );
+        }
+        reader.fetch(Split::Train, &[4, 16]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn bad_label_in_shard_is_corrupt() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let (train, test) = synthetic(&small_spec());
+        write_dataset(
+            store.as_ref(),
+            &Path::default(),
+            "s",
+            5,
+            4,
+            &train,
+            &test,
+            1000,
+        )
+        .await
+        .unwrap();
+        let shard = Path::from("test/shard-00000.bin");
+        let mut raw = store
+            .get(&shard)
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap()
+            .to_vec();
+        raw[24..28].copy_from_slice(&9u32.to_le_bytes());
+        store.put(&shard, raw.into()).await.unwrap();
+        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+        reader.fetch(Split::Test, &[0, 2]).await.unwrap();
+        let err = reader.fetch(Split::Test, &[1]).await.unwrap_err();
+        assert!(err.to_string().contains("label 9"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn out_of_range_index() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        write_small(store.as_ref(), &Path::default()).await;
+        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+        let err = reader.fetch(Split::Test, &[0, 37]).await.unwrap_err();
+        assert!(
+            matches!(err, DatasetError::IndexOutOfRange { index: 37, len: 37 }),
+            "{err}"
+        );
+        let err = reader
+            .fetch_batch(Split::Train, &[usize::MAX])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, DatasetError::IndexOutOfRange { len: 203, .. }),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn write_validates_samples() {
+        let store = InMemory::new();
+        let p = Path::from("x");
+        let good = vec![Sample {
+            label: 1,
+            features: vec![0.5, 1.0],
+        }];
+        let short = vec![Sample {
+            label: 1,
+            features: vec![0.5],
+        }];
+        let big_label = vec![Sample {
+            label: 3,
+            features: vec![0.5, 1.0],
+        }];
+        let nan = vec![Sample {
+            label: 0,
+            features: vec![f32::NAN, 1.0],
+        }];
+        for (train, test) in [(&short, &good), (&good, &big_label), (&nan, &good)] {
+            let err = write_dataset(&store, &p, "x", 2, 3, train, test, 4)
+                .await
+                .unwrap_err();
+            assert!(matches!(err, DatasetError::Invalid(_)), "{err}");
+        }
+        let err = write_dataset(&store, &p, "x", 2, 3, &good, &good, 0)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, DatasetError::Invalid(_)));
+        // Nothing was written by the failed calls.
+        assert!(store.head(&p.clone().join(MANIFEST_NAME)).await.is_err());
+        // An empty test split is fine.
+        let m = write_dataset(&store, &p, "x", 2, 3, &good, &[], 4)
+            .await
+            .unwrap();
+        assert_eq!(
+            m.test,
+            SplitInfo {
+                num_samples: 0,
+                shards: vec![]
+            }
+        );
+    }
+}

@@ -39,13 +39,19 @@
 //! ```
 
 mod format;
+pub mod image;
+mod imageset;
+mod index;
 mod mnist;
 mod plan;
 mod read;
 mod synthetic;
+pub mod webdataset;
 mod write;
 
 pub use format::*;
+pub use imageset::*;
+pub use index::*;
 pub use mnist::*;
 pub use plan::*;
 pub use ps_shared::bucket::{open_bucket, BucketError};

@@ -105,6 +105,12 @@ pub async fn write_dataset_with(
     let records_per_shard = match options.layout {
         Layout::Shards => options.records_per_shard,
         Layout::PerSample => 1,
+        Layout::WebDataset | Layout::ClassFolders => {
+            return Err(DatasetError::Invalid(format!(
+                "the record writer does not write the {} layout; images are packed with `ps-worker dataset images`",
+                options.layout
+            )))
+        }
     };
     if features == 0 {
         return Err(DatasetError::Invalid("features must be at least 1".into()));
@@ -166,7 +172,7 @@ pub async fn write_dataset_with(
         .collect();
     let concurrency = match options.layout {
         Layout::Shards => MAX_CONCURRENT_SHARD_WRITES,
-        Layout::PerSample => MAX_CONCURRENT_SAMPLE_WRITES,
+        _ => MAX_CONCURRENT_SAMPLE_WRITES,
     };
     futures::stream::iter(puts)
         .buffer_unordered(concurrency)
@@ -190,6 +196,7 @@ pub async fn write_dataset_with(
         record_bytes,
         train: train_info,
         test: test_info,
+        images: None,
     };
     manifest.validate()?;
     let json = serde_json::to_vec_pretty(&manifest)

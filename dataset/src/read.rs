@@ -301,12 +301,14 @@ impl DatasetReader {
                 Err((object, message)) if pipeline.skip_bad => {
                     out.skipped.push(format!("{object}: {message}"))
                 }
-                Err((object, message)) => return Err(DatasetError::Corrupt {
-                    object,
-                    message: format!(
+                Err((object, message)) => {
+                    return Err(DatasetError::Corrupt {
+                        object,
+                        message: format!(
                         "{message} (set data.on_bad_sample = \"skip\" to leave such samples out)"
                     ),
-                }),
+                    })
+                }
             }
         }
         Ok(out)

@@ -299,6 +299,37 @@ pub struct DataSection {
     /// `reshuffle` (a new random split across ranks every epoch) or `stable`
     /// (each rank keeps its part and shuffles within it: caches stay useful).
     pub partition: Partition,
+    /// Image datasets: threads that decode and augment images (per worker).
+    pub decode_threads: usize,
+    /// Image datasets: `stop` the run at a sample that cannot be decoded, or
+    /// `skip` it (the loader counts and logs it).
+    pub on_bad_sample: OnBadSample,
+    /// Image datasets: augmentation of training images.
+    pub augment: AugmentSection,
+}
+
+/// What the loader does with a sample it cannot decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBadSample {
+    #[default]
+    Stop,
+    Skip,
+}
+
+/// Augmentation of training images; evaluation only normalises. Each
+/// sample's crop and flip are drawn from `(data.seed, epoch, sample)`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AugmentSection {
+    /// Random crop of the image's size after zero padding of this many pixels.
+    pub pad: usize,
+    /// Random left-right flip.
+    pub hflip: bool,
+    /// Per-channel mean to subtract (values in 0..1); empty: none.
+    pub mean: Vec<f32>,
+    /// Per-channel standard deviation to divide by; empty: none.
+    pub std: Vec<f32>,
 }
 
 impl Default for DataSection {
@@ -309,6 +340,9 @@ impl Default for DataSection {
             seed: 42,
             prefetch_batches: 4,
             partition: Partition::Reshuffle,
+            decode_threads: 2,
+            on_bad_sample: OnBadSample::Stop,
+            augment: AugmentSection::default(),
         }
     }
 }
@@ -681,6 +715,25 @@ impl ClusterConfig {
         if d.prefetch_batches == 0 {
             return Err(invalid("data.prefetch_batches", "must be >= 1"));
         }
+        if self.data.decode_threads == 0 || self.data.decode_threads > 256 {
+            return Err(invalid("data.decode_threads", "must be in 1..=256"));
+        }
+        let aug = &self.data.augment;
+        if !aug.mean.is_empty() && !aug.std.is_empty() && aug.mean.len() != aug.std.len() {
+            return Err(invalid(
+                "data.augment.std",
+                "must have as many values as data.augment.mean (one per channel)",
+            ));
+        }
+        if aug.std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(invalid(
+                "data.augment.std",
+                "values must be finite and above 0",
+            ));
+        }
+        if aug.mean.iter().any(|m| !m.is_finite()) {
+            return Err(invalid("data.augment.mean", "values must be finite"));
+        }
         let t = &self.training;
         if t.epochs == 0 {
             return Err(invalid("training.epochs", "must be >= 1"));
@@ -892,6 +945,12 @@ mod tests {
             ("[cluster]\nworkers = 0\n", "cluster.workers"),
             ("[cluster]\ntoken = \"short\"\n", "cluster.token"),
             ("[data]\nbatch_size = 0\n", "data.batch_size"),
+            ("[data]\ndecode_threads = 0\n", "data.decode_threads"),
+            (
+                "[data.augment]\nmean = [0.5, 0.5]\nstd = [1.0]\n",
+                "data.augment.std",
+            ),
+            ("[data.augment]\nstd = [0.0]\n", "data.augment.std"),
             ("[compression]\ndensity = 0.0\n", "compression.density"),
             ("[training]\ndevice = \"tpu\"\n", "training.device"),
             (

@@ -334,7 +334,9 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
     ))?;
     let objects = match layout {
         Layout::Shards => manifest.train.shards.len() + manifest.test.shards.len(),
-        Layout::PerSample => manifest.train.num_samples + manifest.test.num_samples,
+        Layout::PerSample | Layout::WebDataset | Layout::ClassFolders => {
+            manifest.train.num_samples + manifest.test.num_samples
+        }
     };
     println!(
         "wrote {name} to {out}: {} train + {} test samples, {} features, {} classes, {objects} {layout} objects",

@@ -16,8 +16,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use object_store::{path::Path as StorePath, ObjectStore};
 use serde::Serialize;
 
+use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
-use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::config::{ClusterConfig, CompressionKind, OnBadSample};
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, ResumePoint};
 use ps_shared::simstore::SimStore;
@@ -224,6 +225,24 @@ pub async fn run_worker(
         store
     };
     let reader = DatasetReader::open(store, prefix).await?;
+    let reader = if reader.layout().is_images() {
+        let a = &cfg.data.augment;
+        let pipeline = ImagePipeline::new(
+            Augment {
+                pad: a.pad,
+                hflip: a.hflip,
+                mean: a.mean.clone(),
+                std: a.std.clone(),
+            },
+            cfg.data.seed,
+            cfg.data.decode_threads,
+            cfg.data.on_bad_sample == OnBadSample::Skip,
+        )
+        .map_err(|m| WorkerError::Mismatch(format!("data.decode_threads: {m}")))?;
+        reader.with_image_pipeline(pipeline)?
+    } else {
+        reader
+    };
     let manifest = reader.manifest().clone();
     if manifest.features != cfg.model.input || manifest.classes != cfg.model.classes {
         return Err(WorkerError::Mismatch(format!(

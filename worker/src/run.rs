@@ -6,6 +6,7 @@
 //! trainer. Time spent waiting for each is measured separately, so the epoch
 //! report shows where a step's time went.
 
+use std::collections::VecDeque;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -31,7 +32,9 @@ use crate::loader::{
     NextBatch,
 };
 use crate::model::{device_from_str, Model, ModelError};
-use crate::trainer::{ApplyUpdates, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError};
+use crate::trainer::{
+    ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -359,6 +362,12 @@ async fn train(
         spent: Duration::ZERO,
         pushed: 0,
         pulled: 0,
+        recent: VecDeque::new(),
+        keep: if cfg.model.has_batch_norm() {
+            cfg.model.bn_calibration_batches
+        } else {
+            0
+        },
     };
     let max_steps = cfg.training.max_steps;
     let mut stopping = max_steps_reached(max_steps, step).then_some(StopReason::MaxSteps);
@@ -424,6 +433,7 @@ async fn train(
             break;
         };
         epoch = pos.epoch;
+        evals.remember(&batch);
         acc.started.get_or_insert_with(Instant::now);
         evals.started.get_or_insert_with(Instant::now);
         acc.wait += waited;
@@ -600,9 +610,24 @@ struct Evals {
     spent: Duration,
     pushed: u64,
     pulled: u64,
+    /// The last `keep` training batches (shared, not copied), on which a
+    /// model with batch norm recomputes its running statistics before each
+    /// evaluation; `keep` is 0 for models without batch norm.
+    recent: VecDeque<Arc<ps_shared::dataset::Batch>>,
+    keep: usize,
 }
 
 impl Evals {
+    fn remember(&mut self, batch: &Arc<ps_shared::dataset::Batch>) {
+        if self.keep == 0 {
+            return;
+        }
+        if self.recent.len() == self.keep {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(batch.clone());
+    }
+
     fn train_s(&self) -> f64 {
         self.started.map_or(0.0, |s| {
             s.elapsed().saturating_sub(self.spent).as_secs_f64()
@@ -622,6 +647,10 @@ impl Evals {
         }
         let train_s = self.train_s();
         let t0 = Instant::now();
+        if !self.recent.is_empty() {
+            let batches = self.recent.iter().cloned().collect();
+            trainer.send(CalibrateBn(batches)).await??;
+        }
         let (test_loss, test_accuracy) = trainer.send(Evaluate(test.clone())).await??;
         self.spent += t0.elapsed();
         self.points.push(EvalPoint {

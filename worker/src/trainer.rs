@@ -138,3 +138,16 @@ impl Handler<Evaluate> for TrainerActor {
         Ok(self.model.evaluate(&msg.0)?)
     }
 }
+
+/// Recompute the batch-norm running statistics on these training batches
+/// before an evaluation (nothing for a model without batch norm).
+#[derive(Message)]
+#[rtype(result = "Result<(), TrainerError>")]
+pub struct CalibrateBn(pub Vec<Arc<Batch>>);
+
+impl Handler<CalibrateBn> for TrainerActor {
+    type Result = Result<(), TrainerError>;
+    fn handle(&mut self, msg: CalibrateBn, _: &mut Context<Self>) -> Self::Result {
+        Ok(self.model.calibrate_bn(&msg.0)?)
+    }
+}

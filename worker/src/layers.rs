@@ -289,7 +289,7 @@ struct Runner<'a> {
 
 impl Runner<'_> {
     fn conv(&self, x: &Tensor, c: Conv) -> Result<Tensor> {
-        let y = x.conv2d(self.vars[c.weight].as_tensor(), c.padding, c.stride, 1, 1)?;
+        let y = conv2d(x, self.vars[c.weight].as_tensor(), c.stride, c.padding)?;
         match c.bias {
             Some(b) => {
                 let b = self.vars[b].as_tensor();
@@ -305,9 +305,9 @@ impl Runner<'_> {
         let beta = self.vars[n.beta].as_tensor().reshape((1, c, 1, 1))?;
         match self.mode {
             Mode::Train { .. } => {
-                let mean = x.mean_keepdim((0, 2, 3))?;
+                let mean = channel_mean(x)?;
                 let centred = x.broadcast_sub(&mean)?;
-                let var = centred.sqr()?.mean_keepdim((0, 2, 3))?;
+                let var = channel_mean(&centred.sqr()?)?;
                 let scale = (var.clone() + BN_EPS)?
                     .sqrt()?
                     .recip()?
@@ -346,6 +346,51 @@ impl Runner<'_> {
         let mask = dropout_mask(x.elem_count(), p, seed, step, slot);
         x.mul(&Tensor::from_vec(mask, x.shape(), x.device())?)
     }
+}
+
+/// A 2-d convolution as one matrix product: the `kernel²` strided views
+/// of the padded input, stacked into columns, times the weight as an
+/// `out × (in · kernel²)` matrix. Its backward pass is matrix products and
+/// copies (candle's own convolution backward runs a direct, much slower,
+/// transposed convolution on the CPU).
+pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    let (b, c, h, w) = x.dims4()?;
+    let (o, _, k, _) = weight.dims4()?;
+    let (oh, ow) = (
+        (h + 2 * padding - k) / stride + 1,
+        (w + 2 * padding - k) / stride + 1,
+    );
+    let padded = if padding > 0 {
+        x.pad_with_zeros(2, padding, padding)?
+            .pad_with_zeros(3, padding, padding)?
+    } else {
+        x.clone()
+    };
+    let cols = if k == 1 {
+        strided(&strided(&padded, 2, 0, stride, oh)?, 3, 0, stride, ow)?
+    } else {
+        let mut views = Vec::with_capacity(k * k);
+        for i in 0..k {
+            let rows = strided(&padded, 2, i, stride, oh)?;
+            for j in 0..k {
+                views.push(strided(&rows, 3, j, stride, ow)?);
+            }
+        }
+        Tensor::stack(&views, 2)?
+    };
+    let cols = cols.reshape((b, c * k * k, oh * ow))?;
+    weight
+        .reshape((o, c * k * k))?
+        .broadcast_matmul(&cols)?
+        .reshape((b, o, oh, ow))
+}
+
+/// Mean of each channel of an NCHW tensor, `[1, c, 1, 1]`: the image
+/// dimensions first (contiguous, fast), then the batch.
+fn channel_mean(x: &Tensor) -> Result<Tensor> {
+    let (b, c, h, w) = x.dims4()?;
+    let per_image = x.reshape((b, c, h * w))?.sum_keepdim(2)?;
+    per_image.sum_keepdim(0)?.reshape((1, c, 1, 1))? / (b * h * w) as f64
 }
 
 /// The dropout mask of layer `slot` at `step`: each entry is 0 with

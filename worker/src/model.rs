@@ -1044,6 +1044,39 @@ mod tests {
     }
 
     #[test]
+    fn matrix_convolution_matches_candles() {
+        let x = Tensor::from_vec(
+            image_batch(2, 3 * 7 * 7, 2, 5).features,
+            (2, 3, 7, 7),
+            &Device::Cpu,
+        )
+        .unwrap();
+        for (k, stride, padding) in [(3, 1, 1), (3, 2, 1), (1, 2, 0), (2, 1, 0), (3, 3, 2)] {
+            let w = Tensor::from_vec(
+                image_batch(4, 3 * k * k, 2, k + stride).features,
+                (4, 3, k, k),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let ours = crate::layers::conv2d(&x, &w, stride, padding).unwrap();
+            let theirs = x.conv2d(&w, padding, stride, 1, 1).unwrap();
+            assert_eq!(ours.dims(), theirs.dims());
+            let diff = (ours - theirs)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                diff < 1e-4,
+                "k {k} stride {stride} padding {padding}: {diff}"
+            );
+        }
+    }
+
+    #[test]
     fn strided_pools_pick_the_right_windows() {
         let x = Tensor::arange(0f32, 25.0, &Device::Cpu)
             .unwrap()

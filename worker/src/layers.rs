@@ -15,7 +15,7 @@
 //! active only in training; its mask is drawn from `(seed, step, layer)`,
 //! so a step's forward pass is reproducible.
 
-use candle_core::{Result, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape as CShape, Tensor, Var};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use ps_shared::layers::{LayerSpec, Node, Shape};
@@ -348,41 +348,134 @@ impl Runner<'_> {
     }
 }
 
-/// A 2-d convolution as one matrix product: the `kernel²` strided views
-/// of the padded input, stacked into columns, times the weight as an
-/// `out × (in · kernel²)` matrix. Its backward pass is matrix products and
-/// copies (candle's own convolution backward runs a direct, much slower,
-/// transposed convolution on the CPU).
+/// A 2-d convolution as one matrix product: the input unfolded into
+/// columns ([`Im2Col`], `(in · kernel²) × out-pixels` per sample) times the
+/// weight as an `out × (in · kernel²)` matrix. Its backward pass is two
+/// matrix products and one fold of the column gradient back onto the image
+/// (candle's own CPU convolution backward runs a direct transposed
+/// convolution, several times slower). Other devices use candle's
+/// convolution.
 pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Result<Tensor> {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return x.conv2d(weight, padding, stride, 1, 1);
+    }
     let (b, c, h, w) = x.dims4()?;
     let (o, _, k, _) = weight.dims4()?;
-    let (oh, ow) = (
-        (h + 2 * padding - k) / stride + 1,
-        (w + 2 * padding - k) / stride + 1,
-    );
-    let padded = if padding > 0 {
-        x.pad_with_zeros(2, padding, padding)?
-            .pad_with_zeros(3, padding, padding)?
-    } else {
-        x.clone()
+    let unfold = Im2Col {
+        c,
+        h,
+        w,
+        k,
+        stride,
+        padding,
     };
-    let cols = if k == 1 {
-        strided(&strided(&padded, 2, 0, stride, oh)?, 3, 0, stride, ow)?
-    } else {
-        let mut views = Vec::with_capacity(k * k);
-        for i in 0..k {
-            let rows = strided(&padded, 2, i, stride, oh)?;
-            for j in 0..k {
-                views.push(strided(&rows, 3, j, stride, ow)?);
-            }
-        }
-        Tensor::stack(&views, 2)?
-    };
-    let cols = cols.reshape((b, c * k * k, oh * ow))?;
+    let (oh, ow) = unfold.out_dims();
+    let cols = x.contiguous()?.apply_op1(unfold)?;
     weight
         .reshape((o, c * k * k))?
         .broadcast_matmul(&cols)?
         .reshape((b, o, oh, ow))
+}
+
+/// Unfolds `[b, c, h, w]` into `[b, c · k², oh · ow]`: row `(ci · k + i) · k
+/// + j` holds input pixel `(oy · stride + i - padding, ox · stride + j -
+/// padding)` of channel `ci` at column `oy · ow + ox` (0 outside the image).
+#[derive(Debug, Clone, Copy)]
+struct Im2Col {
+    c: usize,
+    h: usize,
+    w: usize,
+    k: usize,
+    stride: usize,
+    padding: usize,
+}
+
+impl Im2Col {
+    fn out_dims(&self) -> (usize, usize) {
+        let out = |side: usize| (side + 2 * self.padding - self.k) / self.stride + 1;
+        (out(self.h), out(self.w))
+    }
+
+    /// Calls `f(input index, column index)` for every pair the unfolding
+    /// copies, sample by sample (`b` samples).
+    fn pairs(&self, b: usize, mut f: impl FnMut(usize, usize)) {
+        let (oh, ow) = self.out_dims();
+        let (k, s, p) = (self.k, self.stride, self.padding);
+        let mut col = 0;
+        for n in 0..b {
+            for ci in 0..self.c {
+                let plane = (n * self.c + ci) * self.h * self.w;
+                for i in 0..k {
+                    for j in 0..k {
+                        for oy in 0..oh {
+                            let y = (oy * s + i).wrapping_sub(p);
+                            if y >= self.h {
+                                col += ow;
+                                continue;
+                            }
+                            for ox in 0..ow {
+                                let x = (ox * s + j).wrapping_sub(p);
+                                if x < self.w {
+                                    f(plane + y * self.w + x, col);
+                                }
+                                col += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(data), Some((a, b))) => Ok(&data[a..b]),
+        _ => candle_core::bail!("im2col needs a contiguous f32 tensor"),
+    }
+}
+
+impl CustomOp1 for Im2Col {
+    fn name(&self) -> &'static str {
+        "stratus-im2col"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, CShape)> {
+        let input = contiguous_f32(storage, layout)?;
+        let b = layout.dims()[0];
+        let (oh, ow) = self.out_dims();
+        let rows = self.c * self.k * self.k;
+        let mut cols = vec![0.0f32; b * rows * oh * ow];
+        self.pairs(b, |from, to| cols[to] = input[from]);
+        Ok((CpuStorage::F32(cols), (b, rows, oh * ow).into()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let fold = Col2Im(*self);
+        Ok(Some(
+            grad.contiguous()?
+                .apply_op1_no_bwd(&fold)?
+                .reshape(arg.shape())?,
+        ))
+    }
+}
+
+/// The gradient of [`Im2Col`]: each column entry added back onto its pixel.
+struct Col2Im(Im2Col);
+
+impl CustomOp1 for Col2Im {
+    fn name(&self) -> &'static str {
+        "stratus-col2im"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, CShape)> {
+        let cols = contiguous_f32(storage, layout)?;
+        let u = &self.0;
+        let b = layout.dims()[0];
+        let mut image = vec![0.0f32; b * u.c * u.h * u.w];
+        u.pairs(b, |to, from| image[to] += cols[from]);
+        Ok((CpuStorage::F32(image), (b, u.c, u.h, u.w).into()))
+    }
 }
 
 /// Mean of each channel of an NCHW tensor, `[1, c, 1, 1]`: the image

@@ -1291,15 +1291,15 @@ out = 3
                 "model.layers[1].type",
             ),
             (
-                format!("[model]\nkind = \"resnet20\"\ninput = 60\nin_channels = 3\n"),
+                "[model]\nkind = \"resnet20\"\ninput = 60\nin_channels = 3\n".to_string(),
                 "model.input",
             ),
             (
-                format!("[model]\nkind = \"resnet20\"\ninput = 48\nin_channels = 3\nwidth = 0.0\n"),
+                "[model]\nkind = \"resnet20\"\ninput = 48\nin_channels = 3\nwidth = 0.0\n".to_string(),
                 "model.width",
             ),
             (
-                format!("[model]\nkind = \"resnet20\"\ninput = 48\nin_channels = 3\nbn_calibration_batches = 0\n"),
+                "[model]\nkind = \"resnet20\"\ninput = 48\nin_channels = 3\nbn_calibration_batches = 0\n".to_string(),
                 "model.bn_calibration_batches",
             ),
             (

@@ -377,9 +377,10 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, stride: usize, padding: usize) -> Res
         .reshape((b, o, oh, ow))
 }
 
-/// Unfolds `[b, c, h, w]` into `[b, c · k², oh · ow]`: row `(ci · k + i) · k
-/// + j` holds input pixel `(oy · stride + i - padding, ox · stride + j -
-/// padding)` of channel `ci` at column `oy · ow + ox` (0 outside the image).
+/// Unfolds `[b, c, h, w]` into `[b, c · k², oh · ow]`: row
+/// `(ci · k + i) · k + j` holds input pixel
+/// `(oy · stride + i - padding, ox · stride + j - padding)` of channel `ci`
+/// at column `oy · ow + ox` (0 outside the image).
 #[derive(Debug, Clone, Copy)]
 struct Im2Col {
     c: usize,

@@ -733,3 +733,48 @@ fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result
         .collect();
     writeln!(file, "{}", row.join(",")).map_err(io)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_shared::dataset::Batch;
+
+    fn evals(keep: usize) -> Evals {
+        Evals {
+            every: 0,
+            target: 0.0,
+            points: Vec::new(),
+            started: None,
+            spent: Duration::ZERO,
+            pushed: 0,
+            pulled: 0,
+            recent: VecDeque::new(),
+            keep,
+        }
+    }
+
+    #[test]
+    fn the_calibration_ring_keeps_the_last_batches_without_copying() {
+        let batches: Vec<Arc<Batch>> = (0..5)
+            .map(|i| {
+                Arc::new(Batch {
+                    features: vec![i as f32],
+                    labels: vec![0],
+                    dim: 1,
+                })
+            })
+            .collect();
+        let mut e = evals(3);
+        for b in &batches {
+            e.remember(b);
+        }
+        assert_eq!(e.recent.len(), 3);
+        for (kept, b) in e.recent.iter().zip(&batches[2..]) {
+            assert!(Arc::ptr_eq(kept, b));
+        }
+        // Models without batch norm keep nothing.
+        let mut none = evals(0);
+        none.remember(&batches[0]);
+        assert!(none.recent.is_empty());
+    }
+}

@@ -50,7 +50,8 @@
 //!
 //! Dropout is active only in [`Model::gradient_into`]; the mask of each
 //! step is drawn from `(init seed, step)` where the step counts this
-//! model's gradient computations from [`Model::set_step`].
+//! model's gradient computations from [`Model::set_step`] (the run loop
+//! sets the step it joins the run at).
 
 use std::ops::Range;
 

@@ -33,7 +33,8 @@ use crate::loader::{
 };
 use crate::model::{device_from_str, Model, ModelError};
 use crate::trainer::{
-    ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError,
+    ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, SetStep, TrainerActor,
+    TrainerError,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -281,6 +282,7 @@ pub async fn run_worker(
             CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?).start();
         let (start_params, start_step, _) = comm.send(Join).await??;
         trainer.send(ApplyUpdates(start_params)).await??;
+        trainer.send(SetStep(start_step)).await?;
         let loader = if start_step > 0 {
             tracing::info!(rank, start_step, "rejoining the run");
             drop(early);

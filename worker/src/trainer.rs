@@ -151,3 +151,16 @@ impl Handler<CalibrateBn> for TrainerActor {
         Ok(self.model.calibrate_bn(&msg.0)?)
     }
 }
+
+/// The run's step, from which the dropout masks continue (a worker that
+/// rejoins a run draws the masks the run is at).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetStep(pub u64);
+
+impl Handler<SetStep> for TrainerActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetStep, _: &mut Context<Self>) {
+        self.model.set_step(msg.0);
+    }
+}

@@ -6,6 +6,7 @@
 //! trainer. Time spent waiting for each is measured separately, so the epoch
 //! report shows where a step's time went.
 
+use std::collections::VecDeque;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,7 +33,10 @@ use crate::loader::{
     NextBatch,
 };
 use crate::model::{device_from_str, Model, ModelError};
-use crate::trainer::{ApplyUpdates, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError};
+use crate::trainer::{
+    ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, SetStep, TrainerActor,
+    TrainerError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -297,6 +301,7 @@ pub async fn run_worker(
             CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?).start();
         let (start_params, start_step, _) = comm.send(Join).await??;
         trainer.send(ApplyUpdates(start_params)).await??;
+        trainer.send(SetStep(start_step)).await?;
         let loader = if start_step > 0 {
             tracing::info!(rank, start_step, "rejoining the run");
             drop(early);
@@ -378,6 +383,12 @@ async fn train(
         spent: Duration::ZERO,
         pushed: 0,
         pulled: 0,
+        recent: VecDeque::new(),
+        keep: if cfg.model.has_batch_norm() {
+            cfg.model.bn_calibration_batches
+        } else {
+            0
+        },
     };
     let max_steps = cfg.training.max_steps;
     let mut stopping = max_steps_reached(max_steps, step).then_some(StopReason::MaxSteps);
@@ -443,6 +454,7 @@ async fn train(
             break;
         };
         epoch = pos.epoch;
+        evals.remember(&batch);
         acc.started.get_or_insert_with(Instant::now);
         evals.started.get_or_insert_with(Instant::now);
         acc.wait += waited;
@@ -619,9 +631,24 @@ struct Evals {
     spent: Duration,
     pushed: u64,
     pulled: u64,
+    /// The last `keep` training batches (shared, not copied), on which a
+    /// model with batch norm recomputes its running statistics before each
+    /// evaluation; `keep` is 0 for models without batch norm.
+    recent: VecDeque<Arc<ps_dataset::Batch>>,
+    keep: usize,
 }
 
 impl Evals {
+    fn remember(&mut self, batch: &Arc<ps_dataset::Batch>) {
+        if self.keep == 0 {
+            return;
+        }
+        if self.recent.len() == self.keep {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(batch.clone());
+    }
+
     fn train_s(&self) -> f64 {
         self.started.map_or(0.0, |s| {
             s.elapsed().saturating_sub(self.spent).as_secs_f64()
@@ -641,6 +668,10 @@ impl Evals {
         }
         let train_s = self.train_s();
         let t0 = Instant::now();
+        if !self.recent.is_empty() {
+            let batches = self.recent.iter().cloned().collect();
+            trainer.send(CalibrateBn(batches)).await??;
+        }
         let (test_loss, test_accuracy) = trainer.send(Evaluate(test.clone())).await??;
         self.spent += t0.elapsed();
         self.points.push(EvalPoint {
@@ -722,4 +753,49 @@ fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result
         })
         .collect();
     writeln!(file, "{}", row.join(",")).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_dataset::Batch;
+
+    fn evals(keep: usize) -> Evals {
+        Evals {
+            every: 0,
+            target: 0.0,
+            points: Vec::new(),
+            started: None,
+            spent: Duration::ZERO,
+            pushed: 0,
+            pulled: 0,
+            recent: VecDeque::new(),
+            keep,
+        }
+    }
+
+    #[test]
+    fn the_calibration_ring_keeps_the_last_batches_without_copying() {
+        let batches: Vec<Arc<Batch>> = (0..5)
+            .map(|i| {
+                Arc::new(Batch {
+                    features: vec![i as f32],
+                    labels: vec![0],
+                    dim: 1,
+                })
+            })
+            .collect();
+        let mut e = evals(3);
+        for b in &batches {
+            e.remember(b);
+        }
+        assert_eq!(e.recent.len(), 3);
+        for (kept, b) in e.recent.iter().zip(&batches[2..]) {
+            assert!(Arc::ptr_eq(kept, b));
+        }
+        // Models without batch norm keep nothing.
+        let mut none = evals(0);
+        none.remember(&batches[0]);
+        assert!(none.recent.is_empty());
+    }
 }

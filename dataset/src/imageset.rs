@@ -207,6 +207,7 @@ impl JoinRel for Path {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::{index_class_folders, index_webdataset};
     use crate::{DatasetReader, Layout};
     use object_store::memory::InMemory;
     use std::sync::Arc;
@@ -260,5 +261,158 @@ mod tests {
                 assert_eq!(all.labels, test.iter().map(|t| t.label).collect::<Vec<_>>());
             }
         }
+    }
+
+    fn put(store: &Arc<dyn ObjectStore>, rel: &str, bytes: Vec<u8>) {
+        futures::executor::block_on(store.put_opts(
+            &Path::from("bad").join_rel(rel),
+            PutPayload::from(bytes),
+            PutOptions::default(),
+        ))
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn bad_shards_and_folders_are_named_and_leave_nothing_half_done() {
+        let img = synthetic_images(3, 8, 3);
+        let prefix = Path::from("bad");
+        let opts = options([3, 8, 8]);
+        let skip = IndexOptions {
+            skip_bad: true,
+            ..opts.clone()
+        };
+
+        // A tar member without a label.
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let mut tar = pack_shard(&[PackSample {
+            key: "s0",
+            ext: "jpg",
+            image: &img[0].bytes,
+            label: 1,
+        }])
+        .unwrap();
+        let mut lone = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_ustar();
+        h.set_size(img[1].bytes.len() as u64);
+        h.set_mode(0o644);
+        lone.append_data(&mut h, "s1.jpg", img[1].bytes.as_slice())
+            .unwrap();
+        let lone = lone.into_inner().unwrap();
+        // Splice the labelless member in before the end-of-archive blocks.
+        tar.truncate(tar.len() - 1024);
+        tar.extend_from_slice(&lone);
+        put(&store, "train-0000.tar", tar.clone());
+        let err = index_webdataset(store.as_ref(), &prefix, "train-0000.tar", None, &opts)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train-0000.tar") && err.contains("`s1`") && err.contains("no label"),
+            "{err}"
+        );
+        let (m, report) = index_webdataset(store.as_ref(), &prefix, "train-0000.tar", None, &skip)
+            .await
+            .unwrap();
+        assert_eq!((m.train.num_samples, report.skipped.len()), (1, 1));
+
+        // A truncated shard.
+        put(&store, "train-0001.tar", tar[..tar.len() / 2].to_vec());
+        let err = index_webdataset(
+            store.as_ref(),
+            &prefix,
+            "train-{0000..0001}.tar",
+            None,
+            &skip,
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("train-0001.tar") && err.contains("truncated"),
+            "{err}"
+        );
+        // A shard that is not there.
+        let err = index_webdataset(store.as_ref(), &prefix, "train-0002.tar", None, &opts)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train-0002.tar") && err.contains("does not exist"),
+            "{err}"
+        );
+
+        // A test class folder with no training folder.
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        put(&store, "train/cat/a.jpg", img[0].bytes.clone());
+        put(&store, "train/dog/b.jpg", img[1].bytes.clone());
+        put(&store, "test/cow/c.jpg", img[2].bytes.clone());
+        let err = index_class_folders(store.as_ref(), &prefix, &opts)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("test/cow/c.jpg") && err.contains("`cow`"),
+            "{err}"
+        );
+        let (m, report) = index_class_folders(store.as_ref(), &prefix, &skip)
+            .await
+            .unwrap();
+        assert_eq!(
+            (m.classes, m.test.num_samples, report.skipped.len()),
+            (2, 0, 1)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_image_stops_or_is_skipped_as_configured() {
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let mut img = synthetic_images(4, 8, 5);
+        // Same length, garbage bytes: only decoding can tell.
+        img[2].bytes = vec![0x42; img[2].bytes.len()];
+        let names: Vec<String> = (0..SHAPE_CLASSES).map(|c| c.to_string()).collect();
+        let prefix = Path::from("c");
+        write_image_set(
+            store.as_ref(),
+            &prefix,
+            ImageSetLayout::WebDataset { per_shard: 4 },
+            &img,
+            &[],
+            &names,
+            &options([3, 8, 8]),
+        )
+        .await
+        .unwrap();
+        let reader = DatasetReader::open(store, prefix).await.unwrap();
+        let indices = [0, 1, 2, 3];
+        let reqs = reader
+            .plan_requests(Split::Train, &indices, u64::MAX)
+            .unwrap();
+        let mut records = Vec::new();
+        for r in &reqs {
+            records.extend(reader.read_request(r).await.unwrap());
+        }
+        let err = reader
+            .decode_batch(Split::Train, 0, &indices, &records)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train-0000.tar")
+                && err.contains("sample 2")
+                && err.contains("`00000002`"),
+            "{err}"
+        );
+        let skipping = reader
+            .with_image_pipeline(
+                crate::image::ImagePipeline::new(Default::default(), 1, 2, true).unwrap(),
+            )
+            .unwrap();
+        let out = skipping
+            .decode_batch(Split::Train, 0, &indices, &records)
+            .unwrap();
+        assert_eq!((out.batch.len(), out.decoded, out.skipped.len()), (3, 4, 1));
+        assert_eq!(
+            out.batch.labels,
+            vec![img[0].label, img[1].label, img[3].label]
+        );
     }
 }

@@ -179,14 +179,15 @@ impl<F: Fn(&str) -> bool> TarScanner<F> {
     /// Ends the archive: the members found, or an error when it stopped in
     /// the middle of a member.
     pub fn finish(self) -> Result<Vec<TarMember>, String> {
-        let clean = match &self.state {
-            State::End => true,
-            // Archives are meant to end with zero blocks, but an archive cut
-            // exactly after a member is complete, so accept it.
-            State::Header => self.buf.is_empty(),
-            State::Skip { .. } | State::Collect { .. } => false,
-        };
-        if !clean {
+        // Every tar writer ends an archive with zero blocks; an archive
+        // without them was cut short, even when the cut falls between members.
+        if matches!(self.state, State::Header) && self.buf.is_empty() {
+            return Err(format!(
+                "the archive is truncated: it ends at byte {} without the end-of-archive blocks",
+                self.pos
+            ));
+        }
+        if !matches!(self.state, State::End) {
             let (name, start) = self.current.clone().unwrap_or_default();
             return Err(format!(
                 "the archive is truncated: it ends at byte {} inside member `{name}` (which starts at byte {start})",

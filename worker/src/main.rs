@@ -112,7 +112,15 @@ enum DatasetCommand {
         #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
         layout: String,
     },
+    /// Write an image set (MNIST as PNG, or synthetic colour shapes as JPEG)
+    /// as WebDataset shards or class folders, and index it.
+    Images(images_cmd::ImagesArgs),
+    /// Index WebDataset shards or class folders where they lie (writes
+    /// manifest.json next to them; the images are not converted).
+    Index(images_cmd::IndexArgs),
 }
+
+mod images_cmd;
 
 fn main() {
     if let Err(e) = run() {
@@ -239,6 +247,8 @@ fn train(
 
 fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
     let (out, name, features, classes, train, test, per_shard, layout) = match cmd {
+        DatasetCommand::Images(args) => return images_cmd::images(args),
+        DatasetCommand::Index(args) => return images_cmd::index(args),
         DatasetCommand::Synthetic {
             out,
             train,

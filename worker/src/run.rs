@@ -116,6 +116,14 @@ pub struct EpochReport {
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
+    /// Images decoded for this epoch's batches (image datasets).
+    pub images_decoded: u64,
+    /// Seconds the decode threads spent on them, summed over threads.
+    pub decode_s: f64,
+    /// Images decoded and augmented per second of one decode thread.
+    pub images_per_core_s: f64,
+    /// Samples skipped because they could not be decoded.
+    pub bad_samples: u64,
     /// Round trips to server shards (Offer and Step requests).
     pub round_trips: u64,
     /// Fewest workers in the barrier seen in this epoch's replies.
@@ -132,6 +140,10 @@ impl EpochReport {
         self.bucket_bytes = d.bucket_bytes;
         self.bucket_cost_usd = d.cost(prices);
         self.fetch_retries = d.retries;
+        self.images_decoded = d.decoded;
+        self.decode_s = d.decode_us as f64 / 1e6;
+        self.images_per_core_s = d.images_per_core_s();
+        self.bad_samples = d.bad_samples;
     }
 }
 
@@ -611,6 +623,10 @@ fn close_epoch(
         memory_hit_rate: 0.0,
         disk_hit_rate: 0.0,
         bucket_gets: 0,
+        images_decoded: 0,
+        decode_s: 0.0,
+        images_per_core_s: 0.0,
+        bad_samples: 0,
         bucket_bytes: 0,
         bucket_cost_usd: 0.0,
         fetch_retries: 0,

@@ -10,8 +10,8 @@ use clap::{Args, ValueEnum};
 use ps_dataset::image::EncodeAs;
 use ps_dataset::{
     encode_samples, index_class_folders, index_webdataset, open_bucket, read_mnist_csv,
-    synthetic_images, train_test_split, write_image_set, write_manifest, ImageSetLayout,
-    IndexOptions, SHAPE_CLASSES,
+    synthetic_images, train_test_split, write_image_set, write_manifest, EncodedImage,
+    ImageSetLayout, IndexOptions, SHAPE_CLASSES,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -22,8 +22,8 @@ pub enum ImageLayoutArg {
     ClassFolders,
 }
 
-/// Write an image set (MNIST as PNG, or synthetic colour shapes as JPEG)
-/// and index it.
+/// Write an image set (your own folder of images packed as they are, MNIST
+/// as PNG, or synthetic colour shapes as JPEG) and index it.
 #[derive(Args, Debug)]
 pub struct ImagesArgs {
     /// Bucket URL to write to.
@@ -33,12 +33,20 @@ pub struct ImagesArgs {
     #[arg(long, conflicts_with = "synthetic")]
     mnist_csv: Option<PathBuf>,
     /// This many synthetic colour images of shapes (10 classes, JPEG).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "from_folder")]
     synthetic: Option<usize>,
+    /// A local folder of your own images, `DIR/train/<class>/<image>` and
+    /// optionally `DIR/test/<class>/<image>` (.jpg, .jpeg, .png), packed
+    /// as they are (no re-encoding); needs --shape.
+    #[arg(long, conflicts_with = "mnist_csv")]
+    from_folder: Option<PathBuf>,
+    /// Decoded sample shape CHANNELS,HEIGHT,WIDTH for --from-folder.
+    #[arg(long, value_delimiter = ',')]
+    shape: Vec<usize>,
     /// Side of the synthetic images.
     #[arg(long, default_value_t = 32)]
     size: usize,
-    /// Images held out for the test split.
+    /// Images held out for the test split (--mnist-csv, --synthetic).
     #[arg(long, default_value_t = 1000)]
     test: usize,
     #[arg(long, value_enum, default_value = "webdataset")]
@@ -68,7 +76,7 @@ pub struct IndexArgs {
     test: Option<String>,
     /// Decoded sample shape CHANNELS,HEIGHT,WIDTH (channels 1 or 3); other
     /// sizes are resized to it.
-    #[arg(long, value_delimiter = ',', num_args = 3)]
+    #[arg(long, value_delimiter = ',')]
     shape: Vec<usize>,
     /// Leave out samples without a label, unknown test class folders and
     /// other bad entries (and list them) instead of stopping.
@@ -97,8 +105,15 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
         }
         ImageLayoutArg::ClassFolders => ImageSetLayout::ClassFolders,
     };
-    let (train, test, shape, names, name) = match (a.mnist_csv, a.synthetic) {
-        (Some(csv), None) => {
+    let (train, test, shape, names, name) = match (a.mnist_csv, a.synthetic, a.from_folder) {
+        (None, None, Some(dir)) => {
+            let shape: [usize; 3] = a.shape.as_slice().try_into().map_err(|_| {
+                anyhow::anyhow!("--from-folder needs --shape CHANNELS,HEIGHT,WIDTH")
+            })?;
+            let (train, test, names) = read_image_folder(&dir)?;
+            (train, test, shape, names, "images")
+        }
+        (Some(csv), None, None) => {
             let samples = read_mnist_csv(&csv)?;
             if a.test >= samples.len() {
                 bail!(
@@ -117,7 +132,7 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
                 "mnist-png",
             )
         }
-        (None, Some(n)) => {
+        (None, Some(n), None) => {
             if a.size < 8 || a.size > 512 {
                 bail!("--size must be in 8..=512");
             }
@@ -138,7 +153,7 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
                 "shapes",
             )
         }
-        _ => bail!("give --mnist-csv FILE or --synthetic N"),
+        _ => bail!("give one of --mnist-csv FILE, --synthetic N or --from-folder DIR"),
     };
     let (store, prefix) = open_bucket(&a.out).with_context(|| format!("opening {}", a.out))?;
     let options = IndexOptions {
@@ -171,6 +186,85 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
         manifest.layout
     );
     Ok(())
+}
+
+/// Reads `dir/train/<class>/<image>` and `dir/test/<class>/<image>`: the
+/// classes are the training folders in sorted order.
+fn read_image_folder(
+    dir: &std::path::Path,
+) -> anyhow::Result<(Vec<EncodedImage>, Vec<EncodedImage>, Vec<String>)> {
+    let sorted = |d: &std::path::Path| -> anyhow::Result<Vec<PathBuf>> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(d)
+            .with_context(|| format!("reading {}", d.display()))?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        v.sort();
+        Ok(v)
+    };
+    let train_dir = dir.join("train");
+    let names: Vec<String> = sorted(&train_dir)?
+        .into_iter()
+        .filter(|p| p.is_dir())
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    if names.is_empty() {
+        bail!("no class folders under {}", train_dir.display());
+    }
+    let mut splits = Vec::new();
+    for split in ["train", "test"] {
+        let mut images = Vec::new();
+        let root = dir.join(split);
+        if split == "test" && !root.exists() {
+            splits.push(images);
+            continue;
+        }
+        for class_dir in sorted(&root)?.into_iter().filter(|p| p.is_dir()) {
+            let class = class_dir
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            if class.starts_with('.') {
+                continue;
+            }
+            let Some(label) = names.iter().position(|n| *n == class) else {
+                bail!(
+                    "{}: class folder `{class}` has no training folder (classes: {})",
+                    class_dir.display(),
+                    names.join(", ")
+                );
+            };
+            for file in sorted(&class_dir)? {
+                let name = file
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .to_ascii_lowercase();
+                let ext = if name.ends_with(".png") {
+                    "png"
+                } else if name.ends_with(".jpg") || name.ends_with(".jpeg") {
+                    "jpg"
+                } else {
+                    continue;
+                };
+                let bytes =
+                    std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+                images.push(EncodedImage {
+                    bytes,
+                    ext,
+                    label: label as u32,
+                });
+            }
+        }
+        splits.push(images);
+    }
+    let test = splits.pop().unwrap_or_default();
+    let train = splits.pop().unwrap_or_default();
+    if train.is_empty() {
+        bail!("no .jpg, .jpeg or .png files under {}", train_dir.display());
+    }
+    Ok((train, test, names))
 }
 
 pub fn index(a: IndexArgs) -> anyhow::Result<()> {

@@ -164,6 +164,7 @@ mod tests {
                 num_samples: 0,
                 shards: Vec::new(),
             },
+            normalization: None,
         }
     }
 

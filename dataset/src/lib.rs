@@ -39,6 +39,7 @@
 //! ```
 
 mod format;
+mod import;
 mod mnist;
 mod plan;
 mod read;
@@ -46,6 +47,7 @@ mod synthetic;
 mod write;
 
 pub use format::*;
+pub use import::*;
 pub use mnist::*;
 pub use plan::*;
 pub use ps_shared::bucket::{open_bucket, BucketError};

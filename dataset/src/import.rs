@@ -1275,13 +1275,11 @@ pub async fn import_dataset(
             class_counts.entry(l).or_default()[0] += n;
         }
     }
-    if test_rows.is_some() {
-        if class_counts.values().all(|c| c[0] == 0) {
-            return Err(DatasetError::Invalid(format!(
-                "a test fraction of {} leaves no train samples",
-                fraction.map_or(0.0, |f| f.0)
-            )));
-        }
+    if test_rows.is_some() && class_counts.values().all(|c| c[0] == 0) {
+        return Err(DatasetError::Invalid(format!(
+            "a test fraction of {} leaves no train samples",
+            fraction.map_or(0.0, |f| f.0)
+        )));
     }
     if let Some(test) = &test_scan {
         for (&l, &n) in &test.counts {

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
 use ps_dataset::{
     import_dataset, local_output_dir, open_bucket, read_mnist_csv, read_mnist_idx,
@@ -125,75 +125,78 @@ enum DatasetCommand {
         --test X_test.npy --test-labels y_test.npy --out s3://bucket/digits\n  \
         ps-worker dataset import --train digits.npz --x-key data --y-key target --test-fraction 0.2 --out DIR\n  \
         ps-worker dataset import --train train.parquet --test test.parquet --label-column target --out DIR")]
-    Import {
-        /// Bucket URL to write to (file://dir, a plain path, s3://bucket/prefix).
-        #[arg(long)]
-        out: String,
-        /// Training data file; the format comes from its extension (.csv, .tsv,
-        /// .txt, each optionally .gz; .npy; .npz; .parquet) or --format.
-        #[arg(long)]
-        train: PathBuf,
-        /// Labels of --train when it is a .npy feature array (a .npy array, one
-        /// label per row).
-        #[arg(long)]
-        train_labels: Option<PathBuf>,
-        /// Test data file, kept exactly as given (same format and columns as --train).
-        #[arg(long, conflicts_with = "test_fraction")]
-        test: Option<PathBuf>,
-        /// Labels of --test when it is a .npy feature array.
-        #[arg(long, requires = "test")]
-        test_labels: Option<PathBuf>,
-        /// Hold out this fraction of --train as the test split: a seeded,
-        /// stratified random split (round(F * n) rows of each class, picked
-        /// with --seed; both splits keep the file order). Without --test or
-        /// --test-fraction the test split is empty.
-        #[arg(long)]
-        test_fraction: Option<f64>,
-        /// Seed of the --test-fraction split.
-        #[arg(long, default_value_t = 7)]
-        seed: u64,
-        /// Input format, when the file names do not tell.
-        #[arg(long, value_parser = ["csv", "npy", "npz", "parquet"])]
-        format: Option<String>,
-        /// CSV and Parquet: name of the label column (CSV: in the header row);
-        /// every other column is a feature.
-        #[arg(long, default_value = "label")]
-        label_column: String,
-        /// CSV and Parquet: 0-based position of the label column instead of a
-        /// name; a CSV file read this way has no header row.
-        #[arg(long)]
-        label_column_index: Option<usize>,
-        /// CSV field separator: one character, or `tab` (default `,`, or a tab
-        /// for .tsv files).
-        #[arg(long)]
-        delimiter: Option<String>,
-        /// .npz: name of the feature array.
-        #[arg(long, default_value = "x")]
-        x_key: String,
-        /// .npz: name of the label array.
-        #[arg(long, default_value = "y")]
-        y_key: String,
-        /// Number of classes; by default the largest train label + 1 (every
-        /// test label must then be below it). Labels must be non-negative
-        /// integers (3.0 is fine, 3.5 is an error).
-        #[arg(long)]
-        classes: Option<usize>,
-        /// Feature normalisation: none (store as read), scale:F (divide every
-        /// feature by F, e.g. scale:255), or standard (per-feature mean and
-        /// standard deviation of the train split, applied to both splits and
-        /// recorded in the manifest).
-        #[arg(long, default_value = "none")]
-        normalize: String,
-        /// Object layout: shards (range GETs) or per-sample (one object per sample).
-        #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
-        layout: String,
-        /// Records per shard object.
-        #[arg(long, default_value_t = 1024)]
-        records_per_shard: usize,
-        /// Dataset name in the manifest (default: the --train file name up to its first dot).
-        #[arg(long)]
-        name: Option<String>,
-    },
+    Import(Box<ImportArgs>),
+}
+
+#[derive(Args, Debug)]
+struct ImportArgs {
+    /// Bucket URL to write to (file://dir, a plain path, s3://bucket/prefix).
+    #[arg(long)]
+    out: String,
+    /// Training data file; the format comes from its extension (.csv, .tsv,
+    /// .txt, each optionally .gz; .npy; .npz; .parquet) or --format.
+    #[arg(long)]
+    train: PathBuf,
+    /// Labels of --train when it is a .npy feature array (a .npy array, one
+    /// label per row).
+    #[arg(long)]
+    train_labels: Option<PathBuf>,
+    /// Test data file, kept exactly as given (same format and columns as --train).
+    #[arg(long, conflicts_with = "test_fraction")]
+    test: Option<PathBuf>,
+    /// Labels of --test when it is a .npy feature array.
+    #[arg(long, requires = "test")]
+    test_labels: Option<PathBuf>,
+    /// Hold out this fraction of --train as the test split: a seeded,
+    /// stratified random split (round(F * n) rows of each class, picked
+    /// with --seed; both splits keep the file order). Without --test or
+    /// --test-fraction the test split is empty.
+    #[arg(long)]
+    test_fraction: Option<f64>,
+    /// Seed of the --test-fraction split.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Input format, when the file names do not tell.
+    #[arg(long, value_parser = ["csv", "npy", "npz", "parquet"])]
+    format: Option<String>,
+    /// CSV and Parquet: name of the label column (CSV: in the header row);
+    /// every other column is a feature.
+    #[arg(long, default_value = "label")]
+    label_column: String,
+    /// CSV and Parquet: 0-based position of the label column instead of a
+    /// name; a CSV file read this way has no header row.
+    #[arg(long)]
+    label_column_index: Option<usize>,
+    /// CSV field separator: one character, or `tab` (default `,`, or a tab
+    /// for .tsv files).
+    #[arg(long)]
+    delimiter: Option<String>,
+    /// .npz: name of the feature array.
+    #[arg(long, default_value = "x")]
+    x_key: String,
+    /// .npz: name of the label array.
+    #[arg(long, default_value = "y")]
+    y_key: String,
+    /// Number of classes; by default the largest train label + 1 (every
+    /// test label must then be below it). Labels must be non-negative
+    /// integers (3.0 is fine, 3.5 is an error).
+    #[arg(long)]
+    classes: Option<usize>,
+    /// Feature normalisation: none (store as read), scale:F (divide every
+    /// feature by F, e.g. scale:255), or standard (per-feature mean and
+    /// standard deviation of the train split, applied to both splits and
+    /// recorded in the manifest).
+    #[arg(long, default_value = "none")]
+    normalize: String,
+    /// Object layout: shards (range GETs) or per-sample (one object per sample).
+    #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
+    layout: String,
+    /// Records per shard object.
+    #[arg(long, default_value_t = 1024)]
+    records_per_shard: usize,
+    /// Dataset name in the manifest (default: the --train file name up to its first dot).
+    #[arg(long)]
+    name: Option<String>,
 }
 
 fn main() {
@@ -322,16 +325,13 @@ fn train(
 fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
     // A local output folder this command creates is removed again when the
     // command fails and leaves it empty.
-    let (out, created) = match &cmd {
-        DatasetCommand::Synthetic { out, .. }
-        | DatasetCommand::Mnist { out, .. }
-        | DatasetCommand::Import { out, .. } => {
-            let dir = local_output_dir(out);
-            (out.clone(), dir.filter(|d| !d.exists()))
-        }
+    let out = match &cmd {
+        DatasetCommand::Synthetic { out, .. } | DatasetCommand::Mnist { out, .. } => out.clone(),
+        DatasetCommand::Import(args) => args.out.clone(),
     };
+    let created = local_output_dir(&out).filter(|d| !d.exists());
     let result = match cmd {
-        DatasetCommand::Import { .. } => import(cmd, created.clone()),
+        DatasetCommand::Import(args) => import(*args, created.clone()),
         other => write_builtin(other),
     };
     if result.is_err() {
@@ -342,8 +342,8 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
     result.with_context(|| format!("dataset not written to {out}"))
 }
 
-fn import(cmd: DatasetCommand, created: Option<PathBuf>) -> anyhow::Result<()> {
-    let DatasetCommand::Import {
+fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
+    let ImportArgs {
         out,
         train,
         train_labels,
@@ -362,10 +362,7 @@ fn import(cmd: DatasetCommand, created: Option<PathBuf>) -> anyhow::Result<()> {
         layout,
         records_per_shard,
         name,
-    } = cmd
-    else {
-        bail!("not an import command");
-    };
+    } = args;
     let layout: Layout = layout.parse().map_err(anyhow::Error::msg)?;
     if records_per_shard == 0 {
         bail!("--records-per-shard must be >= 1");
@@ -520,7 +517,7 @@ fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
                 layout,
             )
         }
-        DatasetCommand::Import { .. } => bail!("import is not a built-in dataset"),
+        DatasetCommand::Import(_) => bail!("import is not a built-in dataset"),
     };
     if per_shard == 0 {
         bail!("--records-per-shard must be >= 1");

@@ -18,7 +18,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::str::FromStr;
 
 use object_store::path::Path;
-use object_store::ObjectStore;
+use object_store::{ObjectStore, ObjectStoreExt};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::reader::RowIter;
 use parquet::record::Field;
@@ -195,6 +195,11 @@ pub struct ImportOptions {
     /// The local directory the bucket lives in, removed on failure when it
     /// ends up empty (see [`DatasetWriter::remove_dir_if_empty`]).
     pub remove_dir_if_empty: Option<PathBuf>,
+    /// Replace a dataset already under the prefix. Its manifest is deleted
+    /// before the first new object is written, so a failed import never
+    /// leaves an old manifest pointing at replaced shards. Without it, an
+    /// existing manifest is an error.
+    pub overwrite: bool,
 }
 
 impl ImportOptions {
@@ -221,6 +226,7 @@ impl ImportOptions {
             name,
             write: WriteOptions::default(),
             remove_dir_if_empty: None,
+            overwrite: false,
         }
     }
 }
@@ -1306,6 +1312,19 @@ pub async fn import_dataset(
         Normalize::Standard => Some(stats.normalization()),
     };
 
+    // An existing dataset: refused, or its manifest removed first.
+    let manifest_path = prefix.clone().join(MANIFEST_NAME);
+    match store.head(&manifest_path).await {
+        Ok(_) if !options.overwrite => {
+            return Err(DatasetError::Invalid(format!(
+                "a dataset already exists at '{prefix}' ({MANIFEST_NAME}); write to another place or pass --overwrite"
+            )));
+        }
+        Ok(_) => store.delete(&manifest_path).await?,
+        Err(object_store::Error::NotFound { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+
     // Last pass: write.
     let mut writer = DatasetWriter::create(
         store,
@@ -1399,7 +1418,6 @@ mod tests {
     use std::sync::Arc;
 
     use futures::TryStreamExt;
-    use object_store::ObjectStoreExt;
 
     use super::*;
     use crate::DatasetReader;
@@ -1922,6 +1940,39 @@ mod tests {
             Some(Normalization::Scale { divisor: 16.0 })
         );
         assert_eq!(train.row(3).unwrap()[0], rows[3].1[0] / 16.0);
+    }
+
+    #[tokio::test]
+    async fn an_existing_dataset_needs_overwrite() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = write(
+            dir.path(),
+            "a.csv",
+            csv(&table(10, 2, 2), 0, Some("label"), ','),
+        );
+        let b = write(
+            dir.path(),
+            "b.csv",
+            csv(&table(4, 3, 2), 0, Some("label"), ','),
+        );
+        let (store, prefix) = memory();
+        import_dataset(
+            store.as_ref(),
+            &prefix,
+            &ImportOptions::new(ImportInput::new(&a)),
+        )
+        .await
+        .unwrap();
+        let mut o = ImportOptions::new(ImportInput::new(&b));
+        let err = import_dataset(store.as_ref(), &prefix, &o)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("--overwrite"), "{err}");
+        assert_eq!(read_back(store.clone(), &prefix).await.0.features, 2);
+        o.overwrite = true;
+        import_dataset(store.as_ref(), &prefix, &o).await.unwrap();
+        let (manifest, train, _) = read_back(store, &prefix).await;
+        assert_eq!((manifest.features, train.len()), (3, 4));
     }
 
     #[test]

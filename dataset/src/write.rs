@@ -626,7 +626,7 @@ mod tests {
             w.push(Split::Train, 0, &[i as f32]).await.unwrap();
         }
         w.push(Split::Test, 0, &[1.0]).await.unwrap();
-        assert!(dir.join("train/shard-00000.bin").exists());
+        assert!(std::fs::read_dir(dir.join("train")).unwrap().count() > 0);
         w.abort().await;
         assert!(!dir.exists());
 

@@ -197,6 +197,10 @@ struct ImportArgs {
     /// Dataset name in the manifest (default: the --train file name up to its first dot).
     #[arg(long)]
     name: Option<String>,
+    /// Replace a dataset already at --out (its manifest is deleted before
+    /// anything new is written); without it an existing dataset is an error.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 fn main() {
@@ -362,6 +366,7 @@ fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
         layout,
         records_per_shard,
         name,
+        overwrite,
     } = args;
     let layout: Layout = layout.parse().map_err(anyhow::Error::msg)?;
     if records_per_shard == 0 {
@@ -407,6 +412,7 @@ fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
         records_per_shard,
     };
     options.remove_dir_if_empty = created;
+    options.overwrite = overwrite;
     let (store, prefix) = open_bucket(&out).with_context(|| format!("opening {out}"))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

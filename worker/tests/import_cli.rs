@@ -86,6 +86,29 @@ fn import_csv_with_a_header() {
             assert!(v.fract() == 0.0 && (0.0..=16.0).contains(&v), "{v}");
         }
     }
+
+    // Importing again over it needs --overwrite; the old dataset stays.
+    let again = |extra: &[&str]| {
+        ps_worker()
+            .args(["dataset", "import", "--label-column", "target"])
+            .args(extra)
+            .arg("--train")
+            .arg(&csv)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap()
+    };
+    let refused = again(&[]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--overwrite"));
+    assert!(out.join("manifest.json").exists());
+    let replaced = again(&["--overwrite"]);
+    assert!(replaced.status.success());
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["train"]["num_samples"], 60);
+    assert!(manifest.get("normalization").is_none());
 }
 
 #[test]

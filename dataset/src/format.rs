@@ -14,6 +14,10 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Manifest format of the one-object-per-sample layout.
 pub const FORMAT_PER_SAMPLE: u32 = 2;
 
+/// Manifest `format` of encoded images read in place (WebDataset tar shards
+/// or class folders), listed by an [`ImageIndex`].
+pub const FORMAT_IMAGES: u32 = 3;
+
 /// Per-sample objects fetched at the same time by one [`DatasetReader`] call.
 pub(crate) const MAX_CONCURRENT_SAMPLE_READS: usize = 64;
 
@@ -114,6 +118,12 @@ pub enum Layout {
     Shards,
     /// One object per sample (`train/00000123.bin`), one GET per sample.
     PerSample,
+    /// Encoded images inside WebDataset tar shards, read in place with one
+    /// range GET per image; the [`ImageIndex`] holds their offsets.
+    #[serde(rename = "webdataset")]
+    WebDataset,
+    /// One encoded image per object under `train/<class>/` and `test/<class>/`.
+    ClassFolders,
 }
 
 impl Layout {
@@ -122,6 +132,7 @@ impl Layout {
         match self {
             Layout::Shards => FORMAT_VERSION,
             Layout::PerSample => FORMAT_PER_SAMPLE,
+            Layout::WebDataset | Layout::ClassFolders => FORMAT_IMAGES,
         }
     }
 
@@ -130,7 +141,14 @@ impl Layout {
         match self {
             Layout::Shards => "shards",
             Layout::PerSample => "per-sample",
+            Layout::WebDataset => "webdataset",
+            Layout::ClassFolders => "class-folders",
         }
+    }
+
+    /// Whether samples are encoded images decoded by the loader.
+    pub fn is_images(self) -> bool {
+        matches!(self, Layout::WebDataset | Layout::ClassFolders)
     }
 }
 
@@ -146,8 +164,10 @@ impl std::str::FromStr for Layout {
         match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
             "shards" | "shard" => Ok(Layout::Shards),
             "per-sample" => Ok(Layout::PerSample),
+            "webdataset" => Ok(Layout::WebDataset),
+            "class-folders" => Ok(Layout::ClassFolders),
             other => Err(format!(
-                "unknown layout `{other}`; use shards or per-sample"
+                "unknown layout `{other}`; use shards, per-sample, webdataset or class-folders"
             )),
         }
     }
@@ -173,7 +193,8 @@ pub struct Manifest {
     pub features: usize,
     /// Labels lie in `0..classes`.
     pub classes: usize,
-    /// `4 + 4 * features`.
+    /// `4 + 4 * features`; for images, the mean bytes of one encoded image
+    /// plus its 4-byte label (what the loader holds per sample).
     pub record_bytes: usize,
     pub train: SplitInfo,
     pub test: SplitInfo,
@@ -181,6 +202,9 @@ pub struct Manifest {
     /// be applied at inference. Absent when the features were stored as given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub normalization: Option<Normalization>,
+    /// Image layouts only: where each encoded image lies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<ImageIndex>,
 }
 
 /// A feature transform applied before the records were written, recorded in
@@ -194,6 +218,46 @@ pub enum Normalization {
     /// the population standard deviation of the train split (a constant
     /// feature gets `std` 1).
     Standard { mean: Vec<f32>, std: Vec<f32> },
+}
+
+/// Where the encoded images of an image dataset lie, written once by
+/// `ps-worker dataset index` so that the loader can read any image with one
+/// range GET and knows every label without reading the data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImageIndex {
+    /// `[channels, height, width]` of a decoded sample (1 = grey, 3 = RGB);
+    /// images of another size are resized to it. `features` is the product.
+    pub shape: [usize; 3],
+    /// Class names in label order (folder names, or the label numbers).
+    pub class_names: Vec<String>,
+    /// Object paths relative to the dataset prefix (tar shards or images).
+    pub objects: Vec<String>,
+    pub train: Vec<ImageEntry>,
+    pub test: Vec<ImageEntry>,
+}
+
+/// One encoded image.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImageEntry {
+    /// Index into [`ImageIndex::objects`].
+    pub object: u32,
+    /// Byte offset of the encoded image in its object (0 for class folders).
+    pub offset: u64,
+    /// Bytes of the encoded image.
+    pub len: u64,
+    pub label: u32,
+    /// The sample's name in error messages (its WebDataset key or file name).
+    pub key: String,
+}
+
+impl ImageIndex {
+    /// The entries of a split.
+    pub fn entries(&self, split: Split) -> &[ImageEntry] {
+        match split {
+            Split::Train => &self.train,
+            Split::Test => &self.test,
+        }
+    }
 }
 
 /// Samples and shards of one split.
@@ -283,9 +347,9 @@ impl Manifest {
     /// order with valid relative paths.
     pub fn validate(&self) -> Result<(), DatasetError> {
         let bad = |msg: String| Err(DatasetError::Manifest(msg));
-        if self.format != FORMAT_VERSION && self.format != FORMAT_PER_SAMPLE {
+        if ![FORMAT_VERSION, FORMAT_PER_SAMPLE, FORMAT_IMAGES].contains(&self.format) {
             return bad(format!(
-                "format {} is not supported; this build reads formats {FORMAT_VERSION} (shards) and {FORMAT_PER_SAMPLE} (per-sample)",
+                "format {} is not supported; this build reads formats {FORMAT_VERSION} (shards), {FORMAT_PER_SAMPLE} (per-sample) and {FORMAT_IMAGES} (images)",
                 self.format
             ));
         }
@@ -304,6 +368,15 @@ impl Manifest {
             return bad(format!(
                 "classes must be in 1..=u32::MAX, got {}",
                 self.classes
+            ));
+        }
+        if self.layout.is_images() {
+            return self.validate_images();
+        }
+        if self.images.is_some() {
+            return bad(format!(
+                "layout {} does not take an image index",
+                self.layout
             ));
         }
         let expected = record_bytes(self.features).ok_or_else(|| {
@@ -372,6 +445,72 @@ impl Manifest {
                     "{split} has num_samples {} but its shards hold {next}",
                     info.num_samples
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_images(&self) -> Result<(), DatasetError> {
+        let bad = |msg: String| Err(DatasetError::Manifest(msg));
+        let Some(index) = &self.images else {
+            return bad(format!("layout {} needs an `images` index", self.layout));
+        };
+        let [c, h, w] = index.shape;
+        if !(c == 1 || c == 3) || h == 0 || w == 0 {
+            return bad(format!(
+                "images.shape {:?} must be [1 or 3, height >= 1, width >= 1]",
+                index.shape
+            ));
+        }
+        if c * h * w != self.features {
+            return bad(format!(
+                "features is {} but images.shape {:?} holds {}",
+                self.features,
+                index.shape,
+                c * h * w
+            ));
+        }
+        if index.class_names.len() != self.classes {
+            return bad(format!(
+                "images.class_names has {} names for {} classes",
+                index.class_names.len(),
+                self.classes
+            ));
+        }
+        for (k, o) in index.objects.iter().enumerate() {
+            relative_object_path(o)
+                .map_err(|msg| DatasetError::Manifest(format!("images.objects[{k}]: {msg}")))?;
+        }
+        for split in Split::ALL {
+            let entries = index.entries(split);
+            if entries.len() != self.split(split).num_samples {
+                return bad(format!(
+                    "{split} has num_samples {} but the image index lists {}",
+                    self.split(split).num_samples,
+                    entries.len()
+                ));
+            }
+            for (i, e) in entries.iter().enumerate() {
+                if e.object as usize >= index.objects.len() {
+                    return bad(format!(
+                        "{split} image {i} ({}) names object {} of {}",
+                        e.key,
+                        e.object,
+                        index.objects.len()
+                    ));
+                }
+                if e.label as usize >= self.classes {
+                    return bad(format!(
+                        "{split} image {i} ({}) has label {}, not below {} classes",
+                        e.key, e.label, self.classes
+                    ));
+                }
+                if e.len == 0 || e.offset.checked_add(e.len).is_none() {
+                    return bad(format!(
+                        "{split} image {i} ({}) has an empty or overflowing byte range",
+                        e.key
+                    ));
+                }
             }
         }
         Ok(())
@@ -478,6 +617,7 @@ mod tests {
                 shards: vec![],
             },
             normalization: None,
+            images: None,
         };
         good.validate().unwrap();
         assert_eq!(good.split(Split::Train).num_samples, 5);

@@ -39,15 +39,21 @@
 //! ```
 
 mod format;
+pub mod image;
+mod imageset;
 mod import;
+mod index;
 mod mnist;
 mod plan;
 mod read;
 mod synthetic;
+pub mod webdataset;
 mod write;
 
 pub use format::*;
+pub use imageset::*;
 pub use import::*;
+pub use index::*;
 pub use mnist::*;
 pub use plan::*;
 pub use ps_shared::bucket::{open_bucket, BucketError};

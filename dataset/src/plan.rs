@@ -36,6 +36,8 @@ pub struct ReadPlanner {
     pub(crate) manifest: Manifest,
     /// Full object paths of the shards, indexed by `Split::index()`.
     pub(crate) shard_paths: [Vec<Path>; 2],
+    /// Image layouts: full paths of the index's objects.
+    pub(crate) image_paths: Vec<Path>,
 }
 
 impl ReadPlanner {
@@ -49,10 +51,22 @@ impl ReadPlanner {
                 shard_paths[split.index()].push(join(&prefix, &rel));
             }
         }
+        let mut image_paths = Vec::new();
+        for (k, rel) in manifest
+            .images
+            .iter()
+            .flat_map(|i| i.objects.iter())
+            .enumerate()
+        {
+            let rel = relative_object_path(rel)
+                .map_err(|msg| DatasetError::Manifest(format!("images.objects[{k}]: {msg}")))?;
+            image_paths.push(join(&prefix, &rel));
+        }
         Ok(Self {
             prefix,
             manifest,
             shard_paths,
+            image_paths,
         })
     }
 
@@ -78,6 +92,22 @@ impl ReadPlanner {
         sorted.dedup();
         if let Some(&index) = sorted.last().filter(|&&i| i >= len) {
             return Err(DatasetError::IndexOutOfRange { index, len });
+        }
+        if let Some(index) = &m.images {
+            let entries = index.entries(split);
+            return Ok(sorted
+                .into_iter()
+                .map(|i| {
+                    let e = &entries[i];
+                    RecordRequest {
+                        split,
+                        object: self.image_paths[e.object as usize].clone(),
+                        range: (m.layout == Layout::WebDataset).then(|| e.offset..e.offset + e.len),
+                        first: i,
+                        count: 1,
+                    }
+                })
+                .collect());
         }
         if m.layout == Layout::PerSample {
             return Ok(sorted
@@ -165,6 +195,7 @@ mod tests {
                 shards: Vec::new(),
             },
             normalization: None,
+            images: None,
         }
     }
 

@@ -9,11 +9,26 @@ use object_store::path::Path;
 use object_store::{GetOptions, ObjectStore};
 
 use crate::format::*;
+use crate::image::{augment_in_place, decode_image, sample_rng, Augment, ImagePipeline};
 use crate::plan::{ReadPlanner, RecordRequest};
 
 struct ReaderInner {
     store: Arc<dyn ObjectStore>,
     planner: ReadPlanner,
+    /// Image layouts: how images are decoded and augmented.
+    images: Option<ImagePipeline>,
+}
+
+/// A batch decoded from records, with what decoding cost.
+#[derive(Debug, Clone, Default)]
+pub struct DecodedBatch {
+    pub batch: Batch,
+    /// Images decoded (0 for feature records).
+    pub decoded: usize,
+    /// Seconds the decode threads spent, summed over threads.
+    pub decode_s: f64,
+    /// Samples left out because they could not be decoded, with the reason.
+    pub skipped: Vec<String>,
 }
 
 /// Reads records by global index with range GETs. Cheap to clone.
@@ -61,9 +76,47 @@ impl DatasetReader {
         let manifest: Manifest = serde_json::from_slice(&bytes)
             .map_err(|e| DatasetError::Manifest(format!("{manifest_path}: {e}")))?;
         let planner = ReadPlanner::new(manifest, prefix)?;
+        let images = if planner.manifest.layout.is_images() {
+            Some(
+                ImagePipeline::new(Augment::default(), 0, 1, false)
+                    .map_err(DatasetError::Invalid)?,
+            )
+        } else {
+            None
+        };
         Ok(Self {
-            inner: Arc::new(ReaderInner { store, planner }),
+            inner: Arc::new(ReaderInner {
+                store,
+                planner,
+                images,
+            }),
         })
+    }
+
+    /// Image layouts: decode and augment with `pipeline` (the default
+    /// decodes on one thread without augmentation). No effect on feature
+    /// records.
+    pub fn with_image_pipeline(self, pipeline: ImagePipeline) -> Result<Self, DatasetError> {
+        if !self.layout().is_images() {
+            return Ok(self);
+        }
+        let shape = self.image_shape().unwrap_or([1, 1, 1]);
+        pipeline
+            .augment
+            .check(shape[0])
+            .map_err(|m| DatasetError::Invalid(format!("image normalisation: {m}")))?;
+        Ok(Self {
+            inner: Arc::new(ReaderInner {
+                store: self.inner.store.clone(),
+                planner: self.inner.planner.clone(),
+                images: Some(pipeline),
+            }),
+        })
+    }
+
+    /// `[channels, height, width]` of a decoded image, for image layouts.
+    pub fn image_shape(&self) -> Option<[usize; 3]> {
+        self.inner.planner.manifest.images.as_ref().map(|i| i.shape)
     }
 
     pub fn manifest(&self) -> &Manifest {
@@ -134,6 +187,21 @@ impl DatasetReader {
             }
             Err(e) => return Err(e.into()),
         };
+        if let Some(index) = &m.images {
+            let e = &index.entries(req.split)[req.first];
+            if body.len() as u64 != e.len {
+                return Err(corrupt(format!(
+                    "image `{}` came back as {} bytes, the index says {} (object changed or truncated since it was indexed?)",
+                    e.key,
+                    body.len(),
+                    e.len
+                )));
+            }
+            let mut record = Vec::with_capacity(LABEL_BYTES + body.len());
+            record.extend_from_slice(&e.label.to_le_bytes());
+            record.extend_from_slice(&body);
+            return Ok(vec![Bytes::from(record)]);
+        }
         let want = req.count.saturating_mul(rb);
         if body.len() != want {
             return Err(corrupt(format!(
@@ -155,6 +223,118 @@ impl DatasetReader {
             out.push(record);
         }
         Ok(out)
+    }
+
+    /// Turns the records of `indices` (as [`DatasetReader::read_request`]
+    /// returns them) into a batch: feature records are copied, images are
+    /// decoded on the pipeline's threads and, for the training split,
+    /// augmented with the streams of `(seed, epoch, sample)`. Blocks while
+    /// decoding: call it off the async runtime.
+    pub fn decode_batch(
+        &self,
+        split: Split,
+        epoch: u64,
+        indices: &[usize],
+        records: &[Bytes],
+    ) -> Result<DecodedBatch, DatasetError> {
+        let (Some(pipeline), Some(index)) =
+            (&self.inner.images, &self.inner.planner.manifest.images)
+        else {
+            return Ok(DecodedBatch {
+                batch: self.batch_from_records(records)?,
+                ..DecodedBatch::default()
+            });
+        };
+        if indices.len() != records.len() {
+            return Err(DatasetError::Invalid(format!(
+                "{} records for {} samples",
+                records.len(),
+                indices.len()
+            )));
+        }
+        let shape = index.shape;
+        let entries = index.entries(split);
+        let augment = (split == Split::Train).then_some(&pipeline.augment);
+        let decode_one = |(&sample, record): (&usize, &Bytes)| {
+            let started = std::time::Instant::now();
+            let e = entries.get(sample).ok_or(DatasetError::IndexOutOfRange {
+                index: sample,
+                len: entries.len(),
+            })?;
+            let body = record.get(LABEL_BYTES..).unwrap_or_default();
+            let result = decode_image(body, shape).map(|mut chw| {
+                let mut rng = augment.map(|_| sample_rng(pipeline.seed, epoch, sample));
+                augment_in_place(
+                    &mut chw,
+                    shape,
+                    augment.unwrap_or(&pipeline.augment),
+                    rng.as_mut(),
+                );
+                chw
+            });
+            let outcome = result.map_err(|why| {
+                let object = &index.objects[e.object as usize];
+                (
+                    object.clone(),
+                    format!("{split} sample {sample} (`{}`): {why}", e.key),
+                )
+            });
+            Ok::<_, DatasetError>((e.label, outcome, started.elapsed().as_secs_f64()))
+        };
+        let decoded: Vec<_> = pipeline.pool.install(|| {
+            use rayon::prelude::*;
+            indices.par_iter().zip(records).map(decode_one).collect()
+        });
+        let mut out = DecodedBatch {
+            batch: Batch::with_capacity(indices.len(), self.inner.planner.manifest.features),
+            ..DecodedBatch::default()
+        };
+        for item in decoded {
+            let (label, outcome, secs) = item?;
+            out.decode_s += secs;
+            out.decoded += 1;
+            match outcome {
+                Ok(chw) => {
+                    out.batch.labels.push(label);
+                    out.batch.features.extend_from_slice(&chw);
+                }
+                Err((object, message)) if pipeline.skip_bad => {
+                    out.skipped.push(format!("{object}: {message}"))
+                }
+                Err((object, message)) => {
+                    return Err(DatasetError::Corrupt {
+                        object,
+                        message: format!(
+                        "{message} (set data.on_bad_sample = \"skip\" to leave such samples out)"
+                    ),
+                    })
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Image layouts: reads and decodes samples in the order asked, without
+    /// augmentation.
+    async fn fetch_images(&self, split: Split, indices: &[usize]) -> Result<Batch, DatasetError> {
+        let requests = self.plan_requests(split, indices, u64::MAX)?;
+        let records: HashMap<usize, Bytes> = futures::stream::iter(requests)
+            .map(|req| async move {
+                let mut recs = self.read_request(&req).await?;
+                Ok::<_, DatasetError>((req.first, recs.pop().unwrap_or_default()))
+            })
+            .buffer_unordered(MAX_CONCURRENT_SAMPLE_READS)
+            .try_collect()
+            .await?;
+        let ordered: Vec<Bytes> = indices.iter().map(|i| records[i].clone()).collect();
+        let this = self.clone();
+        let indices = indices.to_vec();
+        // Decoding is CPU work: keep it off the async runtime's threads.
+        let decoded =
+            tokio::task::spawn_blocking(move || this.decode_batch(split, 0, &indices, &ordered))
+                .await
+                .map_err(|e| DatasetError::Invalid(format!("decode task failed: {e}")))??;
+        Ok(decoded.batch)
     }
 
     /// Packs records (as [`DatasetReader::read_request`] returns them) into a
@@ -192,6 +372,15 @@ impl DatasetReader {
         split: Split,
         indices: &[usize],
     ) -> Result<Vec<Sample>, DatasetError> {
+        if self.layout().is_images() {
+            let batch = self.fetch_images(split, indices).await?;
+            return Ok((0..batch.len())
+                .map(|i| Sample {
+                    label: batch.labels[i],
+                    features: batch.row(i).unwrap_or_default().to_vec(),
+                })
+                .collect());
+        }
         let mut out = Vec::with_capacity(indices.len());
         self.fetch_each(split, indices, |label, bytes| {
             out.push(Sample {
@@ -209,6 +398,9 @@ impl DatasetReader {
         split: Split,
         indices: &[usize],
     ) -> Result<Batch, DatasetError> {
+        if self.layout().is_images() {
+            return self.fetch_images(split, indices).await;
+        }
         let dim = self.inner.planner.manifest.features;
         let mut batch = Batch::with_capacity(indices.len(), dim);
         self.fetch_each(split, indices, |label, bytes| {
@@ -222,7 +414,7 @@ impl DatasetReader {
     /// The whole split in index order (meant for the small test set).
     pub async fn fetch_all(&self, split: Split) -> Result<Batch, DatasetError> {
         let info = self.inner.planner.manifest.split(split);
-        if self.layout() == Layout::PerSample {
+        if self.layout() == Layout::PerSample || self.layout().is_images() {
             let all: Vec<usize> = (0..info.num_samples).collect();
             return self.fetch_batch(split, &all).await;
         }

@@ -177,6 +177,12 @@ impl<'a> DatasetWriter<'a> {
         classes: usize,
         options: &WriteOptions,
     ) -> Result<Self, DatasetError> {
+        if options.layout.is_images() {
+            return Err(DatasetError::Invalid(format!(
+                "the record writer does not write the {} layout; images are packed with `ps-worker dataset images`",
+                options.layout
+            )));
+        }
         if features == 0 {
             return Err(DatasetError::Invalid("features must be at least 1".into()));
         }
@@ -206,7 +212,7 @@ impl<'a> DatasetWriter<'a> {
         }
         let max_in_flight = match options.layout {
             Layout::Shards => MAX_CONCURRENT_SHARD_WRITES,
-            Layout::PerSample => MAX_CONCURRENT_SAMPLE_WRITES,
+            _ => MAX_CONCURRENT_SAMPLE_WRITES,
         };
         Ok(Self {
             store,
@@ -286,7 +292,7 @@ impl<'a> DatasetWriter<'a> {
         state.samples += 1;
         let full = match self.options.layout {
             Layout::Shards => state.buffered >= self.options.records_per_shard,
-            Layout::PerSample => true,
+            _ => true,
         };
         if full {
             if let Err(e) = self.flush(split).await {
@@ -341,6 +347,7 @@ impl<'a> DatasetWriter<'a> {
             train,
             test,
             normalization: self.normalization.clone(),
+            images: None,
         };
         manifest.validate()?;
         let json = serde_json::to_vec_pretty(&manifest)
@@ -380,7 +387,6 @@ impl<'a> DatasetWriter<'a> {
         let count = std::mem::take(&mut state.buffered);
         let first = state.samples - count;
         let rel = match self.options.layout {
-            Layout::PerSample => sample_object_path(split, first),
             Layout::Shards => {
                 let rel = format!("{}/shard-{:05}.bin", split.name(), state.shards.len());
                 state.shards.push(ShardInfo {
@@ -390,10 +396,11 @@ impl<'a> DatasetWriter<'a> {
                 });
                 rel
             }
+            _ => sample_object_path(split, first),
         };
         let capacity = match self.options.layout {
             Layout::Shards => self.options.records_per_shard * self.record_bytes,
-            Layout::PerSample => self.record_bytes,
+            _ => self.record_bytes,
         };
         let bytes = std::mem::replace(&mut state.buf, Vec::with_capacity(capacity));
         self.bytes += bytes.len() as u64;

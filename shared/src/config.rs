@@ -12,12 +12,14 @@
 //! assert!(ClusterConfig::from_toml_str("[optimizer]\nlr = -1.0\n").is_err());
 //! ```
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::dataplane::{LoaderSection, SimBucketSection};
+use crate::layers::{plan, resnet, LayerSpec, Node, Shape};
 use crate::link::LinkSection;
 use crate::sampler::Partition;
 use crate::sparse::{CompressorConfig, TopKMethod};
@@ -39,14 +41,14 @@ pub enum ConfigError {
     Parse { origin: String, message: String },
     #[error("invalid config value {field}: {message}")]
     Invalid {
-        field: &'static str,
+        field: Cow<'static, str>,
         message: String,
     },
 }
 
-fn invalid(field: &'static str, message: impl Into<String>) -> ConfigError {
+fn invalid(field: impl Into<Cow<'static, str>>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
-        field,
+        field: field.into(),
         message: message.into(),
     }
 }
@@ -152,6 +154,15 @@ pub enum ModelKind {
     Mlp,
     /// 3x3 convolutions (ReLU, 2x2 max-pool each) on square images, then fully connected layers.
     Cnn,
+    /// The layers listed in `model.layers` (see [`crate::layers`]).
+    Layers,
+    /// CIFAR-style ResNet-20: 3x3 conv 16, three stages of three basic
+    /// blocks (16/32/64 channels, strides 1/2/2), global average pool, linear.
+    Resnet20,
+    /// ResNet-18 with a CIFAR-style stem (one 3x3 conv, stride 1, no
+    /// max-pool): four stages of two basic blocks (64/128/256/512 channels,
+    /// strides 1/2/2/2), global average pool, linear.
+    Resnet18,
 }
 
 /// The model both sides agree on: it fixes the flat parameter space.
@@ -169,6 +180,14 @@ pub struct ModelSection {
     pub in_channels: usize,
     /// CNN: output channels of each 3x3 convolution (each halves the side).
     pub conv: Vec<usize>,
+    /// `kind = "layers"`: the layers, in order (`[[model.layers]]` tables).
+    pub layers: Vec<LayerSpec>,
+    /// ResNet presets: channel multiplier of every stage (0.25 turns
+    /// ResNet-20's 16/32/64 into 4/8/16).
+    pub width: f64,
+    /// Models with batch norm: the last training batches a worker runs
+    /// forward to recompute the running statistics before each evaluation.
+    pub bn_calibration_batches: usize,
 }
 
 impl Default for ModelSection {
@@ -180,6 +199,9 @@ impl Default for ModelSection {
             classes: 10,
             in_channels: 1,
             conv: Vec::new(),
+            layers: Vec::new(),
+            width: 1.0,
+            bn_calibration_batches: 8,
         }
     }
 }
@@ -200,6 +222,18 @@ impl TensorSpec {
 impl ModelSection {
     /// The model's tensors in the fixed order of the flat parameter space.
     pub fn layout(&self) -> Vec<TensorSpec> {
+        if self.is_layered() {
+            return self
+                .nodes()
+                .unwrap_or_default()
+                .iter()
+                .flat_map(Node::params)
+                .map(|p| TensorSpec {
+                    name: p.name,
+                    shape: p.shape,
+                })
+                .collect();
+        }
         let mut out = Vec::new();
         let mut flat_in = self.input;
         if self.kind == ModelKind::Cnn {
@@ -232,6 +266,95 @@ impl ModelSection {
             });
         }
         out
+    }
+
+    /// Whether the model is a list of layers (`layers` or a ResNet preset).
+    pub fn is_layered(&self) -> bool {
+        matches!(
+            self.kind,
+            ModelKind::Layers | ModelKind::Resnet20 | ModelKind::Resnet18
+        )
+    }
+
+    /// The named layers of a layered model (presets expanded); empty for
+    /// the MLP and the CNN.
+    pub fn named_layers(&self) -> Vec<(String, LayerSpec)> {
+        let classes = self.classes;
+        match self.kind {
+            ModelKind::Mlp | ModelKind::Cnn => Vec::new(),
+            ModelKind::Layers => self
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (format!("layers.{i}"), l.clone()))
+                .collect(),
+            ModelKind::Resnet20 => resnet(&[16, 32, 64], 3, &[1, 2, 2], self.width, classes),
+            ModelKind::Resnet18 => {
+                resnet(&[64, 128, 256, 512], 2, &[1, 2, 2, 2], self.width, classes)
+            }
+        }
+    }
+
+    /// The validated layers of a layered model with their shapes: the input
+    /// is `[in_channels, side, side]` and the last layer gives `classes`.
+    pub fn nodes(&self) -> Result<Vec<Node>, ConfigError> {
+        let Some(side) = self.image_side() else {
+            return Err(invalid(
+                "model.input",
+                format!(
+                    "a {} model needs input = in_channels * side^2; {} is not {} x a square",
+                    self.kind_name(),
+                    self.input,
+                    self.in_channels
+                ),
+            ));
+        };
+        let layers = self.named_layers();
+        let listed = self.kind == ModelKind::Layers;
+        if layers.is_empty() {
+            return Err(invalid("model.layers", "list at least one layer"));
+        }
+        let input = Shape::Image {
+            c: self.in_channels,
+            h: side,
+            w: side,
+        };
+        let field = |i: usize| {
+            if listed {
+                format!("model.layers[{i}]")
+            } else {
+                format!("model.kind ({} layer {i})", self.kind_name())
+            }
+        };
+        let nodes = plan(&layers, input, field).map_err(|(f, m)| invalid(f, m))?;
+        let last = nodes.last().map_or(input, |n| n.output);
+        if last != Shape::Flat(self.classes) {
+            let at = nodes.len() - 1;
+            let f = match nodes[at].layer {
+                LayerSpec::Linear { .. } if listed => format!("model.layers[{at}].out"),
+                _ => "model.layers".to_string(),
+            };
+            return Err(invalid(
+                f,
+                format!(
+                    "the last layer gives {last}; it must give classes = {} outputs",
+                    self.classes
+                ),
+            ));
+        }
+        Ok(nodes)
+    }
+
+    fn kind_name(&self) -> String {
+        format!("{:?}", self.kind).to_lowercase()
+    }
+
+    /// Whether the model has batch-norm layers (and so running statistics).
+    pub fn has_batch_norm(&self) -> bool {
+        self.is_layered()
+            && self
+                .nodes()
+                .is_ok_and(|n| n.iter().any(|n| n.batch_norms() > 0))
     }
 
     /// CNN: the side of the square input image, if `input` is one.
@@ -299,6 +422,37 @@ pub struct DataSection {
     /// `reshuffle` (a new random split across ranks every epoch) or `stable`
     /// (each rank keeps its part and shuffles within it: caches stay useful).
     pub partition: Partition,
+    /// Image datasets: threads that decode and augment images (per worker).
+    pub decode_threads: usize,
+    /// Image datasets: `stop` the run at a sample that cannot be decoded, or
+    /// `skip` it (the loader counts and logs it).
+    pub on_bad_sample: OnBadSample,
+    /// Image datasets: augmentation of training images.
+    pub augment: AugmentSection,
+}
+
+/// What the loader does with a sample it cannot decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBadSample {
+    #[default]
+    Stop,
+    Skip,
+}
+
+/// Augmentation of training images; evaluation only normalises. Each
+/// sample's crop and flip are drawn from `(data.seed, epoch, sample)`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AugmentSection {
+    /// Random crop of the image's size after zero padding of this many pixels.
+    pub pad: usize,
+    /// Random left-right flip.
+    pub hflip: bool,
+    /// Per-channel mean to subtract (values in 0..1); empty: none.
+    pub mean: Vec<f32>,
+    /// Per-channel standard deviation to divide by; empty: none.
+    pub std: Vec<f32>,
 }
 
 impl Default for DataSection {
@@ -309,6 +463,9 @@ impl Default for DataSection {
             seed: 42,
             prefetch_batches: 4,
             partition: Partition::Reshuffle,
+            decode_threads: 2,
+            on_bad_sample: OnBadSample::Stop,
+            augment: AugmentSection::default(),
         }
     }
 }
@@ -661,6 +818,18 @@ impl ClusterConfig {
                 ));
             }
         }
+        if !m.layers.is_empty() && m.kind != ModelKind::Layers {
+            return Err(invalid("model.layers", "only for kind = \"layers\""));
+        }
+        if !(m.width.is_finite() && m.width > 0.0 && m.width <= 64.0) {
+            return Err(invalid("model.width", "must be in (0, 64]"));
+        }
+        if m.bn_calibration_batches == 0 {
+            return Err(invalid("model.bn_calibration_batches", "must be >= 1"));
+        }
+        if m.is_layered() {
+            m.nodes()?;
+        }
         let shards = c.servers.len() * c.shards_per_server;
         if shards > m.num_params() {
             return Err(invalid(
@@ -680,6 +849,25 @@ impl ClusterConfig {
         }
         if d.prefetch_batches == 0 {
             return Err(invalid("data.prefetch_batches", "must be >= 1"));
+        }
+        if self.data.decode_threads == 0 || self.data.decode_threads > 256 {
+            return Err(invalid("data.decode_threads", "must be in 1..=256"));
+        }
+        let aug = &self.data.augment;
+        if !aug.mean.is_empty() && !aug.std.is_empty() && aug.mean.len() != aug.std.len() {
+            return Err(invalid(
+                "data.augment.std",
+                "must have as many values as data.augment.mean (one per channel)",
+            ));
+        }
+        if aug.std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(invalid(
+                "data.augment.std",
+                "values must be finite and above 0",
+            ));
+        }
+        if aug.mean.iter().any(|m| !m.is_finite()) {
+            return Err(invalid("data.augment.mean", "values must be finite"));
         }
         let t = &self.training;
         if t.epochs == 0 {
@@ -892,6 +1080,12 @@ mod tests {
             ("[cluster]\nworkers = 0\n", "cluster.workers"),
             ("[cluster]\ntoken = \"short\"\n", "cluster.token"),
             ("[data]\nbatch_size = 0\n", "data.batch_size"),
+            ("[data]\ndecode_threads = 0\n", "data.decode_threads"),
+            (
+                "[data.augment]\nmean = [0.5, 0.5]\nstd = [1.0]\n",
+                "data.augment.std",
+            ),
+            ("[data.augment]\nstd = [0.0]\n", "data.augment.std"),
             ("[compression]\ndensity = 0.0\n", "compression.density"),
             ("[training]\ndevice = \"tpu\"\n", "training.device"),
             (
@@ -939,6 +1133,7 @@ mod tests {
             classes: 10,
             in_channels: 1,
             conv: vec![8, 16],
+            ..ModelSection::default()
         };
         let shapes: Vec<Vec<usize>> = m.layout().into_iter().map(|t| t.shape).collect();
         assert_eq!(
@@ -954,5 +1149,233 @@ mod tests {
                 vec![10],
             ]
         );
+    }
+
+    const SMALL_NET: &str = r#"
+[model]
+kind = "layers"
+input = 48
+in_channels = 3
+classes = 3
+[[model.layers]]
+type = "conv2d"
+out = 4
+bias = false
+[[model.layers]]
+type = "batch_norm"
+[[model.layers]]
+type = "relu"
+[[model.layers]]
+type = "max_pool"
+kernel = 2
+[[model.layers]]
+type = "residual"
+out = 6
+stride = 2
+[[model.layers]]
+type = "dropout"
+p = 0.25
+[[model.layers]]
+type = "linear"
+out = 3
+"#;
+
+    #[test]
+    fn layer_list_parses_and_infers_shapes() {
+        let cfg = ClusterConfig::from_toml_str(SMALL_NET).unwrap();
+        let m = &cfg.model;
+        let nodes = m.nodes().unwrap();
+        assert_eq!(nodes[3].output, Shape::Image { c: 4, h: 2, w: 2 });
+        assert_eq!(nodes[4].output, Shape::Image { c: 6, h: 1, w: 1 });
+        let names: Vec<String> = m.layout().into_iter().map(|t| t.name).collect();
+        assert_eq!(
+            names,
+            [
+                "layers.0.weight",
+                "layers.1.weight",
+                "layers.1.bias",
+                "layers.4.conv1.weight",
+                "layers.4.bn1.weight",
+                "layers.4.bn1.bias",
+                "layers.4.conv2.weight",
+                "layers.4.bn2.weight",
+                "layers.4.bn2.bias",
+                "layers.4.shortcut.conv.weight",
+                "layers.4.shortcut.bn.weight",
+                "layers.4.shortcut.bn.bias",
+                "layers.6.weight",
+                "layers.6.bias",
+            ]
+        );
+        // The linear layer's input is the flattened [6, 1, 1] image.
+        assert_eq!(m.layout()[12].shape, vec![3, 6]);
+        assert!(m.has_batch_norm());
+        // What show-config prints reads back as the same model.
+        let again = ClusterConfig::from_toml_str(&cfg.to_redacted_toml().unwrap()).unwrap();
+        assert_eq!(again.model, cfg.model);
+        assert_eq!(again.model.layout_hash(), m.layout_hash());
+    }
+
+    #[test]
+    fn resnet20_example_config_is_valid() {
+        let cfg =
+            ClusterConfig::from_toml_str(include_str!("../../configs/resnet20.toml")).unwrap();
+        assert_eq!(cfg.model.kind, ModelKind::Resnet20);
+        assert_eq!(cfg.model.num_params(), 272_474);
+    }
+
+    #[test]
+    fn resnet_presets_have_the_textbook_sizes() {
+        let r20 = ModelSection {
+            kind: ModelKind::Resnet20,
+            input: 3 * 32 * 32,
+            in_channels: 3,
+            classes: 10,
+            ..ModelSection::default()
+        };
+        // 3x3 convs without bias, BN γ and β, 1x1 projection shortcuts
+        // (with BN) where the width doubles.
+        assert_eq!(r20.num_params(), 272_474);
+        let layout = r20.layout();
+        let names: std::collections::HashSet<&str> =
+            layout.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names.len(), layout.len(), "names must be unique");
+        for n in [
+            "stem.conv.weight",
+            "stage1.block0.conv1.weight",
+            "stage1.block2.bn2.bias",
+            "stage2.block0.shortcut.conv.weight",
+            "stage3.block0.shortcut.bn.weight",
+            "fc.weight",
+            "fc.bias",
+        ] {
+            assert!(names.contains(n), "{n} missing");
+        }
+        assert!(!names.contains("stage1.block0.shortcut.conv.weight"));
+        assert!(r20.has_batch_norm());
+        let r18 = ModelSection {
+            kind: ModelKind::Resnet18,
+            ..r20.clone()
+        };
+        assert_eq!(r18.num_params(), 11_173_962);
+        let narrow = ModelSection {
+            width: 0.25,
+            ..r20.clone()
+        };
+        let fc = narrow.layout().into_iter().find(|t| t.name == "fc.weight");
+        assert_eq!(fc.unwrap().shape, vec![10, 16]);
+        assert_ne!(narrow.layout_hash(), r20.layout_hash());
+        // The MLP and CNN layouts do not depend on the new keys.
+        let mlp = ModelSection::default();
+        let wide = ModelSection {
+            width: 2.0,
+            bn_calibration_batches: 3,
+            ..ModelSection::default()
+        };
+        assert_eq!(mlp.layout_hash(), wide.layout_hash());
+        assert!(!mlp.has_batch_norm());
+    }
+
+    #[test]
+    fn bad_layers_name_their_field() {
+        let net = |layers: &str| {
+            format!(
+                "[model]\nkind = \"layers\"\ninput = 64\nin_channels = 1\nclasses = 3\n{layers}"
+            )
+        };
+        let conv = |extra: &str| format!("[[model.layers]]\ntype = \"conv2d\"\n{extra}\n");
+        let linear3 = "[[model.layers]]\ntype = \"linear\"\nout = 3\n";
+        for (text, field) in [
+            (net(""), "model.layers"),
+            (
+                net(&format!("{}{linear3}", conv("out = 0"))),
+                "model.layers[0].out",
+            ),
+            (
+                net(&format!("{}{linear3}", conv("out = 2\nstride = 0"))),
+                "model.layers[0].stride",
+            ),
+            (
+                net(&format!("{}{linear3}", conv("out = 2\nkernel = 0"))),
+                "model.layers[0].kernel",
+            ),
+            (
+                net(&format!(
+                    "{}{}{linear3}",
+                    conv("out = 2\nstride = 4"),
+                    conv("out = 2\nkernel = 5\npadding = 0")
+                )),
+                "model.layers[1].kernel",
+            ),
+            (
+                net(&format!(
+                    "[[model.layers]]\ntype = \"flatten\"\n{}{linear3}",
+                    conv("out = 2")
+                )),
+                "model.layers[1].type",
+            ),
+            (
+                net(&format!(
+                    "[[model.layers]]\ntype = \"max_pool\"\nkernel = 9\n{linear3}"
+                )),
+                "model.layers[0].kernel",
+            ),
+            (
+                net(&format!(
+                    "[[model.layers]]\ntype = \"avg_pool\"\nkernel = 2\nstride = 0\n{linear3}"
+                )),
+                "model.layers[0].stride",
+            ),
+            (
+                net(&format!(
+                    "[[model.layers]]\ntype = \"dropout\"\np = 1.0\n{linear3}"
+                )),
+                "model.layers[0].p",
+            ),
+            (
+                net(&format!(
+                    "[[model.layers]]\ntype = \"residual\"\nout = 0\n{linear3}"
+                )),
+                "model.layers[0].out",
+            ),
+            (
+                net("[[model.layers]]\ntype = \"linear\"\nout = 4\n"),
+                "model.layers[0].out",
+            ),
+            (net(&conv("out = 3")), "model.layers"),
+            (
+                net(&format!(
+                    "[[model.layers]]\ntype = \"flatten\"\n[[model.layers]]\ntype = \"batch_norm\"\n{linear3}"
+                )),
+                "model.layers[1].type",
+            ),
+            (
+                "[model]\nkind = \"resnet20\"\ninput = 60\nin_channels = 3\n".to_string(),
+                "model.input",
+            ),
+            (
+                "[model]\nkind = \"resnet20\"\ninput = 48\nin_channels = 3\nwidth = 0.0\n".to_string(),
+                "model.width",
+            ),
+            (
+                "[model]\nkind = \"resnet20\"\ninput = 48\nin_channels = 3\nbn_calibration_batches = 0\n".to_string(),
+                "model.bn_calibration_batches",
+            ),
+            (
+                format!("[model]\n{linear3}"),
+                "model.layers",
+            ),
+        ] {
+            let e = ClusterConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(field), "{text:?} gave {e}");
+        }
+        // A misspelt layer key is a parse error that names it.
+        let e = ClusterConfig::from_toml_str(&net(&format!(
+            "{}{linear3}",
+            conv("out = 2\nkernal = 3")
+        )))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("kernal"), "{e}");
     }
 }

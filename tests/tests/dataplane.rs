@@ -316,7 +316,7 @@ async fn transient_faults_are_retried() {
         let direct = open(raw.clone(), &prefix).await;
         let (first, second) = match layout {
             Layout::Shards => ("ds/train/shard-00000.bin", "ds/train/shard-00003.bin"),
-            Layout::PerSample => ("ds/train/00000005.bin", "ds/train/00000031.bin"),
+            _ => ("ds/train/00000005.bin", "ds/train/00000031.bin"),
         };
         sim.fail_next(&Path::from(first), 2);
         sim.truncate_next(&Path::from(second), 1);
@@ -367,7 +367,7 @@ async fn persistent_damage_is_a_clear_error() {
             let (raw, sim, prefix) = bucket(layout, 50).await;
             let object = match layout {
                 Layout::Shards => "ds/train/shard-00002.bin",
-                Layout::PerSample => "ds/train/00000023.bin",
+                _ => "ds/train/00000023.bin",
             };
             let path = Path::from(object);
             if missing {

@@ -1,6 +1,7 @@
 //! The Stratus worker.
 //!
 //! * [`model`]: the candle model seen through the flat parameter space.
+//! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
 //! * [`loader`]: `LoaderActor`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
@@ -9,6 +10,7 @@
 
 pub mod cache;
 pub mod comm;
+pub mod layers;
 pub mod loader;
 pub mod model;
 pub mod run;

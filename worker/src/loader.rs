@@ -245,6 +245,13 @@ pub struct EpochDataStats {
     pub retries: u64,
     /// Disk-tier reads that failed (the sample was fetched again).
     pub disk_errors: u64,
+    /// Images decoded (0 for feature records).
+    pub decoded: u64,
+    /// Microseconds the decode threads spent, summed over threads.
+    pub decode_us: u64,
+    /// Samples left out because they could not be decoded
+    /// (`data.on_bad_sample = "skip"`).
+    pub bad_samples: u64,
 }
 
 impl EpochDataStats {
@@ -279,6 +286,18 @@ impl EpochDataStats {
         self.bucket_bytes += o.bucket_bytes;
         self.retries += o.retries;
         self.disk_errors += o.disk_errors;
+        self.decoded += o.decoded;
+        self.decode_us += o.decode_us;
+        self.bad_samples += o.bad_samples;
+    }
+
+    /// Images decoded and augmented per second of one decode thread.
+    pub fn images_per_core_s(&self) -> f64 {
+        if self.decode_us == 0 {
+            0.0
+        } else {
+            self.decoded as f64 / (self.decode_us as f64 / 1e6)
+        }
     }
 }
 
@@ -604,7 +623,7 @@ impl Pump {
             while self.front_complete() {
                 match self.tx.clone().try_reserve_owned() {
                     Ok(permit) => {
-                        let item = self.emit()?;
+                        let item = self.emit().await?;
                         permit.send(Ok(item));
                     }
                     Err(mpsc::error::TrySendError::Full(_)) => break,
@@ -635,7 +654,7 @@ impl Pump {
                 },
                 permit = tx.reserve_owned(), if front_complete => match permit {
                     Ok(permit) => {
-                        let item = self.emit()?;
+                        let item = self.emit().await?;
                         permit.send(Ok(item));
                     }
                     Err(_) => return Ok(()),
@@ -902,7 +921,7 @@ impl Pump {
     }
 
     /// Decodes the complete front batch and lets go of its samples.
-    fn emit(&mut self) -> Result<(BatchPos, Arc<Batch>), LoaderError> {
+    async fn emit(&mut self) -> Result<(BatchPos, Arc<Batch>), LoaderError> {
         let Some(slot) = self.slots.pop_front() else {
             return Err(LoaderError::Task("no batch to hand over".into()));
         };
@@ -923,11 +942,37 @@ impl Pump {
                 slot.pos.step_in_epoch, slot.pos.epoch
             )));
         }
-        let batch = self.reader.batch_from_records(&records)?;
-        self.shared
-            .stats
-            .update(slot.pos.epoch, |s| s.samples += records.len() as u64);
-        Ok((slot.pos, Arc::new(batch)))
+        let epoch = slot.pos.epoch;
+        let decoded = if self.reader.layout().is_images() {
+            // Image decoding is CPU work for the decode pool: keep it off
+            // the runtime's threads so fetches keep completing meanwhile.
+            let reader = self.reader.clone();
+            let indices = slot.indices.clone();
+            tokio::task::spawn_blocking(move || {
+                reader.decode_batch(Split::Train, epoch, &indices, &records)
+            })
+            .await
+            .map_err(|e| LoaderError::Task(format!("decode task failed: {e}")))??
+        } else {
+            self.reader
+                .decode_batch(Split::Train, epoch, &slot.indices, &records)?
+        };
+        for why in &decoded.skipped {
+            tracing::warn!("skipped a sample that cannot be decoded: {why}");
+        }
+        self.shared.stats.update(epoch, |s| {
+            s.samples += decoded.batch.len() as u64;
+            s.decoded += decoded.decoded as u64;
+            s.decode_us += (decoded.decode_s * 1e6) as u64;
+            s.bad_samples += decoded.skipped.len() as u64;
+        });
+        if decoded.batch.is_empty() {
+            return Err(LoaderError::Task(format!(
+                "batch {} of epoch {epoch} has no sample left after skipping undecodable ones",
+                slot.pos.step_in_epoch
+            )));
+        }
+        Ok((slot.pos, Arc::new(decoded.batch)))
     }
 }
 

@@ -114,6 +114,12 @@ enum DatasetCommand {
         #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
         layout: String,
     },
+    /// Write an image set (MNIST as PNG, or synthetic colour shapes as JPEG)
+    /// as WebDataset shards or class folders, and index it.
+    Images(images_cmd::ImagesArgs),
+    /// Index WebDataset shards or class folders where they lie (writes
+    /// manifest.json next to them; the images are not converted).
+    Index(images_cmd::IndexArgs),
     /// Your own tabular data: CSV (optionally .gz), NumPy .npy/.npz or Parquet.
     ///
     /// Every row of every input is validated (numbers, finite features, the
@@ -202,6 +208,8 @@ struct ImportArgs {
     #[arg(long)]
     overwrite: bool,
 }
+
+mod images_cmd;
 
 fn main() {
     if let Err(e) = run() {
@@ -330,6 +338,13 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
     // A local output folder this command creates is removed again when the
     // command fails and leaves it empty.
     let out = match &cmd {
+        DatasetCommand::Images(_) | DatasetCommand::Index(_) => {
+            return match cmd {
+                DatasetCommand::Images(args) => images_cmd::images(args),
+                DatasetCommand::Index(args) => images_cmd::index(args),
+                _ => bail!("not an image command"),
+            };
+        }
         DatasetCommand::Synthetic { out, .. } | DatasetCommand::Mnist { out, .. } => out.clone(),
         DatasetCommand::Import(args) => args.out.clone(),
     };
@@ -453,6 +468,9 @@ fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
 
 fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
     let (out, name, features, classes, train, test, per_shard, layout) = match cmd {
+        DatasetCommand::Images(_) | DatasetCommand::Index(_) | DatasetCommand::Import(_) => {
+            bail!("not a built-in dataset")
+        }
         DatasetCommand::Synthetic {
             out,
             train,
@@ -523,7 +541,6 @@ fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
                 layout,
             )
         }
-        DatasetCommand::Import(_) => bail!("import is not a built-in dataset"),
     };
     if per_shard == 0 {
         bail!("--records-per-shard must be >= 1");
@@ -549,7 +566,9 @@ fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
     ))?;
     let objects = match layout {
         Layout::Shards => manifest.train.shards.len() + manifest.test.shards.len(),
-        Layout::PerSample => manifest.train.num_samples + manifest.test.num_samples,
+        Layout::PerSample | Layout::WebDataset | Layout::ClassFolders => {
+            manifest.train.num_samples + manifest.test.num_samples
+        }
     };
     println!(
         "wrote {name} to {out}: {} train + {} test samples, {} features, {} classes, {objects} {layout} objects",

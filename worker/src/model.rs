@@ -25,6 +25,33 @@
 //! across steps, and pulled parameters are written in place into the
 //! tensors' storage (only the entries that changed, for sparse pulls). The
 //! CNN keeps candle's autograd.
+//!
+//! # Layered models and batch norm
+//!
+//! `kind = "layers"` and the ResNet presets run the [`Net`] of
+//! [`crate::layers`] under autograd. Weights of convolutions and linear
+//! layers start Kaiming-uniform (`±sqrt(6 / fan_in)`), biases and batch-norm
+//! β at 0, γ at 1.
+//!
+//! Batch norm's γ and β are parameters like any other: they live in the
+//! flat space and their gradients go to the servers. Its running mean and
+//! variance are not: they never leave the worker. In training a batch-norm
+//! layer normalises with the batch's own statistics and folds them into the
+//! running ones with momentum [`BN_MOMENTUM`] (`running = 0.9 running + 0.1
+//! batch`, the variance unbiased). Those running statistics go stale,
+//! because every pull changes the parameters under them, so before each
+//! evaluation the worker recomputes them exactly ("precise BN",
+//! [`Model::calibrate_bn`]): forward in training mode over the last
+//! `model.bn_calibration_batches` training batches under the current
+//! parameters, and running mean / variance = the mean over those batches of
+//! each batch's mean / unbiased variance. [`Model::evaluate`] then uses
+//! the running statistics, so a sample's prediction does not depend on the
+//! batch it is evaluated in.
+//!
+//! Dropout is active only in [`Model::gradient_into`]; the mask of each
+//! step is drawn from `(init seed, step)` where the step counts this
+//! model's gradient computations from [`Model::set_step`] (the run loop
+//! sets the step it joins the run at).
 
 use std::ops::Range;
 
@@ -33,7 +60,13 @@ use candle_nn::Linear;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use ps_dataset::Batch;
-use ps_shared::config::{ModelKind, ModelSection, TensorSpec};
+use ps_shared::config::{ConfigError, ModelKind, ModelSection, TensorSpec};
+use ps_shared::layers::Init;
+
+use crate::layers::{BnStats, Mode, Net};
+
+/// Weight of the current batch in the running batch-norm statistics.
+pub const BN_MOMENTUM: f64 = 0.1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -45,6 +78,10 @@ pub enum ModelError {
     BatchDim { expected: usize, got: usize },
     #[error("no gradient for tensor {0}")]
     MissingGrad(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("only a layered model runs in training mode")]
+    NotLayered,
     #[error("unknown device `{0}`: use cpu, cuda or cuda:N")]
     Device(String),
     #[error("label {label} of sample {sample} is out of range for {classes} classes")]
@@ -177,13 +214,22 @@ fn softmax_cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<(f32, Vec<f3
     Ok(((loss / batch as f64) as f32, grad))
 }
 
-/// An MLP or a small CNN whose parameters map onto one flat f32 index space.
+/// An MLP, a small CNN or a layered model whose parameters map onto one
+/// flat f32 index space.
 pub struct Model {
     spec: ModelSection,
     device: Device,
     tensors: Vec<TensorSpec>,
     ranges: Vec<Range<usize>>,
     vars: Vec<Var>,
+    /// Layered models: the forward pass.
+    net: Option<Net>,
+    /// Running statistics of each batch-norm layer (not parameters).
+    running: Vec<BnStats>,
+    /// Seed of the dropout masks.
+    seed: u64,
+    /// Gradient computations so far (the dropout masks' step).
+    step: u64,
 }
 
 impl Model {
@@ -191,19 +237,47 @@ impl Model {
     pub fn new(spec: &ModelSection, device: Device, seed: u64) -> Result<Self, ModelError> {
         let tensors = spec.layout();
         let ranges = spec.tensor_ranges();
+        let nodes = if spec.is_layered() {
+            spec.nodes()?
+        } else {
+            Vec::new()
+        };
+        // The MLP and CNN keep their uniform ±sqrt(1 / fan_in) weights.
+        let inits: Vec<(Init, f32)> = if nodes.is_empty() {
+            let legacy = |t: &TensorSpec| match t.shape.len() {
+                1 => (Init::Zeros, 0.0),
+                _ => (Init::Kaiming, 1.0),
+            };
+            tensors.iter().map(legacy).collect()
+        } else {
+            let params = nodes.iter().flat_map(|n| n.params());
+            params.map(|p| (p.init, 6.0)).collect()
+        };
         let mut rng = StdRng::seed_from_u64(seed);
         let mut vars = Vec::with_capacity(tensors.len());
-        for t in &tensors {
+        for (t, &(kind, gain)) in tensors.iter().zip(&inits) {
             let mut init = vec![0.0f32; t.numel()];
-            if t.shape.len() >= 2 {
-                let fan_in: usize = t.shape[1..].iter().product();
-                let bound = (1.0 / fan_in as f32).sqrt();
-                for v in &mut init {
-                    *v = rng.random_range(-bound..bound);
+            match kind {
+                Init::Kaiming => {
+                    let fan_in: usize = t.shape[1..].iter().product();
+                    let bound = (gain / fan_in as f32).sqrt();
+                    for v in &mut init {
+                        *v = rng.random_range(-bound..bound);
+                    }
                 }
+                Init::Ones => init.fill(1.0),
+                Init::Zeros => {}
             }
             let init = Tensor::from_vec(init, t.shape.as_slice(), &device)?;
             vars.push(Var::from_tensor(&init)?);
+        }
+        let net = (!nodes.is_empty()).then(|| Net::new(&nodes));
+        let mut running = Vec::new();
+        for &c in net.iter().flat_map(|n| n.norms()) {
+            running.push(BnStats {
+                mean: Tensor::zeros(c, DType::F32, &device)?,
+                var: Tensor::ones(c, DType::F32, &device)?,
+            });
         }
         Ok(Self {
             spec: spec.clone(),
@@ -211,7 +285,70 @@ impl Model {
             tensors,
             ranges,
             vars,
+            net,
+            running,
+            seed,
+            step: 0,
         })
+    }
+
+    /// Whether the model has batch-norm layers (whose running statistics
+    /// [`Model::calibrate_bn`] recomputes).
+    pub fn has_batch_norm(&self) -> bool {
+        !self.running.is_empty()
+    }
+
+    /// Sets the step the next dropout mask is drawn for (a worker that
+    /// rejoins a run at `step` continues the same stream of masks).
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Recomputes the batch-norm running statistics under the current
+    /// parameters ("precise BN"): forward in training mode over `batches`,
+    /// then each layer's running mean and variance are the means over the
+    /// batches of the batch mean and unbiased batch variance. Nothing
+    /// happens for a model without batch norm or with no non-empty batch.
+    pub fn calibrate_bn<B: AsRef<Batch>>(&mut self, batches: &[B]) -> Result<(), ModelError> {
+        let Some(net) = &self.net else {
+            return Ok(());
+        };
+        let mut sums: Option<Vec<BnStats>> = None;
+        let mut count = 0usize;
+        let mode = Mode::Train {
+            seed: self.seed,
+            step: self.step,
+        };
+        for batch in batches.iter().map(AsRef::as_ref) {
+            if batch.is_empty() || self.running.is_empty() {
+                continue;
+            }
+            let x = self.input_of(batch)?;
+            let mut stats = Vec::with_capacity(self.running.len());
+            net.forward(&self.vars, &self.running, &x, mode, &mut stats)?;
+            sums = Some(match sums {
+                None => stats,
+                Some(sums) => sums
+                    .into_iter()
+                    .zip(stats)
+                    .map(|(a, b)| {
+                        Ok(BnStats {
+                            mean: (a.mean + b.mean)?,
+                            var: (a.var + b.var)?,
+                        })
+                    })
+                    .collect::<Result<_, candle_core::Error>>()?,
+            });
+            count += 1;
+        }
+        if let Some(sums) = sums {
+            let k = count as f64;
+            for (r, s) in self.running.iter_mut().zip(sums) {
+                r.mean = (s.mean / k)?;
+                r.var = (s.var / k)?;
+            }
+        }
+        Ok(())
     }
 
     pub fn num_params(&self) -> usize {
@@ -319,7 +456,11 @@ impl Model {
         Ok(())
     }
 
+    /// Logits in evaluation mode (running statistics, no dropout).
     fn forward(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        if let Some(net) = &self.net {
+            return Ok(net.forward(&self.vars, &self.running, x, Mode::Eval, &mut Vec::new())?);
+        }
         let mut h = x.clone();
         let mut first_linear = 0;
         if self.spec.kind == ModelKind::Cnn {
@@ -388,7 +529,8 @@ impl Model {
         let x = self.checked_input(batch, out)?;
         match self.spec.kind {
             ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out),
-            ModelKind::Cnn => self.autograd_backward(&x, &batch.labels, out),
+            _ if self.net.is_some() => self.train_backward(&x, &batch.labels, out),
+            _ => self.autograd_backward(&x, &batch.labels, out),
         }
     }
 
@@ -400,6 +542,9 @@ impl Model {
         out: &mut [f32],
     ) -> Result<f32, ModelError> {
         let x = self.checked_input(batch, out)?;
+        if self.net.is_some() {
+            return self.train_backward(&x, &batch.labels, out);
+        }
         self.autograd_backward(&x, &batch.labels, out)
     }
 
@@ -455,16 +600,58 @@ impl Model {
         Ok(loss)
     }
 
-    /// Any model through candle's autograd.
+    /// A layered model's training step: forward in training mode, backward
+    /// through autograd, the batch statistics folded into the running ones
+    /// and the dropout step advanced.
+    fn train_backward(
+        &mut self,
+        x: &Tensor,
+        labels: &[u32],
+        out: &mut [f32],
+    ) -> Result<f32, ModelError> {
+        let (logits, stats) = self.train_logits(x, self.step)?;
+        let loss = self.loss_backward(&logits, labels, out)?;
+        self.step += 1;
+        for (r, s) in self.running.iter_mut().zip(stats) {
+            r.mean = ((&r.mean * (1.0 - BN_MOMENTUM))? + (s.mean * BN_MOMENTUM)?)?;
+            r.var = ((&r.var * (1.0 - BN_MOMENTUM))? + (s.var * BN_MOMENTUM)?)?;
+        }
+        Ok(loss)
+    }
+
+    /// A layered model's logits in training mode at dropout step `step`,
+    /// with each batch-norm layer's batch statistics.
+    fn train_logits(&self, x: &Tensor, step: u64) -> Result<(Tensor, Vec<BnStats>), ModelError> {
+        let net = self.net.as_ref().ok_or(ModelError::NotLayered)?;
+        let mode = Mode::Train {
+            seed: self.seed,
+            step,
+        };
+        let mut stats = Vec::with_capacity(self.running.len());
+        let logits = net.forward(&self.vars, &self.running, x, mode, &mut stats)?;
+        Ok((logits, stats))
+    }
+
+    /// The MLP or CNN through candle's autograd.
     fn autograd_backward(
         &self,
         x: &Tensor,
         labels: &[u32],
         out: &mut [f32],
     ) -> Result<f32, ModelError> {
-        let y = Tensor::from_slice(labels, labels.len(), &self.device)?;
         let logits = self.forward(x)?;
-        let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+        self.loss_backward(&logits, labels, out)
+    }
+
+    /// Mean cross-entropy of `logits`, its gradient written into `out`.
+    fn loss_backward(
+        &self,
+        logits: &Tensor,
+        labels: &[u32],
+        out: &mut [f32],
+    ) -> Result<f32, ModelError> {
+        let y = Tensor::from_slice(labels, labels.len(), &self.device)?;
+        let loss = candle_nn::loss::cross_entropy(logits, &y)?;
         let grads = loss.backward()?;
         for ((var, t), r) in self.vars.iter().zip(&self.tensors).zip(&self.ranges) {
             let g = grads
@@ -508,13 +695,25 @@ mod tests {
         }
     }
 
-    /// `(loss(p + eps e_i) - loss(p - eps e_i)) / 2 eps` around `base`.
+    /// `(loss(p + eps e_i) - loss(p - eps e_i)) / 2 eps` around `base`,
+    /// with the evaluation loss on `batch`.
     fn central_difference(m: &mut Model, base: &[f32], batch: &Batch, i: usize, eps: f32) -> f32 {
+        central_difference_of(m, base, i, eps, |m| m.evaluate(batch).unwrap().0)
+    }
+
+    /// `(loss(p + eps e_i) - loss(p - eps e_i)) / 2 eps` around `base`.
+    fn central_difference_of(
+        m: &mut Model,
+        base: &[f32],
+        i: usize,
+        eps: f32,
+        loss: impl Fn(&Model) -> f32,
+    ) -> f32 {
         let mut at = |delta: f32| {
             let mut p = base.to_vec();
             p[i] += delta;
             m.set_flat(&p).unwrap();
-            m.evaluate(batch).unwrap().0
+            loss(m)
         };
         (at(eps) - at(-eps)) / (2.0 * eps)
     }
@@ -561,6 +760,7 @@ mod tests {
             classes: 3,
             in_channels: 1,
             conv: vec![2],
+            ..ModelSection::default()
         };
         let mut m = Model::new(&spec, Device::Cpu, 5).unwrap();
         let features: Vec<f32> = (0..32).map(|i| ((i * 7) % 11) as f32 / 5.0 - 1.0).collect();
@@ -694,5 +894,484 @@ mod tests {
         let e = m.gradient(&batch).unwrap_err().to_string();
         assert!(e.contains("label 4 of sample 1"), "{e}");
         assert!(m.evaluate(&batch).is_err());
+    }
+
+    use ps_shared::layers::LayerSpec;
+
+    fn layered(
+        in_channels: usize,
+        side: usize,
+        classes: usize,
+        layers: Vec<LayerSpec>,
+    ) -> ModelSection {
+        let spec = ModelSection {
+            kind: ModelKind::Layers,
+            input: in_channels * side * side,
+            in_channels,
+            classes,
+            layers,
+            ..ModelSection::default()
+        };
+        spec.nodes().unwrap();
+        spec
+    }
+
+    /// `samples` images of `dim` values, spread over [-1.5, 1.5], with
+    /// labels cycling through `classes`.
+    fn image_batch(samples: usize, dim: usize, classes: usize, salt: usize) -> Batch {
+        let features = (0..samples * dim)
+            .map(|i| (((i + salt) * 37 + 11) % 101) as f32 / 33.0 - 1.5)
+            .collect();
+        Batch {
+            features,
+            labels: (0..samples).map(|i| (i % classes) as u32).collect(),
+            dim,
+        }
+    }
+
+    /// The training-mode loss at dropout step `step`, without updating
+    /// any statistics.
+    fn train_loss(m: &Model, batch: &Batch, step: u64) -> f32 {
+        let x = m.input_of(batch).unwrap();
+        let (logits, _) = m.train_logits(&x, step).unwrap();
+        let y = Tensor::from_slice(&batch.labels, batch.len(), &m.device).unwrap();
+        candle_nn::loss::cross_entropy(&logits, &y)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// The gradient of the training loss at step 0 against central
+    /// differences at the first, middle and last entry of every tensor.
+    fn check_layers(in_channels: usize, side: usize, layers: Vec<LayerSpec>, samples: usize) {
+        let classes = 3;
+        let spec = layered(in_channels, side, classes, layers);
+        let mut m = Model::new(&spec, Device::Cpu, 11).unwrap();
+        let batch = image_batch(samples, spec.input, classes, 0);
+        let (_, grad) = m.gradient(&batch).unwrap();
+        let base = m.flat_params().unwrap();
+        let mut largest = 0.0f32;
+        for (t, r) in spec.layout().iter().zip(spec.tensor_ranges()) {
+            for i in [r.start, (r.start + r.end) / 2, r.end - 1] {
+                let fd =
+                    central_difference_of(&mut m, &base, i, 1e-3, |m| train_loss(m, &batch, 0));
+                largest = largest.max(grad[i].abs());
+                assert!(
+                    (fd - grad[i]).abs() < 3e-3 + 0.03 * grad[i].abs(),
+                    "{} entry {}: fd {fd} vs {}",
+                    t.name,
+                    i - r.start,
+                    grad[i]
+                );
+            }
+        }
+        assert!(
+            largest > 1e-3,
+            "gradients are all ~0: the check proves nothing"
+        );
+    }
+
+    fn conv(out: usize, kernel: usize, stride: usize, padding: usize, bias: bool) -> LayerSpec {
+        LayerSpec::Conv2d {
+            out,
+            kernel,
+            stride,
+            padding: Some(padding),
+            bias,
+        }
+    }
+
+    fn linear(out: usize) -> LayerSpec {
+        LayerSpec::Linear { out, bias: true }
+    }
+
+    #[test]
+    fn conv_with_stride_and_padding_matches_finite_differences() {
+        check_layers(
+            2,
+            5,
+            vec![
+                conv(3, 3, 2, 1, true),
+                LayerSpec::Relu,
+                conv(2, 2, 1, 0, true),
+                linear(3),
+            ],
+            2,
+        );
+    }
+
+    #[test]
+    fn batch_norm_in_training_matches_finite_differences() {
+        check_layers(
+            2,
+            4,
+            vec![
+                conv(3, 3, 1, 1, false),
+                LayerSpec::BatchNorm,
+                LayerSpec::Relu,
+                LayerSpec::Flatten,
+                linear(3),
+            ],
+            3,
+        );
+    }
+
+    #[test]
+    fn pools_match_finite_differences() {
+        for max in [true, false] {
+            let pool = |kernel, stride| match max {
+                true => LayerSpec::MaxPool { kernel, stride },
+                false => LayerSpec::AvgPool { kernel, stride },
+            };
+            // Overlapping strided windows, then windows that tile the image.
+            check_layers(
+                1,
+                7,
+                vec![
+                    conv(2, 3, 1, 1, true),
+                    pool(3, Some(2)),
+                    pool(3, None),
+                    linear(3),
+                ],
+                2,
+            );
+            check_layers(
+                1,
+                4,
+                vec![conv(2, 3, 1, 1, true), pool(2, None), linear(3)],
+                2,
+            );
+        }
+    }
+
+    #[test]
+    fn matrix_convolution_matches_candles() {
+        let x = Tensor::from_vec(
+            image_batch(2, 3 * 7 * 7, 2, 5).features,
+            (2, 3, 7, 7),
+            &Device::Cpu,
+        )
+        .unwrap();
+        for (k, stride, padding) in [(3, 1, 1), (3, 2, 1), (1, 2, 0), (2, 1, 0), (3, 3, 2)] {
+            let w = Tensor::from_vec(
+                image_batch(4, 3 * k * k, 2, k + stride).features,
+                (4, 3, k, k),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let ours = crate::layers::conv2d(&x, &w, stride, padding).unwrap();
+            let theirs = x.conv2d(&w, padding, stride, 1, 1).unwrap();
+            assert_eq!(ours.dims(), theirs.dims());
+            let diff = (ours - theirs)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                diff < 1e-4,
+                "k {k} stride {stride} padding {padding}: {diff}"
+            );
+        }
+    }
+
+    #[test]
+    fn strided_pools_pick_the_right_windows() {
+        let x = Tensor::arange(0f32, 25.0, &Device::Cpu)
+            .unwrap()
+            .reshape((1, 1, 5, 5))
+            .unwrap();
+        let max = crate::layers::pool(&x, 3, 2, true).unwrap();
+        assert_eq!(
+            max.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [12.0, 14.0, 22.0, 24.0]
+        );
+        let avg = crate::layers::pool(&x, 2, 3, false).unwrap();
+        assert_eq!(
+            avg.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [3.0, 6.0, 18.0, 21.0]
+        );
+    }
+
+    #[test]
+    fn global_avg_pool_and_linear_match_finite_differences() {
+        check_layers(
+            2,
+            3,
+            vec![conv(4, 3, 1, 1, true), LayerSpec::GlobalAvgPool, linear(3)],
+            2,
+        );
+        check_layers(
+            1,
+            3,
+            vec![
+                LayerSpec::Flatten,
+                linear(5),
+                LayerSpec::Relu,
+                LayerSpec::Linear {
+                    out: 3,
+                    bias: false,
+                },
+            ],
+            3,
+        );
+    }
+
+    #[test]
+    fn residual_blocks_match_finite_differences() {
+        // Identity shortcut, then a projection (stride 2 and more channels).
+        check_layers(
+            1,
+            4,
+            vec![
+                conv(3, 3, 1, 1, false),
+                LayerSpec::Residual { out: 3, stride: 1 },
+                LayerSpec::Residual { out: 4, stride: 2 },
+                LayerSpec::GlobalAvgPool,
+                linear(3),
+            ],
+            3,
+        );
+    }
+
+    #[test]
+    fn dropout_with_a_fixed_mask_matches_finite_differences() {
+        let layers = vec![
+            LayerSpec::Flatten,
+            linear(8),
+            LayerSpec::Relu,
+            LayerSpec::Dropout { p: 0.5 },
+            linear(3),
+        ];
+        check_layers(1, 3, layers.clone(), 3);
+        // The mask is reproducible, differs between steps and is off in
+        // evaluation.
+        let spec = layered(1, 3, 3, layers);
+        let m = Model::new(&spec, Device::Cpu, 2).unwrap();
+        let batch = image_batch(3, 9, 3, 1);
+        assert_eq!(train_loss(&m, &batch, 4), train_loss(&m, &batch, 4));
+        assert_ne!(train_loss(&m, &batch, 4), train_loss(&m, &batch, 5));
+        assert_ne!(train_loss(&m, &batch, 4), m.evaluate(&batch).unwrap().0);
+        let mask = crate::layers::dropout_mask(1000, 0.5, 2, 4, 0);
+        let dropped = mask.iter().filter(|&&v| v == 0.0).count();
+        assert!((400..600).contains(&dropped), "{dropped}");
+        assert!(mask.iter().all(|&v| v == 0.0 || v == 2.0));
+    }
+
+    fn bn_net() -> ModelSection {
+        layered(
+            2,
+            4,
+            3,
+            vec![
+                conv(3, 3, 1, 1, false),
+                LayerSpec::BatchNorm,
+                LayerSpec::Relu,
+                LayerSpec::Residual { out: 4, stride: 2 },
+                LayerSpec::GlobalAvgPool,
+                linear(3),
+            ],
+        )
+    }
+
+    fn logits(m: &Model, batch: &Batch) -> Vec<f32> {
+        let x = m.input_of(batch).unwrap();
+        m.forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    #[test]
+    fn evaluation_uses_running_statistics_not_the_batch() {
+        let spec = bn_net();
+        let mut m = Model::new(&spec, Device::Cpu, 3).unwrap();
+        let big = image_batch(6, spec.input, 3, 0);
+        for salt in 0..3 {
+            m.gradient(&image_batch(5, spec.input, 3, salt)).unwrap();
+        }
+        let one = Batch {
+            features: big.features[..spec.input].to_vec(),
+            labels: vec![big.labels[0]],
+            dim: spec.input,
+        };
+        let alone = logits(&m, &one);
+        let inside = logits(&m, &big);
+        for (a, b) in alone.iter().zip(&inside[..3]) {
+            assert!((a - b).abs() < 1e-5, "{alone:?} vs {inside:?}");
+        }
+        // Training mode would normalise the sample by the batch instead.
+        let x = m.input_of(&big).unwrap();
+        let (train, _) = m.train_logits(&x, 0).unwrap();
+        let train: Vec<f32> = train.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(train.iter().zip(&inside).any(|(a, b)| (a - b).abs() > 1e-3));
+    }
+
+    #[test]
+    fn a_step_folds_batch_statistics_in_with_momentum() {
+        let spec = layered(
+            2,
+            2,
+            3,
+            vec![LayerSpec::BatchNorm, LayerSpec::Flatten, linear(3)],
+        );
+        let mut m = Model::new(&spec, Device::Cpu, 1).unwrap();
+        let batch = image_batch(3, 8, 3, 0);
+        m.gradient(&batch).unwrap();
+        let (mean, var) = by_hand(&[&batch], 2, 4);
+        let got_mean: Vec<f32> = m.running[0].mean.to_vec1().unwrap();
+        let got_var: Vec<f32> = m.running[0].var.to_vec1().unwrap();
+        for c in 0..2 {
+            let want_mean = 0.1 * mean[c];
+            let want_var = 0.9 + 0.1 * var[c];
+            assert!((got_mean[c] - want_mean).abs() < 1e-5, "{got_mean:?}");
+            assert!((got_var[c] - want_var).abs() < 1e-5, "{got_var:?}");
+        }
+    }
+
+    /// Per channel: the mean over `batches` of each batch's mean and
+    /// unbiased variance of NCHW images with `channels` x `area` values.
+    fn by_hand(batches: &[&Batch], channels: usize, area: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut mean = vec![0.0f64; channels];
+        let mut var = vec![0.0f64; channels];
+        for b in batches {
+            for c in 0..channels {
+                let values: Vec<f64> = b
+                    .features
+                    .chunks(b.dim)
+                    .flat_map(|s| &s[c * area..(c + 1) * area])
+                    .map(|&v| f64::from(v))
+                    .collect();
+                let n = values.len() as f64;
+                let mu = values.iter().sum::<f64>() / n;
+                let v = values.iter().map(|x| (x - mu).powi(2)).sum::<f64>() / (n - 1.0);
+                mean[c] += mu / batches.len() as f64;
+                var[c] += v / batches.len() as f64;
+            }
+        }
+        let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect();
+        (f(mean), f(var))
+    }
+
+    #[test]
+    fn calibration_sets_running_statistics_to_the_batches_average() {
+        let spec = layered(
+            2,
+            2,
+            3,
+            vec![
+                LayerSpec::BatchNorm,
+                conv(2, 1, 1, 0, false),
+                LayerSpec::BatchNorm,
+                LayerSpec::Flatten,
+                linear(3),
+            ],
+        );
+        let mut m = Model::new(&spec, Device::Cpu, 1).unwrap();
+        let batches: Vec<std::sync::Arc<Batch>> = (0..3)
+            .map(|salt| std::sync::Arc::new(image_batch(2 + salt, 8, 3, salt * 7)))
+            .collect();
+        m.gradient(&batches[0]).unwrap();
+        m.calibrate_bn(&batches).unwrap();
+        let refs: Vec<&Batch> = batches.iter().map(|b| b.as_ref()).collect();
+        let (mean, var) = by_hand(&refs, 2, 4);
+        let got_mean: Vec<f32> = m.running[0].mean.to_vec1().unwrap();
+        let got_var: Vec<f32> = m.running[0].var.to_vec1().unwrap();
+        for c in 0..2 {
+            assert!(
+                (got_mean[c] - mean[c]).abs() < 1e-5,
+                "{got_mean:?} vs {mean:?}"
+            );
+            assert!((got_var[c] - var[c]).abs() < 1e-4, "{got_var:?} vs {var:?}");
+        }
+        // The second layer sees the first one's output in training mode:
+        // its batch statistics, averaged the same way.
+        let mut means = vec![0.0f32; 2];
+        for b in &batches {
+            let x = m.input_of(b).unwrap();
+            let (_, stats) = m.train_logits(&x, 0).unwrap();
+            let mu: Vec<f32> = stats[1].mean.to_vec1().unwrap();
+            for c in 0..2 {
+                means[c] += mu[c] / 3.0;
+            }
+        }
+        let got: Vec<f32> = m.running[1].mean.to_vec1().unwrap();
+        for c in 0..2 {
+            assert!((got[c] - means[c]).abs() < 1e-5, "{got:?} vs {means:?}");
+        }
+    }
+
+    #[test]
+    fn calibration_restores_corrupted_running_statistics() {
+        let spec = bn_net();
+        let mut m = Model::new(&spec, Device::Cpu, 5).unwrap();
+        let batches: Vec<std::sync::Arc<Batch>> = (0..4)
+            .map(|salt| std::sync::Arc::new(image_batch(4, spec.input, 3, salt)))
+            .collect();
+        for b in &batches {
+            m.gradient(b).unwrap();
+        }
+        let test = image_batch(5, spec.input, 3, 99);
+        m.calibrate_bn(&batches).unwrap();
+        let before = logits(&m, &test);
+        for r in &mut m.running {
+            r.mean = (r.mean.ones_like().unwrap() * 3.0).unwrap();
+            r.var = (r.var.ones_like().unwrap() * 0.01).unwrap();
+        }
+        let corrupted = logits(&m, &test);
+        assert!(before
+            .iter()
+            .zip(&corrupted)
+            .any(|(a, b)| (a - b).abs() > 1e-2));
+        m.calibrate_bn(&batches).unwrap();
+        let after = logits(&m, &test);
+        for (a, b) in before.iter().zip(&after) {
+            assert!((a - b).abs() < 1e-5, "{before:?} vs {after:?}");
+        }
+    }
+
+    #[test]
+    fn a_narrow_resnet20_learns_a_fixed_batch() {
+        let spec = ModelSection {
+            kind: ModelKind::Resnet20,
+            input: 16 * 16,
+            in_channels: 1,
+            classes: 4,
+            width: 0.25,
+            ..ModelSection::default()
+        };
+        let mut m = Model::new(&spec, Device::Cpu, 1).unwrap();
+        // Class k is a bright k-th quadrant on a noisy image.
+        let mut features = Vec::new();
+        let labels: Vec<u32> = (0..16).map(|i| i % 4).collect();
+        for (s, &label) in labels.iter().enumerate() {
+            for p in 0..256 {
+                let (r, c) = (p / 16, p % 16);
+                let quadrant = (r / 8) * 2 + c / 8;
+                let noise = (((s * 256 + p) * 73 + 5) % 97) as f32 / 97.0 - 0.5;
+                features.push(noise + if quadrant == label as usize { 1.0 } else { 0.0 });
+            }
+        }
+        let batch = Batch {
+            features,
+            labels,
+            dim: 256,
+        };
+        let mut params = m.flat_params().unwrap();
+        let mut grad = vec![0.0f32; params.len()];
+        let first = m.gradient_into(&batch, &mut grad).unwrap();
+        let mut last = first;
+        for _ in 0..30 {
+            for (p, g) in params.iter_mut().zip(&grad) {
+                *p -= 0.1 * g;
+            }
+            m.set_flat(&params).unwrap();
+            last = m.gradient_into(&batch, &mut grad).unwrap();
+        }
+        assert!(last < 0.5 * first, "loss {first} -> {last}");
     }
 }

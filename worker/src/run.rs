@@ -6,6 +6,7 @@
 //! trainer. Time spent waiting for each is measured separately, so the epoch
 //! report shows where a step's time went.
 
+use std::collections::VecDeque;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,8 +17,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use object_store::{path::Path as StorePath, ObjectStore};
 use serde::Serialize;
 
+use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
-use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::config::{ClusterConfig, CompressionKind, OnBadSample};
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, ResumePoint};
 use ps_shared::simstore::SimStore;
@@ -31,7 +33,10 @@ use crate::loader::{
     NextBatch,
 };
 use crate::model::{device_from_str, Model, ModelError};
-use crate::trainer::{ApplyUpdates, ComputeStep, Evaluate, GetParams, TrainerActor, TrainerError};
+use crate::trainer::{
+    ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, SetStep, TrainerActor,
+    TrainerError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -111,6 +116,14 @@ pub struct EpochReport {
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
+    /// Images decoded for this epoch's batches (image datasets).
+    pub images_decoded: u64,
+    /// Seconds the decode threads spent on them, summed over threads.
+    pub decode_s: f64,
+    /// Images decoded and augmented per second of one decode thread.
+    pub images_per_core_s: f64,
+    /// Samples skipped because they could not be decoded.
+    pub bad_samples: u64,
     /// Round trips to server shards (Offer and Step requests).
     pub round_trips: u64,
     /// Fewest workers in the barrier seen in this epoch's replies.
@@ -127,6 +140,10 @@ impl EpochReport {
         self.bucket_bytes = d.bucket_bytes;
         self.bucket_cost_usd = d.cost(prices);
         self.fetch_retries = d.retries;
+        self.images_decoded = d.decoded;
+        self.decode_s = d.decode_us as f64 / 1e6;
+        self.images_per_core_s = d.images_per_core_s();
+        self.bad_samples = d.bad_samples;
     }
 }
 
@@ -224,6 +241,24 @@ pub async fn run_worker(
         store
     };
     let reader = DatasetReader::open(store, prefix).await?;
+    let reader = if reader.layout().is_images() {
+        let a = &cfg.data.augment;
+        let pipeline = ImagePipeline::new(
+            Augment {
+                pad: a.pad,
+                hflip: a.hflip,
+                mean: a.mean.clone(),
+                std: a.std.clone(),
+            },
+            cfg.data.seed,
+            cfg.data.decode_threads,
+            cfg.data.on_bad_sample == OnBadSample::Skip,
+        )
+        .map_err(|m| WorkerError::Mismatch(format!("data.decode_threads: {m}")))?;
+        reader.with_image_pipeline(pipeline)?
+    } else {
+        reader
+    };
     let manifest = reader.manifest().clone();
     if manifest.features != cfg.model.input || manifest.classes != cfg.model.classes {
         return Err(WorkerError::Mismatch(format!(
@@ -278,6 +313,7 @@ pub async fn run_worker(
             CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?).start();
         let (start_params, start_step, _) = comm.send(Join).await??;
         trainer.send(ApplyUpdates(start_params)).await??;
+        trainer.send(SetStep(start_step)).await?;
         let loader = if start_step > 0 {
             tracing::info!(rank, start_step, "rejoining the run");
             drop(early);
@@ -359,6 +395,12 @@ async fn train(
         spent: Duration::ZERO,
         pushed: 0,
         pulled: 0,
+        recent: VecDeque::new(),
+        keep: if cfg.model.has_batch_norm() {
+            cfg.model.bn_calibration_batches
+        } else {
+            0
+        },
     };
     let max_steps = cfg.training.max_steps;
     let mut stopping = max_steps_reached(max_steps, step).then_some(StopReason::MaxSteps);
@@ -424,6 +466,7 @@ async fn train(
             break;
         };
         epoch = pos.epoch;
+        evals.remember(&batch);
         acc.started.get_or_insert_with(Instant::now);
         evals.started.get_or_insert_with(Instant::now);
         acc.wait += waited;
@@ -580,6 +623,10 @@ fn close_epoch(
         memory_hit_rate: 0.0,
         disk_hit_rate: 0.0,
         bucket_gets: 0,
+        images_decoded: 0,
+        decode_s: 0.0,
+        images_per_core_s: 0.0,
+        bad_samples: 0,
         bucket_bytes: 0,
         bucket_cost_usd: 0.0,
         fetch_retries: 0,
@@ -600,9 +647,24 @@ struct Evals {
     spent: Duration,
     pushed: u64,
     pulled: u64,
+    /// The last `keep` training batches (shared, not copied), on which a
+    /// model with batch norm recomputes its running statistics before each
+    /// evaluation; `keep` is 0 for models without batch norm.
+    recent: VecDeque<Arc<ps_dataset::Batch>>,
+    keep: usize,
 }
 
 impl Evals {
+    fn remember(&mut self, batch: &Arc<ps_dataset::Batch>) {
+        if self.keep == 0 {
+            return;
+        }
+        if self.recent.len() == self.keep {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(batch.clone());
+    }
+
     fn train_s(&self) -> f64 {
         self.started.map_or(0.0, |s| {
             s.elapsed().saturating_sub(self.spent).as_secs_f64()
@@ -622,6 +684,10 @@ impl Evals {
         }
         let train_s = self.train_s();
         let t0 = Instant::now();
+        if !self.recent.is_empty() {
+            let batches = self.recent.iter().cloned().collect();
+            trainer.send(CalibrateBn(batches)).await??;
+        }
         let (test_loss, test_accuracy) = trainer.send(Evaluate(test.clone())).await??;
         self.spent += t0.elapsed();
         self.points.push(EvalPoint {
@@ -703,4 +769,49 @@ fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result
         })
         .collect();
     writeln!(file, "{}", row.join(",")).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_dataset::Batch;
+
+    fn evals(keep: usize) -> Evals {
+        Evals {
+            every: 0,
+            target: 0.0,
+            points: Vec::new(),
+            started: None,
+            spent: Duration::ZERO,
+            pushed: 0,
+            pulled: 0,
+            recent: VecDeque::new(),
+            keep,
+        }
+    }
+
+    #[test]
+    fn the_calibration_ring_keeps_the_last_batches_without_copying() {
+        let batches: Vec<Arc<Batch>> = (0..5)
+            .map(|i| {
+                Arc::new(Batch {
+                    features: vec![i as f32],
+                    labels: vec![0],
+                    dim: 1,
+                })
+            })
+            .collect();
+        let mut e = evals(3);
+        for b in &batches {
+            e.remember(b);
+        }
+        assert_eq!(e.recent.len(), 3);
+        for (kept, b) in e.recent.iter().zip(&batches[2..]) {
+            assert!(Arc::ptr_eq(kept, b));
+        }
+        // Models without batch norm keep nothing.
+        let mut none = evals(0);
+        none.remember(&batches[0]);
+        assert!(none.recent.is_empty());
+    }
 }

@@ -138,3 +138,29 @@ impl Handler<Evaluate> for TrainerActor {
         Ok(self.model.evaluate(&msg.0)?)
     }
 }
+
+/// Recompute the batch-norm running statistics on these training batches
+/// before an evaluation (nothing for a model without batch norm).
+#[derive(Message)]
+#[rtype(result = "Result<(), TrainerError>")]
+pub struct CalibrateBn(pub Vec<Arc<Batch>>);
+
+impl Handler<CalibrateBn> for TrainerActor {
+    type Result = Result<(), TrainerError>;
+    fn handle(&mut self, msg: CalibrateBn, _: &mut Context<Self>) -> Self::Result {
+        Ok(self.model.calibrate_bn(&msg.0)?)
+    }
+}
+
+/// The run's step, from which the dropout masks continue (a worker that
+/// rejoins a run draws the masks the run is at).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetStep(pub u64);
+
+impl Handler<SetStep> for TrainerActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetStep, _: &mut Context<Self>) {
+        self.model.set_step(msg.0);
+    }
+}

@@ -15,8 +15,13 @@
 //! It prints medians and the ratio candle/torch against the target (at most
 //! 1.3x) as PASS/MISS; it never fails on a time.
 //!
+//! `--model resnet20` times the ResNet-20 preset instead (3x32x32 inputs,
+//! `--classes` outputs, `--width` channel multiplier) through autograd,
+//! against the same network in torch.
+//!
 //! ```sh
 //! RAYON_NUM_THREADS=1 target/release/bench-compute --python target/bench-peers/venv/bin/python
+//! RAYON_NUM_THREADS=2 target/release/bench-compute --model resnet20 --batch 32 --steps 3 --rounds 3
 //! ```
 
 use std::path::PathBuf;
@@ -24,18 +29,31 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 
 use ps_dataset::{synthetic, Batch, SyntheticSpec};
-use ps_shared::config::ModelSection;
+use ps_shared::config::{ModelKind, ModelSection};
 use ps_worker::model::Model;
 
 /// Largest candle/torch ratio of forward + backward time the project aims for.
 const TARGET_RATIO: f64 = 1.3;
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BenchModel {
+    /// `--features`, `--hidden`, `--classes` fully connected.
+    Mlp,
+    /// The ResNet-20 preset on 3x32x32 images.
+    Resnet20,
+}
+
 #[derive(Parser, Debug)]
 #[command(name = "bench-compute", long_about = None)]
 struct Args {
+    #[arg(long, value_enum, default_value_t = BenchModel::Mlp)]
+    model: BenchModel,
+    /// ResNet-20: channel multiplier of every stage.
+    #[arg(long, default_value_t = 1.0)]
+    width: f64,
     /// Input features.
     #[arg(long, default_value_t = 256)]
     features: usize,
@@ -77,8 +95,14 @@ fn time_ms(steps: usize, f: &mut dyn FnMut() -> anyhow::Result<()>) -> anyhow::R
 fn torch_ms(python: &PathBuf, args: &Args, threads: usize) -> anyhow::Result<f64> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/torch_compute.py");
     let hidden: Vec<String> = args.hidden.iter().map(ToString::to_string).collect();
+    let model = match args.model {
+        BenchModel::Mlp => "mlp",
+        BenchModel::Resnet20 => "resnet20",
+    };
     let out = Command::new(python)
         .arg(&script)
+        .args(["--model", model])
+        .args(["--width", &args.width.to_string()])
         .args(["--features", &args.features.to_string()])
         .args(["--hidden", &hidden.join(",")])
         .args(["--classes", &args.classes.to_string()])
@@ -106,20 +130,30 @@ fn torch_ms(python: &PathBuf, args: &Args, threads: usize) -> anyhow::Result<f64
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let threads = candle_core::utils::get_num_threads();
-    let spec = ModelSection {
-        input: args.features,
-        hidden: args.hidden.clone(),
-        classes: args.classes,
-        ..ModelSection::default()
+    let spec = match args.model {
+        BenchModel::Mlp => ModelSection {
+            input: args.features,
+            hidden: args.hidden.clone(),
+            classes: args.classes,
+            ..ModelSection::default()
+        },
+        BenchModel::Resnet20 => ModelSection {
+            kind: ModelKind::Resnet20,
+            input: 3 * 32 * 32,
+            in_channels: 3,
+            classes: args.classes,
+            width: args.width,
+            ..ModelSection::default()
+        },
     };
     let (train, _) = synthetic(&SyntheticSpec {
         train: args.batch,
         test: 0,
-        features: args.features,
+        features: spec.input,
         classes: args.classes,
         ..SyntheticSpec::default()
     });
-    let batch = Batch::from_samples(&train, args.features);
+    let batch = Batch::from_samples(&train, spec.input);
     let mut model = Model::new(&spec, candle_core::Device::Cpu, 1)?;
     let p = model.num_params();
     let mut grad = vec![0.0f32; p];
@@ -138,10 +172,12 @@ fn main() -> anyhow::Result<()> {
         if args.only_worker {
             continue;
         }
-        autograd.push(time_ms(args.steps, &mut || {
-            model.autograd_gradient_into(&batch, &mut grad)?;
-            Ok(())
-        })?);
+        if args.model == BenchModel::Mlp {
+            autograd.push(time_ms(args.steps, &mut || {
+                model.autograd_gradient_into(&batch, &mut grad)?;
+                Ok(())
+            })?);
+        }
         dense.push(time_ms(args.steps, &mut || {
             model.write_range(0, &params)?;
             Ok(())
@@ -156,24 +192,38 @@ fn main() -> anyhow::Result<()> {
         eprintln!("bench-compute: round {}/{} done", round + 1, args.rounds);
     }
     let hidden: Vec<String> = args.hidden.iter().map(ToString::to_string).collect();
+    let name = match args.model {
+        BenchModel::Mlp => format!(
+            "MLP {}-{}-{}",
+            args.features,
+            hidden.join("-"),
+            args.classes
+        ),
+        BenchModel::Resnet20 => format!(
+            "ResNet-20 width {} on 3x32x32, {} classes",
+            args.width, args.classes
+        ),
+    };
     println!(
-        "MLP {}-{}-{} ({p} parameters), batch {}, {threads} thread(s); median of {} rounds x {} steps",
-        args.features,
-        hidden.join("-"),
-        args.classes,
-        args.batch,
-        args.rounds,
-        args.steps
+        "{name} ({p} parameters), batch {}, {threads} thread(s); median of {} rounds x {} steps",
+        args.batch, args.rounds, args.steps
     );
     let ours = median(ours);
     println!("{:<44} {:>9}", "", "ms/step");
-    println!(
-        "{:<44} {:>9.2}",
-        "candle, hand-written backward (worker)", ours
-    );
+    let label = match args.model {
+        BenchModel::Mlp => "candle, hand-written backward (worker)",
+        BenchModel::Resnet20 => "candle, autograd (worker)",
+    };
+    println!("{label:<44} {ours:>9.2}");
     if !args.only_worker {
-        let autograd = median(autograd);
-        println!("{:<44} {:>9.2}", "candle, autograd backward", autograd);
+        if !autograd.is_empty() {
+            let autograd = median(autograd);
+            println!("{:<44} {:>9.2}", "candle, autograd backward", autograd);
+            println!(
+                "hand-written / autograd: {:.2}x",
+                ours / autograd.max(f64::MIN_POSITIVE)
+            );
+        }
         println!(
             "{:<44} {:>9.3}",
             "apply a dense pull in place",
@@ -183,10 +233,6 @@ fn main() -> anyhow::Result<()> {
             "{:<44} {:>9.3}",
             format!("apply a sparse pull in place ({k} entries)"),
             median(sparse)
-        );
-        println!(
-            "hand-written / autograd: {:.2}x",
-            ours / autograd.max(f64::MIN_POSITIVE)
         );
     }
     if !torch.is_empty() {

@@ -287,7 +287,7 @@ fn to_label(v: f64) -> Result<u32, String> {
 // Row sources
 
 /// A file read one row at a time: the label as read, and the features.
-trait RowSource {
+trait RowSource: Send {
     /// Reads the next row; `false` at the end of the file.
     fn next_row(&mut self, label: &mut f64, features: &mut Vec<f32>) -> Result<bool, DatasetError>;
     /// Where the row last read sits.
@@ -1973,6 +1973,14 @@ mod tests {
         import_dataset(store.as_ref(), &prefix, &o).await.unwrap();
         let (manifest, train, _) = read_back(store, &prefix).await;
         assert_eq!((manifest.features, train.len()), (3, 4));
+    }
+
+    #[test]
+    fn the_import_future_is_send() {
+        fn send<T: Send>(_: &T) {}
+        let (store, prefix) = memory();
+        let options = ImportOptions::new(ImportInput::new("x.csv"));
+        send(&import_dataset(store.as_ref(), &prefix, &options));
     }
 
     #[test]

@@ -467,6 +467,10 @@ impl CsvRows {
         if !rows.read_line()? {
             return Err(err_file(path, "the file is empty"));
         }
+        // A byte-order mark (spreadsheet exports) is not part of the first name.
+        if rows.buf.starts_with('\u{feff}') {
+            rows.buf.drain(..'\u{feff}'.len_utf8());
+        }
         let fields: Vec<String> = rows
             .buf
             .split(rows.delimiter)
@@ -959,6 +963,10 @@ struct ParquetRows {
     rows: RowIter<'static>,
     names: Vec<String>,
     label: usize,
+    /// The columns that are features: all but the label and a pandas index
+    /// (`__index_level_0__`, ...).
+    feature_columns: Vec<usize>,
+    is_feature: Vec<bool>,
     row: usize,
 }
 
@@ -1002,11 +1010,19 @@ impl ParquetRows {
                 ))
             }
         };
+        let is_feature: Vec<bool> = names
+            .iter()
+            .enumerate()
+            .map(|(c, n)| c != label && !n.starts_with("__index_level_"))
+            .collect();
+        let feature_columns = (0..names.len()).filter(|&c| is_feature[c]).collect();
         Ok(ParquetRows {
             path: path.to_path_buf(),
             rows: RowIter::from_file_into(Box::new(reader)),
             names,
             label,
+            feature_columns,
+            is_feature,
             row: 0,
         })
     }
@@ -1041,6 +1057,9 @@ impl RowSource for ParquetRows {
         };
         features.clear();
         for (c, (name, field)) in row.get_column_iter().enumerate() {
+            if c != self.label && !self.is_feature.get(c).copied().unwrap_or(false) {
+                continue;
+            }
             let v = field_value(field).ok_or_else(|| {
                 let what = if matches!(field, Field::Null) {
                     "null".to_string()
@@ -1067,8 +1086,12 @@ impl RowSource for ParquetRows {
     }
 
     fn feature_name(&self, j: usize) -> String {
-        let c = if j < self.label { j } else { j + 1 };
-        format!("column `{}`", self.names.get(c).map_or("?", String::as_str))
+        let name = self
+            .feature_columns
+            .get(j)
+            .and_then(|&c| self.names.get(c))
+            .map_or("?", String::as_str);
+        format!("column `{name}`")
     }
 }
 
@@ -1680,7 +1703,8 @@ mod tests {
         for j in 0..width {
             message += &format!("required float f{j}; ");
         }
-        message += "}";
+        // What pandas adds for a non-default index: not a feature.
+        message += "required int64 __index_level_0__; }";
         let schema = Arc::new(parquet::schema::parser::parse_message_type(&message).unwrap());
         let props = Arc::new(
             WriterProperties::builder()
@@ -1694,7 +1718,13 @@ mod tests {
             let mut group = writer.next_row_group().unwrap();
             let mut c = 0;
             while let Some(mut column) = group.next_column().unwrap() {
-                if c == 0 {
+                if c == width + 1 {
+                    let index: Vec<i64> = (0..part.len() as i64).map(|i| 1000 + i).collect();
+                    column
+                        .typed::<Int64Type>()
+                        .write_batch(&index, None, None)
+                        .unwrap();
+                } else if c == 0 {
                     let labels: Vec<i64> = part.iter().map(|(l, _)| *l as i64).collect();
                     column
                         .typed::<Int64Type>()
@@ -1778,6 +1808,8 @@ mod tests {
             &["ragged.csv:4:", "2 columns but the header has 3"],
         )
         .await;
+        let p = write(d, "bom.csv", format!("\u{feff}{header}0,1,2\n1,3,x\n"));
+        fails(&opts(p), &["bom.csv:3:", "column 3 (`b`)"]).await;
         let p = write(d, "empty.csv", "");
         fails(&opts(p), &["empty.csv", "empty"]).await;
         let p = write(d, "header_only.csv", header);

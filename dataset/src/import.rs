@@ -481,7 +481,13 @@ impl CsvRows {
             LabelColumn::Name(name) => {
                 rows.label = fields.iter().position(|f| f == name).ok_or_else(|| {
                     let shown: Vec<&str> = fields.iter().take(8).map(String::as_str).collect();
-                    let more = if fields.len() > 8 { ", ..." } else { "" };
+                    let more = if fields.len() > 8 {
+                        ", ..."
+                    } else if fields.len() == 1 {
+                        "; only one column: is --delimiter right?"
+                    } else {
+                        ""
+                    };
                     err_at(
                         path,
                         Loc::Line(rows.line),

@@ -198,9 +198,26 @@ pub struct Manifest {
     pub record_bytes: usize,
     pub train: SplitInfo,
     pub test: SplitInfo,
+    /// How the importer transformed the features, so the same transform can
+    /// be applied at inference. Absent when the features were stored as given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub normalization: Option<Normalization>,
     /// Image layouts only: where each encoded image lies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<ImageIndex>,
+}
+
+/// A feature transform applied before the records were written, recorded in
+/// the manifest (`"normalization": {"kind": "standard", ...}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Normalization {
+    /// Every stored feature is `raw / divisor`.
+    Scale { divisor: f32 },
+    /// Feature `j` is stored as `(raw - mean[j]) / std[j]`, with the mean and
+    /// the population standard deviation of the train split (a constant
+    /// feature gets `std` 1).
+    Standard { mean: Vec<f32>, std: Vec<f32> },
 }
 
 /// Where the encoded images of an image dataset lie, written once by
@@ -370,6 +387,24 @@ impl Manifest {
                 "record_bytes is {} but {} features need {expected}",
                 self.record_bytes, self.features
             ));
+        }
+        match &self.normalization {
+            Some(Normalization::Scale { divisor }) if !divisor.is_finite() || *divisor == 0.0 => {
+                return bad(format!(
+                    "normalization divisor must be finite and non-zero, got {divisor}"
+                ));
+            }
+            Some(Normalization::Standard { mean, std })
+                if mean.len() != self.features || std.len() != self.features =>
+            {
+                return bad(format!(
+                    "normalization has {} means and {} standard deviations for {} features",
+                    mean.len(),
+                    std.len(),
+                    self.features
+                ));
+            }
+            _ => {}
         }
         for split in Split::ALL {
             let info = self.split(split);
@@ -581,6 +616,7 @@ mod tests {
                 num_samples: 0,
                 shards: vec![],
             },
+            normalization: None,
             images: None,
         };
         good.validate().unwrap();
@@ -618,6 +654,22 @@ mod tests {
             .contains("lists shards"));
         m.train.shards.clear();
         m.validate().unwrap();
+        let mut m = good.clone();
+        m.normalization = Some(Normalization::Standard {
+            mean: vec![0.0],
+            std: vec![1.0, 1.0],
+        });
+        assert!(m.validate().is_err());
+        m.normalization = Some(Normalization::Scale { divisor: 0.0 });
+        assert!(m.validate().is_err());
+        m.normalization = Some(Normalization::Scale { divisor: 255.0 });
+        m.validate().unwrap();
+        let json = serde_json::to_string(&m).unwrap();
+        assert!(
+            json.contains(r#""normalization":{"kind":"scale","divisor":255.0}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<Manifest>(&json).unwrap(), m);
         let mut m = good;
         m.classes = 0;
         assert!(m.validate().is_err());

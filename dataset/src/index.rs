@@ -332,6 +332,7 @@ fn image_manifest(
             num_samples: test.len(),
             shards: Vec::new(),
         },
+        normalization: None,
         images: Some(ImageIndex {
             shape: options.shape,
             class_names,

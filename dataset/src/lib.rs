@@ -41,6 +41,7 @@
 mod format;
 pub mod image;
 mod imageset;
+mod import;
 mod index;
 mod mnist;
 mod plan;
@@ -51,6 +52,7 @@ mod write;
 
 pub use format::*;
 pub use imageset::*;
+pub use import::*;
 pub use index::*;
 pub use mnist::*;
 pub use plan::*;

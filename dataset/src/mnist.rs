@@ -6,7 +6,7 @@ use crate::format::*;
 
 const MNIST_CLASSES: u32 = 10;
 
-fn io_err(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> DatasetError + '_ {
+pub(crate) fn io_err(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> DatasetError + '_ {
     move |source| DatasetError::Io {
         path: path.to_path_buf(),
         source,
@@ -20,7 +20,9 @@ fn has_gz_extension(path: &std::path::Path) -> bool {
 
 /// Opens a file for reading, decompressing it when it ends in `.gz` or
 /// starts with the gzip magic.
-fn open_maybe_gz(path: &std::path::Path) -> Result<Box<dyn BufRead>, DatasetError> {
+pub(crate) fn open_maybe_gz(
+    path: &std::path::Path,
+) -> Result<Box<dyn BufRead + Send>, DatasetError> {
     let file = std::fs::File::open(path).map_err(io_err(path))?;
     let mut reader = BufReader::new(file);
     let magic = reader.fill_buf().map_err(io_err(path))?;

@@ -194,6 +194,7 @@ mod tests {
                 num_samples: 0,
                 shards: Vec::new(),
             },
+            normalization: None,
             images: None,
         }
     }

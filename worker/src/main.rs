@@ -3,11 +3,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
 use ps_dataset::{
-    open_bucket, read_mnist_csv, read_mnist_idx, synthetic, train_test_split, write_dataset_with,
-    Layout, SyntheticSpec, WriteOptions,
+    import_dataset, local_output_dir, open_bucket, read_mnist_csv, read_mnist_idx,
+    remove_empty_output_dir, synthetic, train_test_split, write_dataset_with, ImportInput,
+    ImportOptions, InputFormat, LabelColumn, Layout, Normalize, SyntheticSpec, TestSplit,
+    WriteOptions,
 };
 use ps_shared::cli::{describe_error, init_logging, stop_signal};
 use ps_shared::config::ClusterConfig;
@@ -54,7 +56,7 @@ enum Command {
         #[arg(long, env = "STRATUS_DEVICE")]
         device: Option<String>,
     },
-    /// Write a dataset into a bucket.
+    /// Write a dataset into a bucket: synthetic, MNIST, or your own data (import).
     #[command(subcommand)]
     Dataset(DatasetCommand),
     /// Print the effective configuration (token redacted) and exit.
@@ -118,6 +120,93 @@ enum DatasetCommand {
     /// Index WebDataset shards or class folders where they lie (writes
     /// manifest.json next to them; the images are not converted).
     Index(images_cmd::IndexArgs),
+    /// Your own tabular data: CSV (optionally .gz), NumPy .npy/.npz or Parquet.
+    ///
+    /// Every row of every input is validated (numbers, finite features, the
+    /// same width, integer labels in range) before anything is written; on a
+    /// failure nothing is left behind. Inputs are streamed, never loaded whole.
+    #[command(after_help = "Examples:\n  \
+        ps-worker dataset import --train digits.csv --test-fraction 0.2 --out file:///data/digits\n  \
+        ps-worker dataset import --train X_train.npy --train-labels y_train.npy \\\n      \
+        --test X_test.npy --test-labels y_test.npy --out s3://bucket/digits\n  \
+        ps-worker dataset import --train digits.npz --x-key data --y-key target --test-fraction 0.2 --out DIR\n  \
+        ps-worker dataset import --train train.parquet --test test.parquet --label-column target --out DIR")]
+    Import(Box<ImportArgs>),
+}
+
+#[derive(Args, Debug)]
+struct ImportArgs {
+    /// Bucket URL to write to (file://dir, a plain path, s3://bucket/prefix).
+    #[arg(long)]
+    out: String,
+    /// Training data file; the format comes from its extension (.csv, .tsv,
+    /// .txt, each optionally .gz; .npy; .npz; .parquet) or --format.
+    #[arg(long)]
+    train: PathBuf,
+    /// Labels of --train when it is a .npy feature array (a .npy array, one
+    /// label per row).
+    #[arg(long)]
+    train_labels: Option<PathBuf>,
+    /// Test data file, kept exactly as given (same format and columns as --train).
+    #[arg(long, conflicts_with = "test_fraction")]
+    test: Option<PathBuf>,
+    /// Labels of --test when it is a .npy feature array.
+    #[arg(long, requires = "test")]
+    test_labels: Option<PathBuf>,
+    /// Hold out this fraction of --train as the test split: a seeded,
+    /// stratified random split (round(F * n) rows of each class, picked
+    /// with --seed; both splits keep the file order). Without --test or
+    /// --test-fraction the test split is empty.
+    #[arg(long)]
+    test_fraction: Option<f64>,
+    /// Seed of the --test-fraction split.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Input format, when the file names do not tell.
+    #[arg(long, value_parser = ["csv", "npy", "npz", "parquet"])]
+    format: Option<String>,
+    /// CSV and Parquet: name of the label column (CSV: in the header row);
+    /// every other column is a feature.
+    #[arg(long, default_value = "label")]
+    label_column: String,
+    /// CSV and Parquet: 0-based position of the label column instead of a
+    /// name; a CSV file read this way has no header row.
+    #[arg(long)]
+    label_column_index: Option<usize>,
+    /// CSV field separator: one character, or `tab` (default `,`, or a tab
+    /// for .tsv files).
+    #[arg(long)]
+    delimiter: Option<String>,
+    /// .npz: name of the feature array.
+    #[arg(long, default_value = "x")]
+    x_key: String,
+    /// .npz: name of the label array.
+    #[arg(long, default_value = "y")]
+    y_key: String,
+    /// Number of classes; by default the largest train label + 1 (every
+    /// test label must then be below it). Labels must be non-negative
+    /// integers (3.0 is fine, 3.5 is an error).
+    #[arg(long)]
+    classes: Option<usize>,
+    /// Feature normalisation: none (store as read), scale:F (divide every
+    /// feature by F, e.g. scale:255), or standard (per-feature mean and
+    /// standard deviation of the train split, applied to both splits and
+    /// recorded in the manifest).
+    #[arg(long, default_value = "none")]
+    normalize: String,
+    /// Object layout: shards (range GETs) or per-sample (one object per sample).
+    #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
+    layout: String,
+    /// Records per shard object.
+    #[arg(long, default_value_t = 1024)]
+    records_per_shard: usize,
+    /// Dataset name in the manifest (default: the --train file name up to its first dot).
+    #[arg(long)]
+    name: Option<String>,
+    /// Replace a dataset already at --out (its manifest is deleted before
+    /// anything new is written); without it an existing dataset is an error.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 mod images_cmd;
@@ -246,9 +335,142 @@ fn train(
 }
 
 fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
+    // A local output folder this command creates is removed again when the
+    // command fails and leaves it empty.
+    let out = match &cmd {
+        DatasetCommand::Images(_) | DatasetCommand::Index(_) => {
+            return match cmd {
+                DatasetCommand::Images(args) => images_cmd::images(args),
+                DatasetCommand::Index(args) => images_cmd::index(args),
+                _ => bail!("not an image command"),
+            };
+        }
+        DatasetCommand::Synthetic { out, .. } | DatasetCommand::Mnist { out, .. } => out.clone(),
+        DatasetCommand::Import(args) => args.out.clone(),
+    };
+    let created = local_output_dir(&out).filter(|d| !d.exists());
+    let result = match cmd {
+        DatasetCommand::Import(args) => import(*args, created.clone()),
+        other => write_builtin(other),
+    };
+    if result.is_err() {
+        if let Some(dir) = &created {
+            remove_empty_output_dir(dir, true);
+        }
+    }
+    result.with_context(|| format!("dataset not written to {out}"))
+}
+
+fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
+    let ImportArgs {
+        out,
+        train,
+        train_labels,
+        test,
+        test_labels,
+        test_fraction,
+        seed,
+        format,
+        label_column,
+        label_column_index,
+        delimiter,
+        x_key,
+        y_key,
+        classes,
+        normalize,
+        layout,
+        records_per_shard,
+        name,
+        overwrite,
+    } = args;
+    let layout: Layout = layout.parse().map_err(anyhow::Error::msg)?;
+    if records_per_shard == 0 {
+        bail!("--records-per-shard must be >= 1");
+    }
+    let normalize: Normalize = normalize
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--normalize: {e}"))?;
+    let delimiter = match delimiter.as_deref() {
+        None => None,
+        Some("tab") | Some("\\t") | Some("\t") => Some(b'\t'),
+        Some(d) if d.len() == 1 => Some(d.as_bytes()[0]),
+        Some(d) => bail!("--delimiter must be one ASCII character or `tab`, got `{d}`"),
+    };
+    let input = |path: PathBuf, labels: Option<PathBuf>| match labels {
+        Some(labels) => ImportInput::with_labels(path, labels),
+        None => ImportInput::new(path),
+    };
+    let mut options = ImportOptions::new(input(train, train_labels));
+    options.test = match (test, test_fraction) {
+        (Some(test), _) => TestSplit::File(input(test, test_labels)),
+        (None, Some(fraction)) => TestSplit::Fraction { fraction, seed },
+        (None, None) => TestSplit::None,
+    };
+    options.format = format
+        .map(|f| f.parse::<InputFormat>())
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    options.label_column = match label_column_index {
+        Some(i) => LabelColumn::Index(i),
+        None => LabelColumn::Name(label_column),
+    };
+    options.delimiter = delimiter;
+    options.x_key = x_key;
+    options.y_key = y_key;
+    options.classes = classes;
+    options.normalize = normalize;
+    if let Some(name) = name {
+        options.name = name;
+    }
+    options.write = WriteOptions {
+        layout,
+        records_per_shard,
+    };
+    options.remove_dir_if_empty = created;
+    options.overwrite = overwrite;
+    let (store, prefix) = open_bucket(&out).with_context(|| format!("opening {out}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let summary = rt.block_on(import_dataset(store.as_ref(), &prefix, &options))?;
+    let m = &summary.manifest;
+    println!(
+        "imported {} to {out}: {} train + {} test samples, {} features, {} classes, {} data objects ({layout} layout) + manifest.json, {} bytes",
+        m.name,
+        m.train.num_samples,
+        m.test.num_samples,
+        m.features,
+        m.classes,
+        summary.objects,
+        summary.bytes,
+    );
+    println!("  class   train    test");
+    for (c, [tr, te]) in &summary.class_counts {
+        println!("  {c:>5} {tr:>7} {te:>7}");
+    }
+    let empty = m.classes - summary.class_counts.len();
+    if empty > 0 {
+        println!("  ({empty} of the {} classes have no samples)", m.classes);
+    }
+    if m.test.num_samples == 0 {
+        println!(
+            "  note: the test split is empty; give --test FILE or --test-fraction F to evaluate"
+        );
+    }
+    if let Some(n) = &m.normalization {
+        println!(
+            "  normalization: {} (recorded in {out}/manifest.json)",
+            serde_json::to_string(n)?
+        );
+    }
+    Ok(())
+}
+
+fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
     let (out, name, features, classes, train, test, per_shard, layout) = match cmd {
-        DatasetCommand::Images(args) => return images_cmd::images(args),
-        DatasetCommand::Index(args) => return images_cmd::index(args),
+        DatasetCommand::Images(_) | DatasetCommand::Index(_) | DatasetCommand::Import(_) => {
+            bail!("not a built-in dataset")
+        }
         DatasetCommand::Synthetic {
             out,
             train,

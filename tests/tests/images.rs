@@ -103,14 +103,20 @@ fn resnet_learns_mnist_png_from_webdataset_shards() {
         .epochs
         .last()
         .map_or(0.0, |e| e.images_per_core_s);
+    let consumed = reports[0]
+        .epochs
+        .last()
+        .map_or(0.0, |e| e.trainer_samples_per_s);
     println!(
         "MNIST as PNG from WebDataset shards, ResNet-20 x0.25: {:.2}% after {} steps; \
-         {} images decoded at {:.0} images/s per decode thread",
+         {} images decoded at {:.0} images/s per decode thread; the trainer took {:.0} images/s",
         100.0 * acc,
         reports[0].steps,
         decoded,
-        per_core
+        per_core,
+        consumed
     );
+    assert!(consumed > 0.0 && per_core > 0.0);
     // Each worker decodes its half of every epoch (the last partial batch
     // of each epoch is dropped).
     assert!(decoded >= 2 * (2000 - 32), "decoded {decoded}");

@@ -122,6 +122,10 @@ pub struct EpochReport {
     pub decode_s: f64,
     /// Images decoded and augmented per second of one decode thread.
     pub images_per_core_s: f64,
+    /// Samples the trainer consumed per second of this epoch: compare with
+    /// `images_per_core_s × data.decode_threads` to see whether decoding
+    /// keeps up.
+    pub trainer_samples_per_s: f64,
     /// Samples skipped because they could not be decoded.
     pub bad_samples: u64,
     /// Round trips to server shards (Offer and Step requests).
@@ -143,6 +147,11 @@ impl EpochReport {
         self.images_decoded = d.decoded;
         self.decode_s = d.decode_us as f64 / 1e6;
         self.images_per_core_s = d.images_per_core_s();
+        self.trainer_samples_per_s = if self.epoch_s > 0.0 {
+            d.samples as f64 / self.epoch_s
+        } else {
+            0.0
+        };
         self.bad_samples = d.bad_samples;
     }
 }
@@ -626,6 +635,7 @@ fn close_epoch(
         images_decoded: 0,
         decode_s: 0.0,
         images_per_core_s: 0.0,
+        trainer_samples_per_s: 0.0,
         bad_samples: 0,
         bucket_bytes: 0,
         bucket_cost_usd: 0.0,

@@ -200,3 +200,31 @@ pub fn run_cluster_detailed(
         Ok((reports, shards))
     })
 }
+
+/// A file of the repository, from the tests' crate.
+pub fn repo_file(rel: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(rel)
+}
+
+/// The MNIST 5k subset that `scripts/fetch-mnist.sh` downloads, or `None`
+/// when it is absent (the caller skips, saying so). With
+/// `STRATUS_REQUIRE_MNIST=1` (set by CI) its absence fails the test.
+pub fn mnist_csv() -> Option<std::path::PathBuf> {
+    let csv = repo_file("data/mnist_5k.csv.gz");
+    if csv.exists() {
+        return Some(csv);
+    }
+    let required = std::env::var("STRATUS_REQUIRE_MNIST").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "{} is missing; run scripts/fetch-mnist.sh",
+        csv.display()
+    );
+    println!(
+        "skipped: {} not found (run scripts/fetch-mnist.sh)",
+        csv.display()
+    );
+    None
+}

@@ -6,7 +6,6 @@
 //! The MNIST test needs the 5k subset from `scripts/fetch-mnist.sh`; it
 //! skips without it unless `STRATUS_REQUIRE_MNIST=1` (set by CI).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use object_store::{memory::InMemory, path::Path, ObjectStore};
@@ -16,13 +15,7 @@ use ps_dataset::{
     ImageSetLayout, IndexOptions, Layout, SHAPE_CLASSES,
 };
 use ps_shared::config::{ClusterConfig, CompressionKind, ModelKind};
-use ps_tests::run_cluster;
-
-fn repo_file(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(rel)
-}
+use ps_tests::{mnist_csv, repo_file, run_cluster};
 
 /// A narrow ResNet-20 (width 0.25) for `shape` images, trained by 2 workers.
 fn resnet_config(shape: [usize; 3], epochs: u64) -> ClusterConfig {
@@ -56,20 +49,9 @@ fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
 
 #[test]
 fn resnet_learns_mnist_png_from_webdataset_shards() {
-    let csv = repo_file("data/mnist_5k.csv.gz");
-    if !csv.exists() {
-        let required = std::env::var("STRATUS_REQUIRE_MNIST").is_ok_and(|v| v == "1");
-        assert!(
-            !required,
-            "{} is missing; run scripts/fetch-mnist.sh",
-            csv.display()
-        );
-        println!(
-            "skipped: {} not found (run scripts/fetch-mnist.sh)",
-            csv.display()
-        );
+    let Some(csv) = mnist_csv() else {
         return;
-    }
+    };
     let (train, test) = train_test_split(read_mnist_csv(&csv).unwrap(), 1000, 7);
     let shape = [1, 28, 28];
     let train = encode_samples(&train, shape, EncodeAs::Png).unwrap();

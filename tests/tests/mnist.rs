@@ -5,36 +5,16 @@
 //! When the file is absent the test says so and passes, unless
 //! `STRATUS_REQUIRE_MNIST=1` (set by CI), where absence is a failure.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use object_store::{memory::InMemory, path::Path, ObjectStore};
 use ps_dataset::{read_mnist_csv, train_test_split, write_dataset};
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_tests::run_cluster;
-
-fn repo_file(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(rel)
-}
+use ps_tests::{mnist_csv, repo_file, run_cluster};
 
 /// The MNIST subset in an in-memory bucket, or `None` (skip) when absent.
 fn mnist_bucket() -> Option<(Arc<dyn ObjectStore>, Path)> {
-    let csv = repo_file("data/mnist_5k.csv.gz");
-    if !csv.exists() {
-        let required = std::env::var("STRATUS_REQUIRE_MNIST").is_ok_and(|v| v == "1");
-        assert!(
-            !required,
-            "{} is missing; run scripts/fetch-mnist.sh",
-            csv.display()
-        );
-        println!(
-            "skipped: {} not found (run scripts/fetch-mnist.sh)",
-            csv.display()
-        );
-        return None;
-    }
+    let csv = mnist_csv()?;
     let samples = read_mnist_csv(&csv).expect("parse MNIST CSV");
     let (train, test) = train_test_split(samples, 1000, 7);
     let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());

@@ -59,9 +59,15 @@ pub enum DatasetError {
     /// The manifest could not be parsed or is inconsistent.
     #[error("bad dataset manifest: {0}")]
     Manifest(String),
-    /// A shard object does not match what the manifest promises.
+    /// An object does not match what the manifest promises. `permanent`
+    /// damage (a missing object, a label out of range, an image that does
+    /// not decode) is not retried; a short body may be a cut connection.
     #[error("corrupt dataset object {object}: {message}")]
-    Corrupt { object: String, message: String },
+    Corrupt {
+        object: String,
+        message: String,
+        permanent: bool,
+    },
     /// A sample index past the end of its split.
     #[error("sample index {index} is out of range for a split of {len} samples")]
     IndexOutOfRange { index: usize, len: usize },
@@ -74,6 +80,29 @@ pub enum DatasetError {
     /// A bucket URL that [`open_bucket`](crate::open_bucket) cannot serve.
     #[error(transparent)]
     Bucket(#[from] ps_shared::bucket::BucketError),
+}
+
+impl DatasetError {
+    /// Whether trying again may help: store failures other than a missing
+    /// object or a refused request, and short or damaged bodies that are not
+    /// known to be permanent.
+    pub fn is_transient(&self) -> bool {
+        use object_store::Error as E;
+        match self {
+            DatasetError::Store(e) => !matches!(
+                e,
+                E::NotFound { .. }
+                    | E::InvalidPath { .. }
+                    | E::NotSupported { .. }
+                    | E::NotImplemented { .. }
+                    | E::PermissionDenied { .. }
+                    | E::Unauthenticated { .. }
+                    | E::UnknownConfigurationKey { .. }
+            ),
+            DatasetError::Corrupt { permanent, .. } => !permanent,
+            _ => false,
+        }
+    }
 }
 
 /// Which half of a dataset.

@@ -41,6 +41,7 @@ fn invalid(object: &str, message: String) -> DatasetError {
     DatasetError::Corrupt {
         object: object.to_string(),
         message,
+        permanent: true,
     }
 }
 

@@ -173,6 +173,12 @@ impl DatasetReader {
         let corrupt = |message: String| DatasetError::Corrupt {
             object: req.object.to_string(),
             message,
+            permanent: false,
+        };
+        let damaged = |message: String| DatasetError::Corrupt {
+            object: req.object.to_string(),
+            message,
+            permanent: true,
         };
         let mut options = GetOptions::new();
         if let Some(range) = &req.range {
@@ -181,7 +187,7 @@ impl DatasetReader {
         let body = match self.inner.store.get_opts(&req.object, options).await {
             Ok(result) => result.bytes().await?,
             Err(object_store::Error::NotFound { .. }) => {
-                return Err(corrupt(
+                return Err(damaged(
                     "the object listed in the manifest is missing".into(),
                 ))
             }
@@ -214,7 +220,7 @@ impl DatasetReader {
         for i in 0..req.count {
             let record = body.slice(i * rb..(i + 1) * rb);
             check_label(&record, m.classes).map_err(|label| {
-                corrupt(format!(
+                damaged(format!(
                     "record {} has label {label}, not below the manifest's {} classes",
                     req.first + i,
                     m.classes
@@ -303,6 +309,7 @@ impl DatasetReader {
                 }
                 Err((object, message)) => {
                     return Err(DatasetError::Corrupt {
+                        permanent: true,
                         object,
                         message: format!(
                         "{message} (set data.on_bad_sample = \"skip\" to leave such samples out)"
@@ -504,6 +511,7 @@ impl DatasetReader {
             let corrupt = |message: String| DatasetError::Corrupt {
                 object: self.inner.planner.shard_paths[split.index()][shard].to_string(),
                 message,
+                permanent: false,
             };
             let d = data
                 .get(&shard)
@@ -562,6 +570,7 @@ impl DatasetReader {
         let corrupt = |message: String| DatasetError::Corrupt {
             object: object.to_string(),
             message,
+            permanent: false,
         };
         let ranges: Vec<Range<u64>> = runs
             .iter()
@@ -625,6 +634,7 @@ impl DatasetReader {
         let corrupt = |message: String| DatasetError::Corrupt {
             object: self.inner.planner.shard_paths[split.index()][shard].to_string(),
             message,
+            permanent: false,
         };
         if record.len() != m.record_bytes {
             return Err(corrupt(format!(

@@ -977,7 +977,8 @@ impl Pump {
 }
 
 /// One request with bounded retries on transient errors (store failures and
-/// short or damaged bodies); the result carries the attempts made.
+/// short bodies, see [`DatasetError::is_transient`]); a missing object, a bad
+/// label or a refused request fails at once. The result carries the attempts.
 async fn fetch_with_retry(
     reader: DatasetReader,
     request: RecordRequest,
@@ -1012,7 +1013,7 @@ async fn fetch_with_retry(
 /// Errors worth another attempt: the store failed, or the object came back
 /// short, damaged or (briefly) missing.
 fn is_transient(e: &DatasetError) -> bool {
-    matches!(e, DatasetError::Store(_) | DatasetError::Corrupt { .. })
+    e.is_transient()
 }
 
 // ---------------------------------------------------------------------------

@@ -56,7 +56,7 @@ enum Command {
         #[arg(long, env = "STRATUS_DEVICE")]
         device: Option<String>,
     },
-    /// Write a dataset into a bucket: synthetic, MNIST, or your own data (import).
+    /// Write a dataset into a bucket: synthetic, MNIST, your own tabular data (import) or images (images, index).
     #[command(subcommand)]
     Dataset(DatasetCommand),
     /// Print the effective configuration (token redacted) and exit.
@@ -114,7 +114,7 @@ enum DatasetCommand {
         #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
         layout: String,
     },
-    /// Write an image set (MNIST as PNG, or synthetic colour shapes as JPEG)
+    /// Write an image set (your own folder of images, MNIST as PNG, or synthetic colour shapes as JPEG)
     /// as WebDataset shards or class folders, and index it.
     Images(images_cmd::ImagesArgs),
     /// Index WebDataset shards or class folders where they lie (writes

@@ -577,6 +577,12 @@ pub(crate) fn join(prefix: &Path, rel: &Path) -> Path {
     prefix.parts().chain(rel.parts()).collect()
 }
 
+/// The object `rel` (a relative path as manifests hold them) under `prefix`,
+/// or why `rel` is not one.
+pub(crate) fn object_path(prefix: &Path, rel: &str) -> Result<Path, String> {
+    Ok(join(prefix, &relative_object_path(rel)?))
+}
+
 /// The label of a record if it is below `classes`, else the bad label.
 /// Records are at least [`LABEL_BYTES`] long (checked by the callers).
 pub(crate) fn check_label(record: &[u8], classes: usize) -> Result<u32, u32> {

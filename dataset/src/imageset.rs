@@ -128,14 +128,11 @@ pub async fn write_image_set(
     options: &IndexOptions,
 ) -> Result<Manifest, DatasetError> {
     let put = |rel: String, bytes: Vec<u8>| async move {
+        let object = object_path(prefix, &rel).map_err(DatasetError::Invalid)?;
         store
-            .put_opts(
-                &prefix.clone().join_rel(&rel),
-                PutPayload::from(bytes),
-                PutOptions::default(),
-            )
-            .await
-            .map(|_| ())
+            .put_opts(&object, PutPayload::from(bytes), PutOptions::default())
+            .await?;
+        Ok::<_, DatasetError>(())
     };
     let mut patterns = Vec::new();
     for (split, images) in [(Split::Train, train), (Split::Test, test)] {
@@ -192,16 +189,6 @@ pub async fn write_image_set(
     };
     write_manifest(store, prefix, &manifest).await?;
     Ok(manifest)
-}
-
-trait JoinRel {
-    fn join_rel(self, rel: &str) -> Path;
-}
-
-impl JoinRel for Path {
-    fn join_rel(self, rel: &str) -> Path {
-        rel.split('/').fold(self, |p, part| p.join(part))
-    }
 }
 
 #[cfg(test)]
@@ -265,7 +252,7 @@ mod tests {
 
     fn put(store: &Arc<dyn ObjectStore>, rel: &str, bytes: Vec<u8>) {
         futures::executor::block_on(store.put_opts(
-            &Path::from("bad").join_rel(rel),
+            &object_path(&Path::from("bad"), rel).unwrap(),
             PutPayload::from(bytes),
             PutOptions::default(),
         ))

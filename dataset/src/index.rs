@@ -69,7 +69,7 @@ pub async fn index_webdataset(
         objects.extend(names.iter().cloned());
         let scans: Vec<_> = futures::stream::iter(names.iter().enumerate())
             .map(|(k, name)| async move {
-                let path = join_rel(prefix, name)?;
+                let path = object_path(prefix, name).map_err(DatasetError::Invalid)?;
                 scan_shard(store, &path, name).await.map(|r| (k, r))
             })
             .buffered(INDEX_CONCURRENCY)
@@ -344,11 +344,6 @@ fn image_manifest(
     };
     manifest.validate()?;
     Ok(manifest)
-}
-
-fn join_rel(prefix: &Path, rel: &str) -> Result<Path, DatasetError> {
-    let rel = relative_object_path(rel).map_err(DatasetError::Invalid)?;
-    Ok(join(prefix, &rel))
 }
 
 /// Writes `manifest.json` under `prefix`.

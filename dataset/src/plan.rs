@@ -47,8 +47,8 @@ impl ReadPlanner {
         let mut shard_paths: [Vec<Path>; 2] = [Vec::new(), Vec::new()];
         for split in Split::ALL {
             for shard in &manifest.split(split).shards {
-                let rel = relative_object_path(&shard.path).map_err(DatasetError::Manifest)?;
-                shard_paths[split.index()].push(join(&prefix, &rel));
+                shard_paths[split.index()]
+                    .push(object_path(&prefix, &shard.path).map_err(DatasetError::Manifest)?);
             }
         }
         let mut image_paths = Vec::new();
@@ -58,9 +58,10 @@ impl ReadPlanner {
             .flat_map(|i| i.objects.iter())
             .enumerate()
         {
-            let rel = relative_object_path(rel)
-                .map_err(|msg| DatasetError::Manifest(format!("images.objects[{k}]: {msg}")))?;
-            image_paths.push(join(&prefix, &rel));
+            image_paths
+                .push(object_path(&prefix, rel).map_err(|msg| {
+                    DatasetError::Manifest(format!("images.objects[{k}]: {msg}"))
+                })?);
         }
         Ok(Self {
             prefix,

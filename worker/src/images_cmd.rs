@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 use ps_dataset::image::EncodeAs;
 use ps_dataset::{
     encode_samples, index_class_folders, index_webdataset, open_bucket, read_mnist_csv,
-    synthetic_images, train_test_split, write_image_set, write_manifest, EncodedImage,
+    synthetic_images, train_test_split, write_image_set, write_manifest, EncodedImage, ImageEntry,
     ImageSetLayout, IndexOptions, SHAPE_CLASSES,
 };
 
@@ -110,7 +110,7 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
             let shape: [usize; 3] = a.shape.as_slice().try_into().map_err(|_| {
                 anyhow::anyhow!("--from-folder needs --shape CHANNELS,HEIGHT,WIDTH")
             })?;
-            let (train, test, names) = read_image_folder(&dir)?;
+            let (train, test, names) = read_image_folder(&dir, shape)?;
             (train, test, shape, names, "images")
         }
         (Some(csv), None, None) => {
@@ -188,83 +188,53 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Reads `dir/train/<class>/<image>` and `dir/test/<class>/<image>`: the
-/// classes are the training folders in sorted order.
+/// Reads `dir/train/<class>/<image>` and `dir/test/<class>/<image>` through
+/// the class-folder indexer (so the classes, the files taken and the errors
+/// are those of `dataset index --layout class-folders`), then the images.
 fn read_image_folder(
     dir: &std::path::Path,
+    shape: [usize; 3],
 ) -> anyhow::Result<(Vec<EncodedImage>, Vec<EncodedImage>, Vec<String>)> {
-    let sorted = |d: &std::path::Path| -> anyhow::Result<Vec<PathBuf>> {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(d)
-            .with_context(|| format!("reading {}", d.display()))?
-            .map(|e| e.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        v.sort();
-        Ok(v)
-    };
-    let train_dir = dir.join("train");
-    let names: Vec<String> = sorted(&train_dir)?
-        .into_iter()
-        .filter(|p| p.is_dir())
-        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .filter(|n| !n.starts_with('.'))
-        .collect();
-    if names.is_empty() {
-        bail!("no class folders under {}", train_dir.display());
+    if !dir.join("train").is_dir() {
+        bail!("{} has no train/ folder", dir.display());
     }
-    let mut splits = Vec::new();
-    for split in ["train", "test"] {
-        let mut images = Vec::new();
-        let root = dir.join(split);
-        if split == "test" && !root.exists() {
-            splits.push(images);
-            continue;
-        }
-        for class_dir in sorted(&root)?.into_iter().filter(|p| p.is_dir()) {
-            let class = class_dir
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            if class.starts_with('.') {
-                continue;
-            }
-            let Some(label) = names.iter().position(|n| *n == class) else {
-                bail!(
-                    "{}: class folder `{class}` has no training folder (classes: {})",
-                    class_dir.display(),
-                    names.join(", ")
-                );
-            };
-            for file in sorted(&class_dir)? {
-                let name = file
-                    .file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .to_ascii_lowercase();
-                let ext = if name.ends_with(".png") {
+    let url = dir.to_str().context("the folder's path is not UTF-8")?;
+    let (store, prefix) = open_bucket(url)?;
+    let options = IndexOptions {
+        name: "images".into(),
+        shape,
+        skip_bad: false,
+    };
+    let rt = runtime()?;
+    let (manifest, _) = rt.block_on(index_class_folders(store.as_ref(), &prefix, &options))?;
+    let index = manifest
+        .images
+        .context("the class-folder index lists no images")?;
+    let read = |entries: &[ImageEntry]| -> anyhow::Result<Vec<EncodedImage>> {
+        entries
+            .iter()
+            .map(|e| {
+                let rel = &index.objects[e.object as usize];
+                let ext = if rel.to_ascii_lowercase().ends_with(".png") {
                     "png"
-                } else if name.ends_with(".jpg") || name.ends_with(".jpeg") {
-                    "jpg"
                 } else {
-                    continue;
+                    "jpg"
                 };
-                let bytes =
-                    std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-                images.push(EncodedImage {
+                let bytes = std::fs::read(dir.join(rel))
+                    .with_context(|| format!("reading {}", dir.join(rel).display()))?;
+                Ok(EncodedImage {
                     bytes,
                     ext,
-                    label: label as u32,
-                });
-            }
-        }
-        splits.push(images);
-    }
-    let test = splits.pop().unwrap_or_default();
-    let train = splits.pop().unwrap_or_default();
-    if train.is_empty() {
-        bail!("no .jpg, .jpeg or .png files under {}", train_dir.display());
-    }
-    Ok((train, test, names))
+                    label: e.label,
+                })
+            })
+            .collect()
+    };
+    Ok((
+        read(&index.train)?,
+        read(&index.test)?,
+        index.class_names.clone(),
+    ))
 }
 
 pub fn index(a: IndexArgs) -> anyhow::Result<()> {

@@ -260,7 +260,9 @@ impl DatasetReader {
         }
         let shape = index.shape;
         let entries = index.entries(split);
-        let augment = (split == Split::Train).then_some(&pipeline.augment);
+        // Training samples get their random crop and flip; evaluation only
+        // the normalisation (no generator).
+        let train = split == Split::Train;
         let decode_one = |(&sample, record): (&usize, &Bytes)| {
             let started = std::time::Instant::now();
             let e = entries.get(sample).ok_or(DatasetError::IndexOutOfRange {
@@ -269,13 +271,8 @@ impl DatasetReader {
             })?;
             let body = record.get(LABEL_BYTES..).unwrap_or_default();
             let result = decode_image(body, shape).map(|mut chw| {
-                let mut rng = augment.map(|_| sample_rng(pipeline.seed, epoch, sample));
-                augment_in_place(
-                    &mut chw,
-                    shape,
-                    augment.unwrap_or(&pipeline.augment),
-                    rng.as_mut(),
-                );
+                let mut rng = train.then(|| sample_rng(pipeline.seed, epoch, sample));
+                augment_in_place(&mut chw, shape, &pipeline.augment, rng.as_mut());
                 chw
             });
             let outcome = result.map_err(|why| {

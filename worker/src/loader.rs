@@ -995,7 +995,7 @@ async fn fetch_with_retry(
                     result: Ok(records),
                 }
             }
-            Err(e) if attempts <= retry.max_retries && is_transient(&e) => {
+            Err(e) if attempts <= retry.max_retries && e.is_transient() => {
                 tracing::debug!(object = %request.object, attempt = attempts, "GET failed, retrying: {e}");
                 tokio::time::sleep(retry.delay(attempts)).await;
             }
@@ -1008,12 +1008,6 @@ async fn fetch_with_retry(
             }
         }
     }
-}
-
-/// Errors worth another attempt: the store failed, or the object came back
-/// short, damaged or (briefly) missing.
-fn is_transient(e: &DatasetError) -> bool {
-    e.is_transient()
 }
 
 // ---------------------------------------------------------------------------

@@ -396,21 +396,15 @@ async fn train(
     let mut epoch = start_step / steps_per_epoch;
     let mut step = start_step;
     bar.set_position(start_step);
-    let mut evals = Evals {
-        every: cfg.training.eval_every,
-        target: cfg.training.target_accuracy,
-        points: Vec::new(),
-        started: None,
-        spent: Duration::ZERO,
-        pushed: 0,
-        pulled: 0,
-        recent: VecDeque::new(),
-        keep: if cfg.model.has_batch_norm() {
+    let mut evals = Evals::new(
+        cfg.training.eval_every,
+        cfg.training.target_accuracy,
+        if cfg.model.has_batch_norm() {
             cfg.model.bn_calibration_batches
         } else {
             0
         },
-    };
+    );
     let max_steps = cfg.training.max_steps;
     let mut stopping = max_steps_reached(max_steps, step).then_some(StopReason::MaxSteps);
     // Overlap (asp/ssp with training.overlap): the next batch, taken from
@@ -665,6 +659,22 @@ struct Evals {
 }
 
 impl Evals {
+    /// Evaluations every `every` steps (0: at epoch ends) towards `target`,
+    /// keeping the last `keep` training batches for batch-norm calibration.
+    fn new(every: u64, target: f32, keep: usize) -> Self {
+        Self {
+            every,
+            target,
+            points: Vec::new(),
+            started: None,
+            spent: Duration::ZERO,
+            pushed: 0,
+            pulled: 0,
+            recent: VecDeque::new(),
+            keep,
+        }
+    }
+
     fn remember(&mut self, batch: &Arc<ps_dataset::Batch>) {
         if self.keep == 0 {
             return;
@@ -787,17 +797,7 @@ mod tests {
     use ps_dataset::Batch;
 
     fn evals(keep: usize) -> Evals {
-        Evals {
-            every: 0,
-            target: 0.0,
-            points: Vec::new(),
-            started: None,
-            spent: Duration::ZERO,
-            pushed: 0,
-            pulled: 0,
-            recent: VecDeque::new(),
-            keep,
-        }
+        Evals::new(0, 0.0, keep)
     }
 
     #[test]

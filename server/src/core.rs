@@ -48,6 +48,7 @@
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::hash::Hasher;
 use std::time::{Duration, Instant};
 
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
@@ -319,14 +320,11 @@ fn refusal(code: ErrorCode, message: impl Into<String>) -> Response {
 
 /// FNV-1a over the bit patterns: equal copies have equal sums.
 fn checksum(values: &[f32]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = fnv::FnvHasher::default();
     for v in values {
-        for b in v.to_bits().to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
+        h.write(&v.to_bits().to_le_bytes());
     }
-    h
+    h.finish()
 }
 
 impl ShardCore {

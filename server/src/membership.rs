@@ -27,6 +27,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
+use ps_shared::link::Tokens;
 use ps_shared::protocol::{ErrorCode, PROTOCOL_VERSION};
 
 use crate::core::ConnId;
@@ -117,9 +118,8 @@ fn refused(code: ErrorCode, message: impl Into<String>) -> Refused {
 struct Conn {
     rank: Option<u32>,
     last_seen: Instant,
-    /// Request budget (token bucket, burst 1 s).
-    tokens: f64,
-    refilled: Instant,
+    /// Request budget (burst: one second's worth).
+    budget: Tokens,
 }
 
 /// State of one rank.
@@ -207,8 +207,11 @@ impl Membership {
             Conn {
                 rank: None,
                 last_seen: now,
-                tokens: f64::from(self.s.max_requests_per_sec),
-                refilled: now,
+                budget: Tokens::full(
+                    f64::from(self.s.max_requests_per_sec),
+                    f64::from(self.s.max_requests_per_sec),
+                    now,
+                ),
             },
         );
         Ok(())
@@ -311,15 +314,7 @@ impl Membership {
         if rate == 0.0 {
             return true;
         }
-        let dt = now.saturating_duration_since(c.refilled).as_secs_f64();
-        c.refilled = now;
-        c.tokens = (c.tokens + dt * rate).min(rate);
-        if c.tokens >= 1.0 {
-            c.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
+        c.budget.try_take(1.0, now)
     }
 
     /// The authenticated rank of `conn`.

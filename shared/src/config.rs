@@ -13,6 +13,7 @@
 //! ```
 
 use std::borrow::Cow;
+use std::hash::Hasher;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -389,20 +390,14 @@ impl ModelSection {
     /// a server built from different model configs refuse each other.
     pub fn layout_hash(&self) -> u64 {
         // FNV-1a over the tensor names and shapes: stable across builds.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |bytes: &[u8]| {
-            for b in bytes {
-                h ^= u64::from(*b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-        };
+        let mut h = fnv::FnvHasher::default();
         for t in self.layout() {
-            eat(t.name.as_bytes());
+            h.write(t.name.as_bytes());
             for d in &t.shape {
-                eat(&(*d as u64).to_le_bytes());
+                h.write(&(*d as u64).to_le_bytes());
             }
         }
-        h
+        h.finish()
     }
 }
 

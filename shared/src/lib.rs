@@ -9,6 +9,7 @@ pub mod bucket;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod hash;
 pub mod layers;
 pub mod link;
 pub mod pki;

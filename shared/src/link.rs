@@ -22,60 +22,106 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant as StdInstant};
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-#[derive(Debug)]
-struct BucketState {
-    tokens: f64,
-    last: Instant,
+/// The arithmetic of a token bucket, with the time passed in: `rate` tokens
+/// per second accrue up to `burst`. It does no I/O and reads no clock, so the
+/// same code meters simulated links ([`TokenBucket`]) and the server's
+/// per-connection request budget (a sans-IO state machine that is handed the
+/// time of each event).
+#[derive(Debug, Clone)]
+pub struct Tokens {
+    rate: f64,
+    burst: f64,
+    level: f64,
+    last: StdInstant,
+}
+
+impl Tokens {
+    /// A full bucket at `now`: `rate` tokens per second (at least 1e-9), at
+    /// most `burst` (at least 1) held at once.
+    pub fn full(rate: f64, burst: f64, now: StdInstant) -> Self {
+        let burst = burst.max(1.0);
+        Self {
+            rate: rate.max(1e-9),
+            burst,
+            level: burst,
+            last: now,
+        }
+    }
+
+    /// Tokens per second.
+    pub fn rate(&self) -> f64 {
+        self.rate
+    }
+
+    fn refill(&mut self, now: StdInstant) {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = self.last.max(now);
+        self.level = (self.level + elapsed * self.rate).min(self.burst);
+    }
+
+    /// Takes `n` tokens if that many are there at `now`; otherwise takes none.
+    pub fn try_take(&mut self, n: f64, now: StdInstant) -> bool {
+        self.refill(now);
+        if self.level >= n {
+            self.level -= n;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Takes `n` tokens at `now`, running into debt if needed, and returns how
+    /// long it takes until the debt is repaid (zero when there was no debt).
+    /// Callers that wait out that time are served first come, first served.
+    pub fn take(&mut self, n: f64, now: StdInstant) -> Duration {
+        self.refill(now);
+        self.level -= n;
+        if self.level >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.level / self.rate)
+        }
+    }
 }
 
 /// A byte-rate limiter shared by all its clones.
 #[derive(Debug, Clone)]
 pub struct TokenBucket {
-    rate: f64,
-    burst: f64,
-    state: Arc<Mutex<BucketState>>,
+    state: Arc<Mutex<Tokens>>,
 }
 
 impl TokenBucket {
-    /// `rate` bytes per second (must be > 0), up to `burst` bytes at once.
+    /// `rate` bytes per second (at least 1), up to `burst` bytes at once.
     pub fn new(rate: f64, burst: f64) -> Self {
-        let burst = burst.max(1.0);
         Self {
-            rate: rate.max(1.0),
-            burst,
-            state: Arc::new(Mutex::new(BucketState {
-                tokens: burst,
-                last: Instant::now(),
-            })),
+            state: Arc::new(Mutex::new(Tokens::full(
+                rate.max(1.0),
+                burst,
+                Instant::now().into_std(),
+            ))),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tokens> {
+        match self.state.lock() {
+            Ok(s) => s,
+            Err(poisoned) => poisoned.into_inner(),
         }
     }
 
     /// Bytes per second.
     pub fn rate(&self) -> f64 {
-        self.rate
+        self.lock().rate()
     }
 
     /// Reserve `bytes` and return how long the caller must wait for them.
     pub fn reserve(&self, bytes: u64) -> Duration {
-        let mut s = match self.state.lock() {
-            Ok(s) => s,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        let now = Instant::now();
-        let elapsed = now.saturating_duration_since(s.last).as_secs_f64();
-        s.last = now;
-        s.tokens = (s.tokens + elapsed * self.rate).min(self.burst);
-        s.tokens -= bytes as f64;
-        if s.tokens >= 0.0 {
-            Duration::ZERO
-        } else {
-            Duration::from_secs_f64(-s.tokens / self.rate)
-        }
+        self.lock().take(bytes as f64, Instant::now().into_std())
     }
 
     /// Wait until `bytes` may pass.
@@ -222,6 +268,25 @@ mod tests {
     // Every timed test runs on tokio's paused clock: time moves only when all
     // tasks wait on timers (or the test advances it), so waits are asserted
     // exactly instead of being measured.
+
+    #[test]
+    fn tokens_refill_with_the_time_they_are_given() {
+        let t0 = StdInstant::now();
+        let mut t = Tokens::full(10.0, 10.0, t0);
+        assert_eq!((0..30).filter(|_| t.try_take(1.0, t0)).count(), 10);
+        assert!(!t.try_take(1.0, t0), "empty until time passes");
+        assert!(t.try_take(1.0, t0 + Duration::from_millis(150)));
+        // Time never runs backwards: an older instant adds nothing.
+        assert!(!t.try_take(1.0, t0));
+        // A full second refills no more than the burst.
+        let later = t0 + Duration::from_secs(100);
+        assert_eq!((0..30).filter(|_| t.try_take(1.0, later)).count(), 10);
+        // Taking into debt says how long until it is repaid.
+        let mut d = Tokens::full(1000.0, 100.0, t0);
+        assert_eq!(d.take(100.0, t0), Duration::ZERO);
+        assert_eq!(d.take(500.0, t0), Duration::from_millis(500));
+        assert!(!d.try_take(1.0, t0 + Duration::from_millis(400)));
+    }
 
     /// Burst of a [`LinkLimiter`] bucket at up to 131 Mbit/s: 16 KiB.
     const LINK_BURST: f64 = 16.0 * 1024.0;

@@ -34,6 +34,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
+use crate::hash::splitmix64;
+
 /// Why an [`EpochSampler`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SamplerError {
@@ -256,13 +258,6 @@ impl EpochSampler {
 /// seeds and epochs give unrelated permutations.
 fn epoch_seed(seed: u64, epoch: u64) -> u64 {
     splitmix64(seed ^ splitmix64(epoch.wrapping_add(0x5851_f42d_4c95_7f2d)))
-}
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

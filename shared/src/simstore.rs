@@ -52,6 +52,7 @@ use object_store::{
 use serde::Serialize;
 
 use crate::dataplane::SimBucketSection;
+use crate::hash::splitmix64;
 use crate::link::TokenBucket;
 
 /// Body bytes metered per reservation: small enough that concurrent requests
@@ -363,13 +364,6 @@ struct BodyState {
     aggregate: Option<TokenBucket>,
     counters: Arc<Counters>,
     done: bool,
-}
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 impl fmt::Display for SimStore {

@@ -696,7 +696,7 @@ impl Compressor {
             sent
         } else {
             let k = k_for_density(self.residual.len(), density);
-            let seed = mix_seed(self.step);
+            let seed = crate::hash::splitmix64(self.step);
             let sent = topk(&self.residual, k, self.config.method, seed);
             for &index in &sent.indices {
                 if let Some(slot) = self.residual.get_mut(index as usize) {
@@ -757,14 +757,6 @@ impl Compressor {
     pub fn config(&self) -> &CompressorConfig {
         &self.config
     }
-}
-
-/// Per-step sample seed for the approximate kernel (splitmix64 finaliser).
-fn mix_seed(step: u64) -> u64 {
-    let mut z = step.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// f16 wire encoding of values: round to nearest even; overflow becomes infinity,

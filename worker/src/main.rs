@@ -86,9 +86,9 @@ enum DatasetCommand {
         /// Records per shard object.
         #[arg(long, default_value_t = 1024)]
         records_per_shard: usize,
-        /// Object layout: shards (range GETs) or per-sample (one object per sample).
-        #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
-        layout: String,
+        /// Object layout.
+        #[arg(long, value_enum, default_value_t = RecordLayoutArg::Shards)]
+        layout: RecordLayoutArg,
     },
     /// MNIST from a CSV file (e.g. mnist_5k.csv.gz) or IDX files.
     Mnist {
@@ -110,9 +110,9 @@ enum DatasetCommand {
         seed: u64,
         #[arg(long, default_value_t = 1024)]
         records_per_shard: usize,
-        /// Object layout: shards (range GETs) or per-sample (one object per sample).
-        #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
-        layout: String,
+        /// Object layout.
+        #[arg(long, value_enum, default_value_t = RecordLayoutArg::Shards)]
+        layout: RecordLayoutArg,
     },
     /// Write an image set (your own folder of images, MNIST as PNG, or synthetic colour shapes as JPEG)
     /// as WebDataset shards or class folders, and index it.
@@ -132,6 +132,24 @@ enum DatasetCommand {
         ps-worker dataset import --train digits.npz --x-key data --y-key target --test-fraction 0.2 --out DIR\n  \
         ps-worker dataset import --train train.parquet --test test.parquet --label-column target --out DIR")]
     Import(Box<ImportArgs>),
+}
+
+/// How `dataset make`, `mnist` and `import` cut records into objects.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum RecordLayoutArg {
+    /// Shard objects of many records, read with range GETs.
+    Shards,
+    /// One object per sample, one GET per sample.
+    PerSample,
+}
+
+impl From<RecordLayoutArg> for Layout {
+    fn from(arg: RecordLayoutArg) -> Self {
+        match arg {
+            RecordLayoutArg::Shards => Layout::Shards,
+            RecordLayoutArg::PerSample => Layout::PerSample,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -194,9 +212,9 @@ struct ImportArgs {
     /// recorded in the manifest).
     #[arg(long, default_value = "none")]
     normalize: String,
-    /// Object layout: shards (range GETs) or per-sample (one object per sample).
-    #[arg(long, default_value = "shards", value_parser = ["shards", "per-sample"])]
-    layout: String,
+    /// Object layout.
+    #[arg(long, value_enum, default_value_t = RecordLayoutArg::Shards)]
+    layout: RecordLayoutArg,
     /// Records per shard object.
     #[arg(long, default_value_t = 1024)]
     records_per_shard: usize,
@@ -383,7 +401,7 @@ fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
         name,
         overwrite,
     } = args;
-    let layout: Layout = layout.parse().map_err(anyhow::Error::msg)?;
+    let layout = Layout::from(layout);
     if records_per_shard == 0 {
         bail!("--records-per-shard must be >= 1");
     }
@@ -545,7 +563,7 @@ fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
     if per_shard == 0 {
         bail!("--records-per-shard must be >= 1");
     }
-    let layout: Layout = layout.parse().map_err(anyhow::Error::msg)?;
+    let layout = Layout::from(layout);
     let (store, prefix) = open_bucket(&out).with_context(|| format!("opening {out}"))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

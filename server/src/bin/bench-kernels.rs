@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use ps_server::optimizer::{fused_update, reference_update, UpdateRule};
+use ps_shared::hash::splitmix64_next;
 use ps_shared::sparse::{k_for_density, topk_approx, topk_by_full_sort, topk_exact};
 use rayon::prelude::*;
 
@@ -80,15 +81,6 @@ fn timed<R>(samples: &mut Samples, kernel: impl FnOnce() -> R) -> R {
     result
 }
 
-/// splitmix64 step: a small, fast generator for the benchmark data.
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// Standard normal values (Box-Muller), generated in parallel chunks.
 fn gaussian(len: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut out = vec![0.0f32; len];
@@ -97,8 +89,8 @@ fn gaussian(len: usize, seed: u64, scale: f32) -> Vec<f32> {
         .for_each(|(chunk_index, chunk)| {
             let mut state = seed ^ (chunk_index as u64).wrapping_mul(0xa076_1d64_78bd_642f);
             for pair in chunk.chunks_mut(2) {
-                let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-                let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+                let u1 = ((splitmix64_next(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                let u2 = (splitmix64_next(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
                 let radius = (-2.0 * u1.ln()).sqrt();
                 let angle = std::f64::consts::TAU * u2;
                 pair[0] = (radius * angle.cos()) as f32 * scale;

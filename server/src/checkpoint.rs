@@ -14,6 +14,87 @@ use object_store::{path::Path, ObjectStore, ObjectStoreExt, PutPayload};
 use rkyv::rancor;
 use serde::{Deserialize, Serialize};
 
+/// Where the job stands in its sample stream (see `ps_shared::sampler`):
+/// global step `step` starts after `samples` samples of the stream (the
+/// epochs' global orders one after the other), and every step from there on
+/// consumes `world × batch` samples. The worker count and batch size may
+/// change when a run resumes: [`DataSplit::resume`] starts a new split at
+/// the resumed step, at the same stream position.
+#[derive(
+    rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default,
+)]
+pub struct DataSplit {
+    pub step: u64,
+    pub samples: u64,
+    /// Workers the steps are split across (`cluster.workers`).
+    pub world: u32,
+    /// `data.batch_size`.
+    pub batch: u64,
+    /// `data.seed`.
+    pub seed: u64,
+    /// `data.partition = "stable"` (whose order depends on the split).
+    pub stable: bool,
+}
+
+impl DataSplit {
+    /// A run that starts from nothing.
+    pub fn fresh(world: u32, batch: u64, seed: u64, stable: bool) -> Self {
+        Self {
+            step: 0,
+            samples: 0,
+            world,
+            batch,
+            seed,
+            stable,
+        }
+    }
+
+    /// Stream position of global step `step` (at or after `self.step`).
+    pub fn position(&self, step: u64) -> u64 {
+        let steps = step.saturating_sub(self.step);
+        self.samples.saturating_add(
+            steps
+                .saturating_mul(u64::from(self.world))
+                .saturating_mul(self.batch),
+        )
+    }
+
+    /// The split of a run resumed at global step `at` with `now`'s worker
+    /// count and batch size: unchanged when they are the same, else a new
+    /// split from the same stream position. A change of seed or partition,
+    /// or of the split of a stable partition, is refused: the sample order
+    /// itself would change.
+    pub fn resume(&self, at: u64, now: &DataSplit) -> Result<DataSplit, String> {
+        if now.seed != self.seed {
+            return Err(format!(
+                "the checkpoint's sample order was seeded with data.seed = {}, this run has {}; resume with the same seed",
+                self.seed, now.seed
+            ));
+        }
+        if now.stable != self.stable {
+            return Err(
+                "data.partition changed since the checkpoint; resume with the same partition"
+                    .into(),
+            );
+        }
+        if now.world == self.world && now.batch == self.batch {
+            return Ok(*self);
+        }
+        if self.stable {
+            return Err(format!(
+                "data.partition = \"stable\" splits the samples by worker count and batch size: a checkpoint taken with {} workers and batches of {} cannot resume with {} workers and batches of {} (use partition = \"reshuffle\" for elastic runs)",
+                self.world, self.batch, now.world, now.batch
+            ));
+        }
+        let at = at.max(self.step);
+        Ok(DataSplit {
+            step: at,
+            samples: self.position(at),
+            ..*now
+        })
+    }
+}
+
 /// Everything a shard needs to resume.
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone, PartialEq)]
 pub struct ShardCheckpoint {
@@ -26,6 +107,8 @@ pub struct ShardCheckpoint {
     pub momentum: Vec<f32>,
     /// Next step per worker (ASP/SSP).
     pub clocks: Vec<(u32, u64)>,
+    /// Where the sample stream stands.
+    pub data: DataSplit,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -159,6 +242,7 @@ mod tests {
             params: vec![1.0, 2.0, 3.0, version as f32],
             momentum: vec![],
             clocks: vec![(0, version)],
+            data: DataSplit::fresh(2, 8, 1, false),
         }
     }
 
@@ -176,6 +260,37 @@ mod tests {
         // The superseded checkpoint is gone, the published one stays.
         let old = shard_dir(&prefix, 3).join("v000000000005.ckpt");
         assert!(store.head(&old).await.is_err());
+    }
+
+    #[test]
+    fn a_split_resumes_at_the_same_stream_position() {
+        let four = DataSplit::fresh(4, 8, 1, false);
+        assert_eq!(four.position(10), 320);
+        // Same count: nothing changes.
+        assert_eq!(four.resume(10, &DataSplit::fresh(4, 8, 1, false)), Ok(four));
+        // 4 -> 2 workers at step 10: step 10 starts at sample 320, and each
+        // step from there takes 16.
+        let two = four.resume(10, &DataSplit::fresh(2, 8, 1, false)).unwrap();
+        assert_eq!((two.step, two.samples, two.world), (10, 320, 2));
+        assert_eq!(two.position(12), 352);
+        // And on to 3 workers with batches of 4 at step 12.
+        let three = two.resume(12, &DataSplit::fresh(3, 4, 1, false)).unwrap();
+        assert_eq!(three.position(13), 352 + 12);
+        // Changes that alter the order itself are refused, naming the field.
+        let e = four
+            .resume(10, &DataSplit::fresh(4, 8, 2, false))
+            .unwrap_err();
+        assert!(e.contains("data.seed"), "{e}");
+        let stable = DataSplit::fresh(4, 8, 1, true);
+        let e = stable
+            .resume(10, &DataSplit::fresh(2, 8, 1, true))
+            .unwrap_err();
+        assert!(e.contains("stable") && e.contains("4 workers"), "{e}");
+        assert!(stable.resume(10, &DataSplit::fresh(4, 8, 1, true)).is_ok());
+        let e = four
+            .resume(10, &DataSplit::fresh(4, 8, 1, true))
+            .unwrap_err();
+        assert!(e.contains("data.partition"), "{e}");
     }
 
     #[tokio::test]

@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
-use crate::checkpoint::ShardCheckpoint;
+use crate::checkpoint::{DataSplit, ShardCheckpoint};
 use crate::optimizer::fused_update_timed;
 
 /// Identifies one worker connection (assigned by the network layer).
@@ -116,6 +116,13 @@ pub struct CoreSettings {
     pub checkpoint_every: u64,
     /// Layout fingerprint stored in checkpoints.
     pub layout_hash: u64,
+    /// Where the sample stream stands, stored in checkpoints. In ASP and
+    /// SSP no rank starts before `data.step` (a resize starts the new split
+    /// there).
+    pub data: DataSplit,
+    /// Ranks `0..max_ranks` may join (ASP/SSP beyond `ShardSetup::workers`,
+    /// see `cluster.max_workers`); 0 means `ShardSetup::workers`.
+    pub max_ranks: u32,
 }
 
 impl Default for CoreSettings {
@@ -128,6 +135,8 @@ impl Default for CoreSettings {
             norm_policy: NormPolicy::Clip,
             checkpoint_every: 0,
             layout_hash: 0,
+            data: DataSplit::default(),
+            max_ranks: 0,
         }
     }
 }
@@ -435,6 +444,7 @@ impl ShardCore {
             params: self.params.clone(),
             momentum: self.momentum.clone(),
             clocks: self.clocks.iter().map(|(w, c)| (*w, *c)).collect(),
+            data: self.settings.data,
         }
     }
 
@@ -499,15 +509,27 @@ impl ShardCore {
         out
     }
 
+    /// Ranks that may be in the barrier.
+    fn max_ranks(&self) -> u32 {
+        match self.setup.mode {
+            Mode::Bsp => self.setup.workers,
+            _ => self.settings.max_ranks.max(self.setup.workers),
+        }
+    }
+
     fn join(&mut self, rank: u32, conn: ConnId, out: &mut Vec<Action>) {
-        if rank >= self.setup.workers {
+        if rank >= self.max_ranks() {
             return;
         }
         let floor = self.min_live_clock();
         let was_live = self.live.insert(rank, Some(conn)).is_some();
         if !was_live && self.setup.mode != Mode::Bsp {
+            // A newcomer starts with the slowest live rank, and never
+            // before the data split's first step.
             let clock = self.clocks.entry(rank).or_insert(0);
-            *clock = (*clock).max(floor.unwrap_or(0));
+            *clock = (*clock)
+                .max(floor.unwrap_or(0))
+                .max(self.settings.data.step);
         }
         // A new member can only tighten the SSP bound; nothing to release.
         let _ = out;
@@ -814,6 +836,11 @@ impl ShardCore {
         if self.setup.mode == Mode::Bsp {
             for c in self.clocks.values_mut() {
                 *c = self.version;
+            }
+        } else {
+            // After a resize every rank starts at the new split's first step.
+            for c in self.clocks.values_mut() {
+                *c = (*c).max(self.settings.data.step);
             }
         }
         report
@@ -1676,6 +1703,7 @@ mod tests {
             params,
             momentum,
             clocks: vec![],
+            data: DataSplit::default(),
         };
         let run = |ck: Option<ShardCheckpoint>, offers: Vec<(u32, u64, f32)>, momentum: f32| {
             let mut c = ShardCore::new(setup(3, momentum, Mode::Bsp), CoreSettings::default(), ck);
@@ -1774,6 +1802,74 @@ mod tests {
         let acts = c.handle(step(1, 0, 0, sparse(vec![0], vec![1e30])), t0);
         assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::GradientTooLarge));
         assert_eq!(c.params(), &[0.0; 8]);
+    }
+
+    #[test]
+    fn ranks_beyond_the_start_count_join_asp_but_not_bsp() {
+        for (mode, admitted) in [(Mode::Asp, true), (Mode::Bsp, false)] {
+            let t0 = Instant::now();
+            let settings = CoreSettings {
+                max_ranks: 3,
+                ..CoreSettings::default()
+            };
+            let mut c = joined_with(setup(2, 0.0, mode), settings, t0);
+            for r in 0..2 {
+                c.handle(offer(r, 0, vec![0.0; 8]), t0);
+            }
+            assert!(c.is_serving());
+            // Rank 0 trains two steps, then rank 2 joins.
+            if mode == Mode::Asp {
+                for s in 0..2 {
+                    c.handle(step(10 + s, 0, s, sparse(vec![0], vec![1.0])), t0);
+                }
+            }
+            c.handle(Event::Joined { rank: 2, conn: 102 }, t0);
+            assert_eq!(c.connected_workers(), if admitted { 3 } else { 2 });
+            let acts = c.handle(step(20, 2, 0, sparse(vec![3], vec![1.0])), t0);
+            let r = replies(&acts);
+            if admitted {
+                // It starts with the slowest live rank (rank 1, at step 0)
+                // and its push is applied at once.
+                assert!(
+                    matches!(r[..], [(20, Response::Params { next_step: 1, .. })]),
+                    "{r:?}"
+                );
+                assert_eq!(c.stats().updates, 3);
+                assert_eq!(c.params()[3], -1.0 / 3.0);
+            } else {
+                assert_eq!(code(r[0].1), Some(ErrorCode::UnknownWorker), "{r:?}");
+                assert_eq!(c.stats().updates, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn after_a_resize_asp_ranks_start_at_the_new_split() {
+        let t0 = Instant::now();
+        let settings = CoreSettings {
+            data: DataSplit {
+                step: 7,
+                samples: 7 * 64,
+                world: 2,
+                batch: 32,
+                seed: 1,
+                stable: false,
+            },
+            ..CoreSettings::default()
+        };
+        let mut c = joined_with(setup(2, 0.0, Mode::Asp), settings, t0);
+        for r in 0..2 {
+            c.handle(offer(r, 0, vec![0.0; 8]), t0);
+        }
+        let acts = c.handle(step(1, 0, 7, sparse(vec![0], vec![1.0])), t0);
+        assert!(
+            matches!(
+                replies(&acts)[..],
+                [(1, Response::Params { next_step: 8, .. })]
+            ),
+            "{acts:?}"
+        );
+        assert_eq!(c.snapshot().data.step, 7);
     }
 
     #[test]

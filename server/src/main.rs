@@ -42,9 +42,9 @@ enum Command {
     /// Serve shards (the default when no subcommand is given).
     Run,
     /// Write the cluster CA (tls.ca, tls.ca_key), the server certificate
-    /// (tls.cert, tls.key) and one client certificate per worker rank
-    /// (tls.worker_cert, tls.worker_key); valid files are kept, and a server
-    /// certificate issued again keeps the names it had.
+    /// (tls.cert, tls.key) and one client certificate per worker rank, up
+    /// to cluster.max_workers (tls.worker_cert, tls.worker_key); valid files
+    /// are kept, and a server certificate issued again keeps the names it had.
     Certs {
         /// Extra DNS names or IP addresses for the server certificate.
         #[arg(long = "name")]
@@ -129,7 +129,7 @@ fn write_certs(
     Ok(ensure_cluster_pki(
         &pki_paths(cfg),
         &names,
-        cfg.cluster.workers as u32,
+        cfg.cluster.max_ranks() as u32,
         existing,
     )?)
 }

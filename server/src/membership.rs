@@ -46,7 +46,11 @@ pub struct Hello {
 /// Membership policy.
 #[derive(Debug, Clone)]
 pub struct MembershipSettings {
+    /// The starting worker count: ranks `0..workers` are expected.
     pub workers: u32,
+    /// Ranks `workers..max_workers` may join beyond the starting count
+    /// (`cluster.max_workers`, ASP and SSP only); at most `workers` means none.
+    pub max_workers: u32,
     pub token: String,
     pub num_params: u64,
     pub layout_hash: u64,
@@ -69,6 +73,7 @@ impl Default for MembershipSettings {
     fn default() -> Self {
         Self {
             workers: 2,
+            max_workers: 0,
             token: String::new(),
             num_params: 0,
             layout_hash: 0,
@@ -264,14 +269,19 @@ impl Membership {
                 ),
             ));
         }
-        if cert_rank >= self.s.workers {
-            return Err(refused(
-                ErrorCode::UnknownWorker,
+        let max = self.s.max_workers.max(self.s.workers);
+        if cert_rank >= max {
+            let message = if max > self.s.workers {
                 format!(
-                    "rank {cert_rank} but the cluster has {} workers",
+                    "rank {cert_rank} but the cluster admits ranks 0..{max} (cluster.max_workers = {max})"
+                )
+            } else {
+                format!(
+                    "rank {cert_rank} but the cluster has {} workers; joining beyond cluster.workers needs cluster.max_workers, in an asp or ssp job",
                     self.s.workers
-                ),
-            ));
+                )
+            };
+            return Err(refused(ErrorCode::UnknownWorker, message));
         }
         if hello.num_params != self.s.num_params || hello.layout_hash != self.s.layout_hash {
             return Err(refused(
@@ -424,7 +434,8 @@ impl Membership {
             return;
         }
         let finished = self.finished();
-        if finished as u32 == self.s.workers {
+        // Every expected rank, and every rank that joined beyond them.
+        if self.ranks.values().all(|s| *s == RankState::Finished) {
             if self.s.exit_when_done {
                 self.exited = true;
                 out.push(MemberAction::Exit {
@@ -478,6 +489,7 @@ mod tests {
     fn settings(workers: u32) -> MembershipSettings {
         MembershipSettings {
             workers,
+            max_workers: 0,
             token: "secret-token".into(),
             num_params: 100,
             layout_hash: 42,
@@ -504,6 +516,48 @@ mod tests {
 
     fn secs(t0: Instant, s: u64) -> Instant {
         t0 + Duration::from_secs(s)
+    }
+
+    #[test]
+    fn ranks_beyond_the_start_count_join_only_when_admitted() {
+        let t0 = Instant::now();
+        // Without max_workers: refused, naming the setting.
+        let mut m = Membership::new(settings(2), t0);
+        m.connection_opened(1, t0).unwrap();
+        let e = m.hello(1, 2, &hello(2, 2), t0).unwrap_err();
+        assert_eq!(e.code, ErrorCode::UnknownWorker);
+        assert!(e.message.contains("cluster.max_workers"), "{}", e.message);
+        // With max_workers = 3: rank 2 joins, rank 3 does not.
+        let mut m = Membership::new(
+            MembershipSettings {
+                max_workers: 3,
+                ..settings(2)
+            },
+            t0,
+        );
+        for conn in 1..=4 {
+            m.connection_opened(conn, t0).unwrap();
+        }
+        let e = m.hello(4, 3, &hello(3, 2), t0).unwrap_err();
+        assert!(e.message.contains("0..3"), "{}", e.message);
+        for (conn, rank) in [(1, 0), (2, 1), (3, 2)] {
+            let acts = m.hello(conn, rank, &hello(rank, 2), t0).unwrap();
+            assert_eq!(acts, vec![MemberAction::Joined { rank, conn }]);
+        }
+        assert_eq!(m.live().len(), 3);
+        // The server ends once the joiner finished too.
+        assert!(m
+            .bye(1, t0)
+            .iter()
+            .all(|a| !matches!(a, MemberAction::Exit { .. })));
+        assert!(m
+            .bye(2, t0)
+            .iter()
+            .all(|a| !matches!(a, MemberAction::Exit { .. })));
+        assert!(m
+            .bye(3, t0)
+            .iter()
+            .any(|a| matches!(a, MemberAction::Exit { ok: true, .. })));
     }
 
     #[test]

@@ -40,6 +40,7 @@ use ps_shared::protocol::{
     close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
     MAX_HELLO_BYTES,
 };
+use ps_shared::sampler::Partition;
 use ps_shared::shard::ShardMap;
 use ps_shared::transport::{self, read_frame, write_frame, EndpointLimits, TransportError};
 
@@ -47,7 +48,7 @@ use crate::actor::{
     CheckpointTarget, Deliver, GetStatus, MemberNews, ShardActor, ShardRequest, ShardStatus,
     Shutdown,
 };
-use crate::checkpoint::{load_latest, CheckpointError};
+use crate::checkpoint::{load_latest, CheckpointError, DataSplit};
 use crate::core::{ConnId, CoreSettings, Mode, NormPolicy, ShardCore, ShardSetup};
 use crate::membership::{Hello, MemberAction, Membership, MembershipSettings};
 use crate::optimizer::UpdateRule;
@@ -93,6 +94,8 @@ pub struct ServerExit(pub String);
 struct Ctx {
     index: u32,
     workers: u32,
+    /// Where the sample stream stands (sent in every Welcome).
+    data: DataSplit,
     max_frame: usize,
     request_timeout: Duration,
     hello_timeout: Duration,
@@ -378,26 +381,17 @@ pub async fn start(
         },
         checkpoint_every: s.checkpoint_every,
         layout_hash,
+        data: DataSplit::default(),
+        max_ranks: cfg.cluster.max_ranks() as u32,
     };
     let tick = secs((s.heartbeat_secs / 2.0).min(0.5));
-    let mut shards = HashMap::new();
-    let mut welcome = Vec::new();
-    let mut arbiters = Vec::new();
-    let mut versions = Vec::new();
-    let mut waiting = HashMap::new();
+    // Every shard's checkpoint first: the newest one says where the sample
+    // stream stands, and the split of this run continues from there.
+    let mut found = Vec::new();
     for shard in cfg.shards_of_server(index) {
         let range = map
             .range(shard)
             .ok_or_else(|| ServerError::Shards(format!("shard {shard} is not in the map")))?;
-        let setup = ShardSetup {
-            shard: shard as u32,
-            lo: range.start,
-            hi: range.end,
-            segments: segments_within(&range, &tensors),
-            rule,
-            workers: cfg.cluster.workers as u32,
-            mode,
-        };
         let mut checkpoint = None;
         if let Some(target) = &checkpoints {
             if let Some(ckpt) = load_latest(&target.store, &target.prefix, shard as u32).await? {
@@ -417,6 +411,58 @@ pub async fn start(
                 checkpoint = Some(ckpt);
             }
         }
+        found.push((shard, range, checkpoint));
+    }
+    let now_split = DataSplit::fresh(
+        cfg.cluster.workers as u32,
+        cfg.data.batch_size as u64,
+        cfg.data.seed,
+        cfg.data.partition == Partition::Stable,
+    );
+    let data = match found
+        .iter()
+        .filter_map(|(shard, _, c)| c.as_ref().map(|c| (*shard, c)))
+        .max_by_key(|(_, c)| c.version)
+    {
+        None => now_split,
+        Some((shard, ckpt)) => {
+            // BSP resumes at the version; ASP and SSP after the fastest rank.
+            let at = match mode {
+                Mode::Bsp => ckpt.version,
+                _ => ckpt.clocks.iter().map(|(_, c)| *c).max().unwrap_or(0),
+            };
+            let split = ckpt
+                .data
+                .resume(at, &now_split)
+                .map_err(|message| ServerError::Restore { shard, message })?;
+            if split != ckpt.data {
+                tracing::info!(
+                    step = split.step,
+                    samples = split.samples,
+                    from_workers = ckpt.data.world,
+                    workers = split.world,
+                    "the worker count or batch size changed: the sample stream continues at the same position"
+                );
+            }
+            split
+        }
+    };
+    let settings = CoreSettings { data, ..settings };
+    let mut shards = HashMap::new();
+    let mut welcome = Vec::new();
+    let mut arbiters = Vec::new();
+    let mut versions = Vec::new();
+    let mut waiting = HashMap::new();
+    for (shard, range, checkpoint) in found {
+        let setup = ShardSetup {
+            shard: shard as u32,
+            lo: range.start,
+            hi: range.end,
+            segments: segments_within(&range, &tensors),
+            rule,
+            workers: cfg.cluster.workers as u32,
+            mode,
+        };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);
         versions.push(version_rx);
@@ -458,6 +504,7 @@ pub async fn start(
     let membership = Membership::new(
         MembershipSettings {
             workers: cfg.cluster.workers as u32,
+            max_workers: cfg.cluster.max_ranks() as u32,
             token: cfg.cluster.token.clone(),
             num_params: num_params as u64,
             layout_hash,
@@ -475,6 +522,7 @@ pub async fn start(
     let ctx = Arc::new(Ctx {
         index: index as u32,
         workers: cfg.cluster.workers as u32,
+        data,
         max_frame: s.max_frame_bytes,
         request_timeout: secs(s.request_timeout_secs),
         hello_timeout: secs(s.hello_timeout_secs),
@@ -587,6 +635,9 @@ async fn authenticate(
                 server_index: ctx.index,
                 shards: ctx.welcome.clone(),
                 workers: ctx.workers,
+                data_step: ctx.data.step,
+                data_samples: ctx.data.samples,
+                data_batch: ctx.data.batch,
             };
             reply(&mut send, &welcome).await;
             Ok((conn, cert_rank))

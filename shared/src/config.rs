@@ -81,9 +81,29 @@ pub struct ClusterSection {
     /// Parameter shards (one actor each) per server process.
     pub shards_per_server: usize,
     /// Number of workers; ranks are `0..workers`. BSP waits for all of them.
+    /// The sample order is split across this many workers; a run resumed
+    /// from a checkpoint may use another count (see the README, "Changing
+    /// the worker count").
     pub workers: usize,
+    /// Largest number of workers an `asp` or `ssp` job admits while it runs:
+    /// ranks `workers..max_workers` may join beyond the starting count. 0
+    /// (the default) means `workers`: nobody joins beyond it. A `bsp`
+    /// barrier has a fixed size, so there it must be 0 or `workers`.
+    pub max_workers: usize,
     /// Shared secret workers present when they connect (overridden by `STRATUS_TOKEN`).
     pub token: String,
+}
+
+impl ClusterSection {
+    /// How many ranks may be in the job at once: `max_workers`, or
+    /// `workers` when it is 0.
+    pub fn max_ranks(&self) -> usize {
+        if self.max_workers == 0 {
+            self.workers
+        } else {
+            self.max_workers.max(self.workers)
+        }
+    }
 }
 
 impl Default for ClusterSection {
@@ -92,6 +112,7 @@ impl Default for ClusterSection {
             servers: vec!["127.0.0.1:7400".into()],
             shards_per_server: 2,
             workers: 2,
+            max_workers: 0,
             token: "stratus-dev-token".into(),
         }
     }
@@ -770,6 +791,24 @@ impl ClusterConfig {
         if c.workers == 0 || c.workers > 4096 {
             return Err(invalid("cluster.workers", "must be in 1..=4096"));
         }
+        if c.max_workers != 0 && (c.max_workers < c.workers || c.max_workers > 4096) {
+            return Err(invalid(
+                "cluster.max_workers",
+                format!(
+                    "must be 0 (= cluster.workers) or in cluster.workers..=4096 ({}..=4096)",
+                    c.workers
+                ),
+            ));
+        }
+        if c.max_ranks() > c.workers && self.server.mode == SyncMode::Bsp {
+            return Err(invalid(
+                "cluster.max_workers",
+                format!(
+                    "workers can join beyond cluster.workers = {} only in asp or ssp jobs; a bsp barrier has a fixed size (set server.mode = \"asp\" or \"ssp\", or max_workers = 0)",
+                    c.workers
+                ),
+            ));
+        }
         if c.token.len() < 8 {
             return Err(invalid(
                 "cluster.token",
@@ -975,12 +1014,13 @@ impl ClusterConfig {
                 "max_connections and max_unauthenticated must be >= 1",
             ));
         }
-        if s.max_connections < c.workers {
+        if s.max_connections < c.max_ranks() {
             return Err(invalid(
                 "server.max_connections",
                 format!(
-                    "{} is fewer than cluster.workers = {}",
-                    s.max_connections, c.workers
+                    "{} is fewer than the {} workers the cluster admits (cluster.workers, cluster.max_workers)",
+                    s.max_connections,
+                    c.max_ranks()
                 ),
             ));
         }
@@ -1053,6 +1093,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn max_workers_admits_joiners_in_asp_and_ssp() {
+        for mode in ["asp", "ssp"] {
+            let text =
+                format!("[cluster]\nworkers = 2\nmax_workers = 5\n[server]\nmode = \"{mode}\"\n");
+            let cfg = ClusterConfig::from_toml_str(&text).unwrap();
+            cfg.validate().unwrap();
+            assert_eq!(cfg.cluster.max_ranks(), 5);
+        }
+        let cfg = ClusterConfig::embedded_default().unwrap();
+        assert_eq!(cfg.cluster.max_ranks(), cfg.cluster.workers);
+    }
+
+    #[test]
     fn embedded_default_is_valid() {
         let cfg = ClusterConfig::embedded_default().unwrap();
         assert_eq!(cfg.total_shards(), 2);
@@ -1073,6 +1126,12 @@ mod tests {
             ("[cluster]\nservers = []\n", "cluster.servers"),
             ("[cluster]\nservers = [\"nohost\"]\n", "cluster.servers"),
             ("[cluster]\nworkers = 0\n", "cluster.workers"),
+            (
+                "[cluster]\nworkers = 4\nmax_workers = 2\n[server]\nmode = \"asp\"\n",
+                "cluster.max_workers",
+            ),
+            // Joining beyond the starting count is refused for bsp.
+            ("[cluster]\nmax_workers = 4\n", "cluster.max_workers"),
             ("[cluster]\ntoken = \"short\"\n", "cluster.token"),
             ("[data]\nbatch_size = 0\n", "data.batch_size"),
             ("[data]\ndecode_threads = 0\n", "data.decode_threads"),

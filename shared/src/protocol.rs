@@ -22,7 +22,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::sparse::{values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -327,6 +327,12 @@ pub enum Response {
         server_index: u32,
         shards: Vec<ShardRange>,
         workers: u32,
+        /// Where the sample stream stands: global step `data_step` starts
+        /// after `data_samples` samples of the run's stream, and every step
+        /// from there consumes `workers × data_batch` samples.
+        data_step: u64,
+        data_samples: u64,
+        data_batch: u64,
     },
     Params {
         shard: u32,
@@ -521,6 +527,9 @@ mod tests {
                     hi: 10,
                 }],
                 workers: 2,
+                data_step: 7,
+                data_samples: 900,
+                data_batch: 32,
             },
             Response::Params {
                 shard: 0,

@@ -1,33 +1,49 @@
-//! Per-epoch sample order for data-parallel training.
+//! Per-epoch sample order for data-parallel training, independent of the
+//! worker count.
 //!
-//! Every worker of a synchronous job builds an [`EpochSampler`] with the same
-//! `num_samples`, `world` and `seed` and its own `rank`. For each epoch all
-//! workers derive the same seeded permutation of `0..num_samples`, cut it into
-//! `world` equal parts and take part `rank`, so the parts are disjoint and every
-//! worker runs the same number of steps. The `num_samples % world` samples left
-//! over are dropped for that epoch only; because the permutation changes every
-//! epoch, a different few are dropped each time.
+//! Every epoch has one **global order**: a seeded permutation of
+//! `0..num_samples` that depends only on the seed and the epoch (with
+//! [`Partition::Reshuffle`]), never on how many workers read it. The epochs'
+//! orders, one after the other, form the run's **sample stream**: position
+//! `p` of the stream is sample `global_order(p / num_samples)[p % num_samples]`.
 //!
-//! A run restarted mid-epoch resumes from a [`ResumePoint`] (epoch, step,
-//! seed): [`EpochSampler::start_at`] checks it and [`EpochSampler::batches_from`]
-//! gives exactly the batches the uninterrupted run would have taken from there.
+//! Global step `g` consumes the next `world × batch` samples of the stream,
+//! and rank `r` takes the `r`-th run of `batch` of them. Steps are not cut at
+//! epoch ends: when the samples left in an epoch do not fill a global batch,
+//! the step takes them and continues with the first samples of the next
+//! epoch's order (a batch belongs to the epoch of its first sample). So every
+//! sample of every epoch is trained exactly once, whatever the worker count.
+//! Only the run's very last global step may be short: ranks take what is left
+//! in rank order (a partial batch, then nothing), and a rank with nothing left
+//! finishes one step before the others.
+//!
+//! A run is resumed from a [`ResumePoint`]: the global step it was at, and how
+//! many samples of that epoch's global order had been consumed then (not a
+//! step index). From there the steps go on with the world size of the
+//! resumed run, so a run checkpointed with N workers resumes with M workers
+//! at exactly the same place of the stream ([`EpochSampler::plan_from`]).
 //!
 //! ```
-//! use ps_shared::sampler::EpochSampler;
+//! use ps_shared::sampler::{EpochSampler, ResumePoint};
 //!
-//! let sampler = EpochSampler::new(10, 3, 1, 42).unwrap();
-//! assert_eq!(sampler.per_rank(), 3);
-//! let order = sampler.epoch_order(0);
-//! assert_eq!(order.len(), 3);
-//! let batches = sampler.batches(0, 2);
-//! assert_eq!(batches.len(), sampler.steps_per_epoch(2));
-//! assert_eq!(batches[0], order[..2].to_vec());
+//! // 10 samples, 3 workers, batches of 2: a global step takes 6 samples.
+//! let rank1 = EpochSampler::new(10, 3, 1, 42).unwrap();
+//! let plan = rank1.plan(2, 2);
+//! let order0 = rank1.global_order(0, 2);
+//! assert_eq!(plan.batch(0).samples, order0[2..4].to_vec());
+//! // Step 1 starts at sample 6 of epoch 0; rank 1 takes positions 8 and 9.
+//! assert_eq!(plan.batch(1).samples, order0[8..10].to_vec());
 //!
-//! // Resume at batch 1 of epoch 4 after a restart.
-//! let point = sampler.resume_point(4, 1);
-//! let (epoch, step) = sampler.start_at(&point, 1).unwrap();
-//! assert_eq!(sampler.batches_from(epoch, step, 1), sampler.batches(4, 1)[1..].to_vec());
+//! // The same stream read by 2 workers after a resume at step 1 (6 samples
+//! // of epoch 0 consumed): rank 0 now takes positions 6 and 7.
+//! let point = plan.resume_point(1);
+//! assert_eq!((point.epoch, point.consumed), (0, 6));
+//! let two = EpochSampler::new(10, 2, 0, 42).unwrap();
+//! let resumed = two.plan_from(2, 2, point).unwrap();
+//! assert_eq!(resumed.batch(1).samples, order0[6..8].to_vec());
 //! ```
+
+use std::ops::Range;
 
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -36,7 +52,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hash::splitmix64;
 
-/// Why an [`EpochSampler`] could not be built.
+/// Why an [`EpochSampler`] or a [`RankPlan`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SamplerError {
     /// `world` was zero.
@@ -53,18 +69,26 @@ pub enum SamplerError {
     /// A resume point from a run with another seed.
     #[error("the resume point was taken with seed {found} but this run uses seed {expected}")]
     SeedMismatch { expected: u64, found: u64 },
-    /// A resume step past the end of its epoch.
-    #[error("resume step {step} is past the {steps} steps of an epoch")]
-    StepOutOfRange { step: usize, steps: usize },
+    /// A resume point that consumed more samples than its epoch has.
+    #[error("the resume point consumed {consumed} samples of an epoch of {num_samples}")]
+    ConsumedOutOfRange { consumed: u64, num_samples: usize },
+    /// A batch size of zero.
+    #[error("batch size must be at least 1")]
+    EmptyBatch,
+    /// A step before the resume point the plan starts from.
+    #[error("step {step} is before step {origin}, where this run's sample order resumed")]
+    StepBeforeResume { step: u64, origin: u64 },
 }
 
-/// Where a run stands in its sample order: the next batch to train on is
-/// batch `step` of `epoch` of the job seeded with `seed`. Saved with a
-/// checkpoint and handed back to the loader after a restart.
+/// Where a run stands in its sample stream: global step `step` starts after
+/// `consumed` samples of epoch `epoch`'s global order, in the job seeded with
+/// `seed`. Kept (as a stream position) with the servers' checkpoints and
+/// handed to the workers when they join.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ResumePoint {
+    pub step: u64,
     pub epoch: u64,
-    pub step: usize,
+    pub consumed: u64,
     pub seed: u64,
 }
 
@@ -72,34 +96,55 @@ impl ResumePoint {
     /// The very beginning of a run seeded with `seed`.
     pub fn start(seed: u64) -> Self {
         Self {
-            epoch: 0,
             step: 0,
+            epoch: 0,
+            consumed: 0,
             seed,
         }
     }
+
+    /// Global step `step` starts at position `samples` of the stream of a
+    /// set of `num_samples` (at least 1).
+    pub fn at_stream(step: u64, samples: u64, num_samples: usize, seed: u64) -> Self {
+        let n = num_samples.max(1) as u64;
+        Self {
+            step,
+            epoch: samples / n,
+            consumed: samples % n,
+            seed,
+        }
+    }
+
+    /// Position in the stream: samples consumed since the start of the run.
+    pub fn stream_position(&self, num_samples: usize) -> u64 {
+        self.epoch
+            .saturating_mul(num_samples as u64)
+            .saturating_add(self.consumed)
+    }
 }
 
-/// How the samples are split across ranks from one epoch to the next.
+/// How an epoch's global order is drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Partition {
-    /// Reshuffle the whole set every epoch, then split it (each rank sees a
-    /// different random part each epoch).
+    /// A new permutation of the whole set every epoch, independent of the
+    /// worker count (each rank sees a different random part each epoch).
+    /// The worker count may change when a run resumes.
     #[default]
     Reshuffle,
-    /// Split the set once (seeded); each epoch shuffles only within the
-    /// rank's own part, so a worker's cache stays useful across epochs.
+    /// The set is split once (seeded) into one part per rank, and each
+    /// epoch shuffles only within the parts; the global order interleaves
+    /// them batch by batch, so a rank keeps reading its own part and its
+    /// cache stays useful across epochs. The order depends on the worker
+    /// count and the batch size, so neither may change on resume. A rank
+    /// stays on its part exactly when `num_samples` is a multiple of
+    /// `world × batch` (otherwise steps straddle epoch ends and the parts
+    /// drift between ranks).
     Stable,
 }
 
-/// Seeded per-epoch permutation of `[0, num_samples)` split across `world`
-/// workers by rank.
-///
-/// Every rank gets the same number of samples per epoch
-/// (`num_samples / world`, the remainder dropped that epoch) so synchronous
-/// training has equal step counts. The order is a pure function of
-/// `(seed, epoch, num_samples, world, rank)`; different epochs give different
-/// orders, and the ranks' parts of one epoch are disjoint.
+/// Seeded per-epoch global orders of `[0, num_samples)`, and the part of
+/// them that rank `rank` of `world` takes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EpochSampler {
     num_samples: usize,
@@ -135,7 +180,7 @@ impl EpochSampler {
         })
     }
 
-    /// The same sampler with another partitioning across ranks.
+    /// The same sampler with another way of drawing the orders.
     pub fn with_partition(mut self, partition: Partition) -> Self {
         self.partition = partition;
         self
@@ -150,12 +195,12 @@ impl EpochSampler {
         self.num_samples
     }
 
-    /// Number of workers the samples are split across.
+    /// Number of workers a global step is split across.
     pub fn world(&self) -> usize {
         self.world
     }
 
-    /// This worker's part.
+    /// This worker's run within each global step.
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -165,92 +210,241 @@ impl EpochSampler {
         self.seed
     }
 
-    /// Samples this rank visits per epoch: `num_samples / world`.
-    pub fn per_rank(&self) -> usize {
-        self.num_samples / self.world
-    }
-
-    /// This rank's sample indices for `epoch`, in visiting order.
-    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
-        // Reshuffle: a new permutation of the whole set each epoch. Stable:
-        // one permutation for the whole run, reshuffled within each part.
-        let split_seed = match self.partition {
-            Partition::Reshuffle => epoch_seed(self.seed, epoch),
-            Partition::Stable => epoch_seed(self.seed, u64::MAX),
-        };
+    /// The global order of `epoch`: a permutation of `0..num_samples`. With
+    /// [`Partition::Reshuffle`] it depends on the seed and the epoch only;
+    /// `batch` matters only for [`Partition::Stable`].
+    pub fn global_order(&self, epoch: u64, batch: usize) -> Vec<usize> {
         let mut perm: Vec<usize> = (0..self.num_samples).collect();
-        perm.shuffle(&mut StdRng::seed_from_u64(split_seed));
-        let per_rank = self.per_rank();
-        let start = self.rank * per_rank;
-        perm.truncate(start + per_rank);
-        perm.drain(..start);
-        if self.partition == Partition::Stable {
-            let within = epoch_seed(
-                self.seed ^ (self.rank as u64).wrapping_mul(0x9e37_79b9),
-                epoch,
-            );
-            perm.shuffle(&mut StdRng::seed_from_u64(within));
-        }
-        perm
-    }
-
-    /// This rank's order for `epoch` cut into batches of `batch_size`; the
-    /// last partial batch is dropped so every rank takes the same steps.
-    /// A `batch_size` of zero gives no batches.
-    pub fn batches(&self, epoch: u64, batch_size: usize) -> Vec<Vec<usize>> {
-        if batch_size == 0 {
-            return Vec::new();
-        }
-        self.epoch_order(epoch)
-            .chunks_exact(batch_size)
-            .map(<[usize]>::to_vec)
-            .collect()
-    }
-
-    /// Full batches per epoch for `batch_size` (zero for a `batch_size` of zero).
-    pub fn steps_per_epoch(&self, batch_size: usize) -> usize {
-        self.per_rank().checked_div(batch_size).unwrap_or(0)
-    }
-
-    /// The resume point of batch `step` of `epoch` under this sampler's seed.
-    pub fn resume_point(&self, epoch: u64, step: usize) -> ResumePoint {
-        ResumePoint {
-            epoch,
-            step,
-            seed: self.seed,
+        match self.partition {
+            Partition::Reshuffle => {
+                perm.shuffle(&mut StdRng::seed_from_u64(epoch_seed(self.seed, epoch)));
+                perm
+            }
+            Partition::Stable => {
+                perm.shuffle(&mut StdRng::seed_from_u64(epoch_seed(self.seed, u64::MAX)));
+                let per = self.num_samples / self.world;
+                let parts: Vec<Vec<usize>> = (0..self.world)
+                    .map(|r| {
+                        let mut part = perm[r * per..(r + 1) * per].to_vec();
+                        let within =
+                            epoch_seed(self.seed ^ (r as u64).wrapping_mul(0x9e37_79b9), epoch);
+                        part.shuffle(&mut StdRng::seed_from_u64(within));
+                        part
+                    })
+                    .collect();
+                let mut rest = perm[self.world * per..].to_vec();
+                rest.shuffle(&mut StdRng::seed_from_u64(epoch_seed(self.seed, epoch)));
+                let b = batch.max(1);
+                let full = per / b;
+                let mut order = Vec::with_capacity(self.num_samples);
+                for j in 0..full {
+                    for part in &parts {
+                        order.extend_from_slice(&part[j * b..(j + 1) * b]);
+                    }
+                }
+                for part in &parts {
+                    order.extend_from_slice(&part[full * b..]);
+                }
+                order.extend(rest);
+                order
+            }
         }
     }
 
-    /// Checks a resume point against this sampler (same seed, step within
-    /// the epoch for `batch_size`) and returns the `(epoch, step)` to start
-    /// at; a step equal to the steps of an epoch means the start of the next.
-    pub fn start_at(
+    /// This rank's plan for a run of `epochs` epochs in batches of `batch`,
+    /// from the beginning. A `batch` of zero is taken as 1.
+    pub fn plan(&self, batch: usize, epochs: u64) -> RankPlan {
+        RankPlan {
+            sampler: self.clone(),
+            batch: batch.max(1) as u64,
+            epochs,
+            origin: ResumePoint::start(self.seed),
+            origin_pos: 0,
+        }
+    }
+
+    /// This rank's plan for a run resumed at `point`: global step
+    /// `point.step` starts there, and each step from then on consumes
+    /// `world × batch` samples. Checks the seed and the point.
+    pub fn plan_from(
         &self,
-        point: &ResumePoint,
-        batch_size: usize,
-    ) -> Result<(u64, usize), SamplerError> {
+        batch: usize,
+        epochs: u64,
+        point: ResumePoint,
+    ) -> Result<RankPlan, SamplerError> {
+        if batch == 0 {
+            return Err(SamplerError::EmptyBatch);
+        }
         if point.seed != self.seed {
             return Err(SamplerError::SeedMismatch {
                 expected: self.seed,
                 found: point.seed,
             });
         }
-        let steps = self.steps_per_epoch(batch_size);
-        match point.step.cmp(&steps) {
-            std::cmp::Ordering::Less => Ok((point.epoch, point.step)),
-            std::cmp::Ordering::Equal => Ok((point.epoch.saturating_add(1), 0)),
-            std::cmp::Ordering::Greater => Err(SamplerError::StepOutOfRange {
-                step: point.step,
-                steps,
-            }),
+        if point.consumed >= self.num_samples as u64 {
+            return Err(SamplerError::ConsumedOutOfRange {
+                consumed: point.consumed,
+                num_samples: self.num_samples,
+            });
+        }
+        Ok(RankPlan {
+            sampler: self.clone(),
+            batch: batch as u64,
+            epochs,
+            origin_pos: point.stream_position(self.num_samples),
+            origin: point,
+        })
+    }
+}
+
+/// One rank's batch of one global step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedBatch {
+    pub step: u64,
+    /// The epoch of its first sample.
+    pub epoch: u64,
+    /// Stream position of its first sample (sample `i` is at `first + i`).
+    pub first: u64,
+    pub samples: Vec<usize>,
+}
+
+/// Which samples one rank takes at each global step of a run (see the
+/// module documentation).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankPlan {
+    sampler: EpochSampler,
+    batch: u64,
+    epochs: u64,
+    origin: ResumePoint,
+    origin_pos: u64,
+}
+
+impl RankPlan {
+    pub fn sampler(&self) -> &EpochSampler {
+        &self.sampler
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.batch as usize
+    }
+
+    pub fn epochs(&self) -> u64 {
+        self.epochs
+    }
+
+    /// The global step this plan starts at.
+    pub fn origin_step(&self) -> u64 {
+        self.origin.step
+    }
+
+    /// Samples every global step consumes: `world × batch`.
+    pub fn global_batch(&self) -> u64 {
+        self.batch * self.sampler.world as u64
+    }
+
+    /// Length of the run's stream: `epochs × num_samples`.
+    pub fn stream_len(&self) -> u64 {
+        self.epochs.saturating_mul(self.sampler.num_samples as u64)
+    }
+
+    /// The epoch of stream position `pos`.
+    pub fn epoch_of(&self, pos: u64) -> u64 {
+        pos / self.sampler.num_samples as u64
+    }
+
+    /// Where global step `step` starts in the stream (steps before the
+    /// origin are not part of this plan: the origin is returned).
+    pub fn step_start(&self, step: u64) -> u64 {
+        let k = step.saturating_sub(self.origin.step);
+        self.origin_pos
+            .saturating_add(k.saturating_mul(self.global_batch()))
+    }
+
+    /// The resume point of global step `step` (the stream end is clamped to
+    /// the start of the epoch after the last).
+    pub fn resume_point(&self, step: u64) -> ResumePoint {
+        let pos = self.step_start(step).min(self.stream_len());
+        ResumePoint::at_stream(step, pos, self.sampler.num_samples, self.sampler.seed)
+    }
+
+    /// The stream positions this rank takes at `step` (empty once the run's
+    /// stream is used up, and before the origin).
+    pub fn range(&self, step: u64) -> Range<u64> {
+        if step < self.origin.step {
+            return 0..0;
+        }
+        let end = self.stream_len();
+        let lo = self
+            .step_start(step)
+            .saturating_add(self.sampler.rank as u64 * self.batch)
+            .min(end);
+        let hi = lo.saturating_add(self.batch).min(end);
+        lo..hi
+    }
+
+    /// The first global step at which this rank has nothing left (its
+    /// steps are `origin_step()..end_step()`).
+    pub fn end_step(&self) -> u64 {
+        let base = self.origin_pos + self.sampler.rank as u64 * self.batch;
+        let end = self.stream_len();
+        if base >= end {
+            return self.origin.step;
+        }
+        self.origin.step + (end - base).div_ceil(self.global_batch())
+    }
+
+    /// The steps at which this rank takes samples of stream range `lo..hi`.
+    pub fn steps_touching(&self, lo: u64, hi: u64) -> Range<u64> {
+        let base = self.origin_pos + self.sampler.rank as u64 * self.batch;
+        let g = self.global_batch();
+        let hi = hi.min(self.stream_len());
+        if hi <= base || lo >= hi {
+            return self.origin.step..self.origin.step;
+        }
+        // Run k covers [base + k g, base + k g + batch).
+        let first = if lo < base + self.batch {
+            0
+        } else {
+            (lo - self.batch - base) / g + 1
+        };
+        let last = (hi - base).div_ceil(g);
+        self.origin.step + first..self.origin.step + last.max(first)
+    }
+
+    /// The batch of `step` (empty past the end), computing the global
+    /// orders it needs.
+    pub fn batch(&self, step: u64) -> PlannedBatch {
+        self.batch_with(step, &mut None)
+    }
+
+    /// [`RankPlan::batch`], reusing the last global order computed.
+    fn batch_with(&self, step: u64, cache: &mut Option<(u64, Vec<usize>)>) -> PlannedBatch {
+        let n = self.sampler.num_samples as u64;
+        let range = self.range(step);
+        let mut samples = Vec::with_capacity((range.end - range.start) as usize);
+        for pos in range.clone() {
+            let epoch = pos / n;
+            if cache.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                *cache = Some((epoch, self.sampler.global_order(epoch, self.batch as usize)));
+            }
+            if let Some((_, o)) = cache.as_ref() {
+                samples.push(o[(pos % n) as usize]);
+            }
+        }
+        PlannedBatch {
+            step,
+            epoch: range.start / n,
+            first: range.start,
+            samples,
         }
     }
 
-    /// The batches of `epoch` from batch `step` on (empty past the end).
-    pub fn batches_from(&self, epoch: u64, step: usize, batch_size: usize) -> Vec<Vec<usize>> {
-        let mut all = self.batches(epoch, batch_size);
-        all.drain(..step.min(all.len()));
-        all
+    /// Every batch from `step` to the end of the run.
+    pub fn batches_from(&self, step: u64) -> Vec<PlannedBatch> {
+        let mut cache = None;
+        (step.max(self.origin.step)..self.end_step())
+            .map(|s| self.batch_with(s, &mut cache))
+            .collect()
     }
 }
 
@@ -263,12 +457,69 @@ fn epoch_seed(seed: u64, epoch: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashSet;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
 
-    fn all_ranks(n: usize, world: usize, seed: u64) -> Vec<EpochSampler> {
+    fn plans(n: usize, world: usize, batch: usize, epochs: u64, seed: u64) -> Vec<RankPlan> {
         (0..world)
-            .map(|r| EpochSampler::new(n, world, r, seed).unwrap())
+            .map(|r| {
+                EpochSampler::new(n, world, r, seed)
+                    .unwrap()
+                    .plan(batch, epochs)
+            })
             .collect()
+    }
+
+    /// Every (stream position, sample) a run with `world` workers trains
+    /// between global steps `from..to`, resumed at `point` (or from the start).
+    fn trained(
+        n: usize,
+        world: usize,
+        batch: usize,
+        epochs: u64,
+        point: Option<ResumePoint>,
+        to: Option<u64>,
+    ) -> Vec<(u64, usize)> {
+        let mut out = Vec::new();
+        for r in 0..world {
+            let s = EpochSampler::new(n, world, r, 5).unwrap();
+            let plan = match point {
+                Some(p) => s.plan_from(batch, epochs, p).unwrap(),
+                None => s.plan(batch, epochs),
+            };
+            let end = to.unwrap_or(u64::MAX).min(plan.end_step());
+            for step in plan.origin_step()..end {
+                let b = plan.batch(step);
+                assert_eq!(b.epoch, plan.epoch_of(b.first));
+                out.extend(
+                    b.samples
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &x)| (b.first + i as u64, x)),
+                );
+            }
+        }
+        out
+    }
+
+    /// Each stream position of `0..epochs × n` trained once, with the
+    /// sample of that position in the epoch's global order.
+    fn assert_exactly_once(n: usize, epochs: u64, seen: &[(u64, usize)]) {
+        let s = EpochSampler::new(n, 1, 0, 5).unwrap();
+        let mut at: HashMap<u64, usize> = HashMap::new();
+        for &(pos, sample) in seen {
+            assert!(
+                at.insert(pos, sample).is_none(),
+                "position {pos} trained twice"
+            );
+        }
+        assert_eq!(at.len() as u64, epochs * n as u64, "positions missing");
+        for epoch in 0..epochs {
+            let order = s.global_order(epoch, 1);
+            for (i, &sample) in order.iter().enumerate() {
+                assert_eq!(at[&(epoch * n as u64 + i as u64)], sample);
+            }
+        }
     }
 
     #[test]
@@ -288,156 +539,165 @@ mod tests {
                 world: 4
             })
         );
-        assert!(EpochSampler::new(4, 4, 3, 1).is_ok());
+        let s = EpochSampler::new(10, 2, 1, 1).unwrap();
+        assert_eq!(
+            s.plan_from(0, 1, ResumePoint::start(1)),
+            Err(SamplerError::EmptyBatch)
+        );
+        assert_eq!(
+            s.plan_from(2, 1, ResumePoint::start(2)),
+            Err(SamplerError::SeedMismatch {
+                expected: 1,
+                found: 2
+            })
+        );
+        let past = ResumePoint {
+            consumed: 10,
+            ..ResumePoint::start(1)
+        };
+        assert_eq!(
+            s.plan_from(2, 1, past),
+            Err(SamplerError::ConsumedOutOfRange {
+                consumed: 10,
+                num_samples: 10
+            })
+        );
     }
 
     #[test]
-    fn deterministic_for_same_inputs() {
-        let a = EpochSampler::new(1000, 3, 1, 9).unwrap();
-        let b = EpochSampler::new(1000, 3, 1, 9).unwrap();
-        assert_eq!(a.epoch_order(5), b.epoch_order(5));
-        assert_eq!(a.batches(5, 32), b.batches(5, 32));
-        let other_seed = EpochSampler::new(1000, 3, 1, 10).unwrap();
-        assert_ne!(a.epoch_order(5), other_seed.epoch_order(5));
-    }
-
-    #[test]
-    fn ranks_partition_the_epoch_with_equal_counts() {
-        for &(n, world) in &[(10usize, 3usize), (1000, 4), (7, 7), (101, 1), (64, 8)] {
-            let ranks = all_ranks(n, world, 3);
+    fn the_global_order_is_a_permutation_independent_of_world() {
+        for n in [1usize, 7, 100, 1001] {
+            let one = EpochSampler::new(n, 1, 0, 9).unwrap();
             for epoch in 0..3 {
-                let mut seen = HashSet::new();
-                for s in &ranks {
-                    let order = s.epoch_order(epoch);
-                    assert_eq!(order.len(), n / world);
-                    assert_eq!(order.len(), s.per_rank());
-                    for i in order {
-                        assert!(i < n);
-                        assert!(seen.insert(i), "index {i} given to two ranks");
+                let order = one.global_order(epoch, 8);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>());
+                for world in [2usize, 3, 7] {
+                    if world > n {
+                        continue;
+                    }
+                    for rank in [0, world - 1] {
+                        let s = EpochSampler::new(n, world, rank, 9).unwrap();
+                        assert_eq!(s.global_order(epoch, 8), order, "n {n} world {world}");
+                        assert_eq!(s.global_order(epoch, 3), order, "batch must not matter");
                     }
                 }
-                assert_eq!(seen.len(), (n / world) * world);
             }
         }
-    }
-
-    #[test]
-    fn single_rank_covers_everything() {
-        let s = EpochSampler::new(257, 1, 0, 0).unwrap();
-        let mut order = s.epoch_order(4);
-        order.sort_unstable();
-        assert_eq!(order, (0..257).collect::<Vec<_>>());
-    }
-
-    #[test]
-    fn epochs_differ() {
         let s = EpochSampler::new(500, 2, 0, 7).unwrap();
-        let orders: Vec<_> = (0..5).map(|e| s.epoch_order(e)).collect();
+        let orders: Vec<_> = (0..5).map(|e| s.global_order(e, 4)).collect();
         for i in 0..orders.len() {
             for j in i + 1..orders.len() {
                 assert_ne!(orders[i], orders[j], "epochs {i} and {j} share an order");
             }
         }
-        // The dropped remainder also moves between epochs.
-        let s = EpochSampler::new(11, 2, 0, 7).unwrap();
-        let dropped = |epoch| {
-            let used: HashSet<usize> = all_ranks(11, 2, 7)
-                .iter()
-                .flat_map(|r| r.epoch_order(epoch))
-                .collect();
-            (0..11).find(|i| !used.contains(i))
-        };
-        let first = dropped(0);
-        assert!((1..20).any(|e| dropped(e) != first));
-        assert_eq!(s.per_rank(), 5);
+        let other_seed = EpochSampler::new(500, 2, 0, 8).unwrap();
+        assert_ne!(other_seed.global_order(0, 4), orders[0]);
     }
 
     #[test]
-    fn batches_drop_partial_tail() {
-        let s = EpochSampler::new(103, 2, 1, 11).unwrap();
-        assert_eq!(s.per_rank(), 51);
-        let order = s.epoch_order(2);
-        let batches = s.batches(2, 10);
-        assert_eq!(batches.len(), 5);
-        assert_eq!(s.steps_per_epoch(10), 5);
-        assert!(batches.iter().all(|b| b.len() == 10));
-        let flat: Vec<usize> = batches.concat();
-        assert_eq!(flat, order[..50].to_vec());
-        assert_eq!(s.steps_per_epoch(51), 1);
-        assert_eq!(s.steps_per_epoch(52), 0);
-        assert!(s.batches(2, 52).is_empty());
-        assert_eq!(s.steps_per_epoch(0), 0);
-        assert!(s.batches(2, 0).is_empty());
+    fn ranks_take_consecutive_runs_of_each_global_step() {
+        // 10 samples, 3 workers, batches of 2, 2 epochs: steps take 6
+        // samples; step 1 straddles into epoch 1.
+        let p = plans(10, 3, 2, 2, 3);
+        let s = p[0].sampler().clone();
+        let (e0, e1) = (s.global_order(0, 2), s.global_order(1, 2));
+        assert_eq!(p[0].batch(0).samples, e0[0..2].to_vec());
+        assert_eq!(p[2].batch(0).samples, e0[4..6].to_vec());
+        assert_eq!(p[1].batch(1).samples, e0[8..10].to_vec());
+        let straddle = p[2].batch(1);
+        assert_eq!((straddle.epoch, straddle.first), (1, 10));
+        assert_eq!(straddle.samples, e1[0..2].to_vec());
+        // 20 samples in steps of 6: the last step (3) has 2 samples, for rank 0.
+        assert_eq!(p[0].end_step(), 4);
+        assert_eq!((p[1].end_step(), p[2].end_step()), (3, 3));
+        assert_eq!(p[0].batch(3).samples, e1[8..10].to_vec());
+        assert!(p[1].batch(3).samples.is_empty());
+        assert_exactly_once(10, 2, &trained(10, 3, 2, 2, None, None));
+        // A short last batch: 11 samples, one epoch, batches of 4 over 2.
+        let p = plans(11, 2, 4, 1, 3);
+        assert_eq!(p[0].batch(1).samples.len(), 3);
+        assert_eq!((p[0].end_step(), p[1].end_step()), (2, 1));
     }
 
     #[test]
-    fn resume_continues_the_same_order() {
-        let s = EpochSampler::new(1000, 2, 1, 77).unwrap();
-        let uninterrupted: Vec<Vec<usize>> = (0..3).flat_map(|e| s.batches(e, 32)).collect();
-        let steps = s.steps_per_epoch(32);
-        for (epoch, step) in [(0u64, 0usize), (0, 5), (1, 0), (1, 14), (2, steps - 1)] {
-            // A fresh sampler, as after a restart.
-            let again = EpochSampler::new(1000, 2, 1, 77).unwrap();
-            let (e, st) = again.start_at(&s.resume_point(epoch, step), 32).unwrap();
-            let mut resumed = again.batches_from(e, st, 32);
-            resumed.extend((e + 1..3).flat_map(|x| again.batches(x, 32)));
-            let skip = epoch as usize * steps + step;
-            assert_eq!(resumed, uninterrupted[skip..].to_vec(), "({epoch}, {step})");
+    fn a_resume_with_another_world_continues_the_same_stream() {
+        // 4 workers for 3 steps, then 2 workers, then 3.
+        let (n, batch, epochs) = (103usize, 5usize, 3u64);
+        let first = plans(n, 4, batch, epochs, 5);
+        let point = first[0].resume_point(3);
+        assert_eq!((point.step, point.epoch, point.consumed), (3, 0, 60));
+        let mut seen = trained(n, 4, batch, epochs, None, Some(3));
+        let two = EpochSampler::new(n, 2, 0, 5)
+            .unwrap()
+            .plan_from(batch, epochs, point)
+            .unwrap();
+        // The next global step starts where the 4 workers stopped.
+        assert_eq!(two.range(3), 60..65);
+        assert_eq!(
+            two.range(2),
+            0..0,
+            "steps before the resume are not planned"
+        );
+        let next = two.resume_point(10);
+        assert_eq!((next.step, next.epoch, next.consumed), (10, 1, 130 - 103));
+        seen.extend(trained(n, 2, batch, epochs, Some(point), Some(10)));
+        seen.extend(trained(n, 3, batch, epochs, Some(next), None));
+        assert_exactly_once(n, epochs, &seen);
+        // The same point serialises.
+        let json = serde_json::to_string(&next).unwrap();
+        assert_eq!(serde_json::from_str::<ResumePoint>(&json).unwrap(), next);
+        assert_eq!(next.stream_position(n), 130);
+    }
+
+    #[test]
+    fn steps_touching_an_epoch_are_exactly_those_with_its_samples() {
+        for (n, world, batch) in [(10usize, 3usize, 2usize), (97, 2, 8), (64, 4, 4), (5, 1, 7)] {
+            for rank in 0..world {
+                let plan = EpochSampler::new(n, world, rank, 1).unwrap().plan(batch, 3);
+                for epoch in 0..3u64 {
+                    let (lo, hi) = (epoch * n as u64, (epoch + 1) * n as u64);
+                    let want: Vec<u64> = (0..plan.end_step())
+                        .filter(|&s| {
+                            let r = plan.range(s);
+                            r.start < hi && r.end > lo
+                        })
+                        .collect();
+                    let got: Vec<u64> = plan.steps_touching(lo, hi).collect();
+                    assert_eq!(got, want, "n {n} world {world} batch {batch} rank {rank}");
+                }
+            }
         }
-        // The end of an epoch is the start of the next.
-        assert_eq!(s.start_at(&s.resume_point(1, steps), 32), Ok((2, 0)));
-        assert_eq!(
-            s.start_at(&s.resume_point(1, steps + 1), 32),
-            Err(SamplerError::StepOutOfRange {
-                step: steps + 1,
-                steps
-            })
-        );
-        let other = ResumePoint {
-            seed: 78,
-            ..ResumePoint::start(78)
-        };
-        assert_eq!(
-            s.start_at(&other, 32),
-            Err(SamplerError::SeedMismatch {
-                expected: 77,
-                found: 78
-            })
-        );
-        assert!(s.batches_from(0, steps + 3, 32).is_empty());
-        let json = serde_json::to_string(&s.resume_point(2, 3)).unwrap();
-        let back: ResumePoint = serde_json::from_str(&json).unwrap();
-        assert_eq!(back, s.resume_point(2, 3));
-    }
-
-    #[test]
-    fn all_ranks_take_equal_steps() {
-        let ranks = all_ranks(1001, 3, 5);
-        let steps: Vec<usize> = ranks.iter().map(|r| r.batches(0, 16).len()).collect();
-        assert!(steps.iter().all(|&s| s == steps[0]));
-        assert_eq!(steps[0], ranks[0].steps_per_epoch(16));
     }
 
     #[test]
     fn stable_partition_keeps_each_rank_on_its_part() {
         let world = 3;
-        let samplers: Vec<EpochSampler> = (0..world)
+        let batch = 4;
+        // 96 = 8 global batches of 12: aligned, so parts never drift.
+        let plans: Vec<RankPlan> = (0..world)
             .map(|r| {
-                EpochSampler::new(100, world, r, 5)
+                EpochSampler::new(96, world, r, 5)
                     .unwrap()
                     .with_partition(Partition::Stable)
+                    .plan(batch, 4)
             })
             .collect();
         let sorted = |mut v: Vec<usize>| {
             v.sort_unstable();
             v
         };
+        let epoch_samples = |p: &RankPlan, e: u64| -> Vec<usize> {
+            (e * 8..(e + 1) * 8)
+                .flat_map(|s| p.batch(s).samples)
+                .collect()
+        };
         let mut seen = std::collections::HashSet::new();
-        for s in &samplers {
-            let first = s.epoch_order(0);
-            // Same part every epoch, in a different order.
+        for p in &plans {
+            let first = epoch_samples(p, 0);
             for epoch in 1..4 {
-                let order = s.epoch_order(epoch);
+                let order = epoch_samples(p, epoch);
                 assert_eq!(sorted(order.clone()), sorted(first.clone()));
                 assert_ne!(order, first, "epoch {epoch} reuses the order");
             }
@@ -445,9 +705,36 @@ mod tests {
                 assert!(seen.insert(i), "sample {i} in two parts");
             }
         }
-        assert_eq!(seen.len(), 99);
-        // Reshuffling moves samples between ranks.
-        let r = EpochSampler::new(100, world, 0, 5).unwrap();
-        assert_ne!(sorted(r.epoch_order(0)), sorted(r.epoch_order(1)));
+        assert_eq!(seen.len(), 96);
+        // Stable orders are still permutations, also with a remainder.
+        let s = EpochSampler::new(101, 3, 0, 5)
+            .unwrap()
+            .with_partition(Partition::Stable);
+        assert_eq!(sorted(s.global_order(2, 4)), (0..101).collect::<Vec<_>>());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// Checkpointed with N workers at any step, resumed with M: every
+        /// sample of every epoch is trained exactly once.
+        #[test]
+        fn any_resize_trains_every_sample_exactly_once(
+            n in 1usize..80,
+            from in 1usize..6,
+            to in 1usize..6,
+            batch in 1usize..9,
+            epochs in 1u64..4,
+            cut in 0u64..40,
+        ) {
+            prop_assume!(from <= n && to <= n);
+            let before = EpochSampler::new(n, from, 0, 5).unwrap().plan(batch, epochs);
+            let cut = cut.min(before.end_step());
+            let point = before.resume_point(cut);
+            prop_assert!(point.consumed < n as u64);
+            let mut seen = trained(n, from, batch, epochs, None, Some(cut));
+            seen.extend(trained(n, to, batch, epochs, Some(point), None));
+            assert_exactly_once(n, epochs, &seen);
+        }
     }
 }

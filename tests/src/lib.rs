@@ -56,6 +56,7 @@ impl TestPki {
             crash_after_steps: None,
             stop: None,
             steps_done: None,
+            trained: None,
         }
     }
 }

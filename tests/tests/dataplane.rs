@@ -77,33 +77,32 @@ async fn drain(loader: &Loader, limit: usize) -> Result<Vec<(BatchPos, Arc<Batch
     panic!("the loader gave more than {limit} batches");
 }
 
-/// Checks that `got` is exactly the batches of `sampler` from `(epoch, step)`
-/// to the end of `epochs`, byte for byte against direct reads.
+/// Checks that `got` is exactly the batches of `sampler` from global step
+/// `from` to the end of `epochs`, byte for byte against direct reads.
 async fn check_batches(
     got: &[(BatchPos, Arc<Batch>)],
     sampler: &EpochSampler,
     batch: usize,
     epochs: u64,
-    from: (u64, usize),
+    from: u64,
     direct: &DatasetReader,
 ) {
-    let mut expected = Vec::new();
-    for epoch in from.0..epochs {
-        let first = if epoch == from.0 { from.1 } else { 0 };
-        for (step, idx) in sampler
-            .batches_from(epoch, first, batch)
-            .into_iter()
-            .enumerate()
-        {
-            expected.push((
+    let expected: Vec<(BatchPos, Vec<usize>)> = sampler
+        .plan(batch, epochs)
+        .batches_from(from)
+        .into_iter()
+        .map(|b| {
+            (
                 BatchPos {
-                    epoch,
-                    step_in_epoch: first + step,
+                    epoch: b.epoch,
+                    step: b.step,
+                    first: b.first,
+                    samples: Arc::from(b.samples.as_slice()),
                 },
-                idx,
-            ));
-        }
-    }
+                b.samples,
+            )
+        })
+        .collect();
     assert_eq!(got.len(), expected.len(), "number of batches");
     for ((pos, b), (want_pos, idx)) in got.iter().zip(&expected) {
         assert_eq!(pos, want_pos);
@@ -148,11 +147,21 @@ async fn tiny_caches_lose_nothing() {
             let loader =
                 Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
             let got = drain(&loader, 100).await.expect("run");
-            check_batches(&got, &sampler, 8, 3, (0, 0), &direct).await;
+            check_batches(&got, &sampler, 8, 3, 0, &direct).await;
+            // 97 samples, steps of 16 that straddle epoch ends: rank 1
+            // takes 48 or 56 samples of batches labelled with each epoch.
+            let plan = sampler.plan(8, 3);
             for epoch in 0..3 {
+                let want: u64 = plan
+                    .batches_from(0)
+                    .iter()
+                    .filter(|b| b.epoch == epoch)
+                    .map(|b| b.samples.len() as u64)
+                    .sum();
+                assert!(want == 48 || want == 56, "{want}");
                 let e = loader.stats().epoch(epoch);
-                assert_eq!(e.samples, 48, "{layout} epoch {epoch}");
-                assert_eq!(e.memory_hits + e.disk_hits + e.bucket_samples, 48);
+                assert_eq!(e.samples, want, "{layout} epoch {epoch}");
+                assert_eq!(e.memory_hits + e.disk_hits + e.bucket_samples, want);
             }
         }
     }
@@ -178,7 +187,7 @@ async fn later_epochs_come_from_the_cache() {
             let loader =
                 Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
             let got = drain(&loader, 100).await.expect("run");
-            check_batches(&got, &sampler, 8, 3, (0, 0), &direct).await;
+            check_batches(&got, &sampler, 8, 3, 0, &direct).await;
             let stats = loader.stats();
             assert_eq!(stats.epoch(0).bucket_samples, 96, "cold first epoch");
             for epoch in 1..3 {
@@ -240,7 +249,7 @@ async fn damaged_disk_cache_files_are_fetched_again() {
     // At most the batches planned ahead were read (and dropped) already.
     assert!(files.len() >= 96 - 3 * 8, "{} files", files.len());
     got.extend(drain(&loader, 20).await.expect("epoch 2"));
-    check_batches(&got, &sampler, 8, 2, (0, 0), &direct).await;
+    check_batches(&got, &sampler, 8, 2, 0, &direct).await;
     let e = loader.stats().epoch(1);
     // Every damaged file was read, found out, and its sample fetched again.
     assert_eq!(e.disk_errors, files.len() as u64, "{e:?}");
@@ -260,35 +269,32 @@ async fn resume_mid_epoch_matches_the_uninterrupted_run() {
         )
         .expect("start");
         let full = drain(&full, 100).await.expect("full run");
-        let steps = sampler.steps_per_epoch(6);
-        assert_eq!(full.len(), 3 * steps);
-        for (epoch, step) in [(0u64, 4usize), (1, 0), (1, 5), (2, steps - 1), (1, steps)] {
+        // 90 samples in global steps of 12: steps straddle epoch ends.
+        let end = sampler.plan(6, 3).end_step();
+        assert_eq!(end, 23);
+        assert_eq!(full.len() as u64, end);
+        for step in [4u64, 7, 8, 15, end - 1] {
             // A fresh sampler and loader, as after a restart.
             let again = EpochSampler::new(90, 2, 0, 21).unwrap();
             let mut s = settings(6, 3);
             s.memory_cache_bytes = 10 * RECORD;
-            let resumed = Loader::start_at(open(sim.clone(), &prefix).await, again, s, epoch, step)
-                .expect("start");
+            let resumed =
+                Loader::start_at(open(sim.clone(), &prefix).await, again, s, step).expect("start");
             let resumed = drain(&resumed, 100).await.expect("resumed run");
-            let skip = epoch as usize * steps + step;
-            assert_eq!(resumed.len(), full.len() - skip, "({epoch}, {step})");
+            let skip = step as usize;
+            assert_eq!(resumed.len(), full.len() - skip, "step {step}");
             for (a, b) in resumed.iter().zip(&full[skip..]) {
                 assert_eq!(a.0, b.0);
                 assert_eq!(a.1, b.1);
             }
-            let start = if step == steps {
-                (epoch + 1, 0)
-            } else {
-                (epoch, step)
-            };
-            check_batches(&resumed, &sampler, 6, 3, start, &direct).await;
+            check_batches(&resumed, &sampler, 6, 3, step, &direct).await;
         }
         // A resume point from a run with another seed is refused.
         let other = EpochSampler::new(90, 2, 0, 22).unwrap();
         let err = Loader::start(
             open(sim.clone(), &prefix).await,
             other,
-            settings(6, 3).resume_from(sampler.resume_point(1, 2)),
+            settings(6, 3).resume_from(sampler.plan(6, 3).resume_point(5)),
         )
         .err()
         .expect("seed mismatch");
@@ -296,16 +302,33 @@ async fn resume_mid_epoch_matches_the_uninterrupted_run() {
             matches!(err, LoaderError::Sampler(SamplerError::SeedMismatch { .. })),
             "{err}"
         );
-        // Past the last epoch there is nothing to do.
+        // Past the last step there is nothing to do.
         let done = Loader::start_at(
             open(sim.clone(), &prefix).await,
             sampler.clone(),
             settings(6, 3),
-            3,
-            0,
+            end,
         )
         .expect("start");
         assert!(done.next().await.expect("end").is_none());
+        // Resumed by 3 workers at step 5 of the 2-worker run, rank 2 takes
+        // exactly the batches its plan from that point gives.
+        let point = sampler.plan(6, 3).resume_point(5);
+        let three = EpochSampler::new(90, 3, 2, 21).unwrap();
+        let loader = Loader::start(
+            open(sim.clone(), &prefix).await,
+            three.clone(),
+            settings(6, 3).resume_from(point),
+        )
+        .expect("start");
+        let got = drain(&loader, 100).await.expect("resumed with 3");
+        let want = three.plan_from(6, 3, point).unwrap().batches_from(5);
+        assert_eq!(got.len(), want.len());
+        assert_eq!(got[0].0.first, 60 + 12);
+        for ((pos, _), w) in got.iter().zip(&want) {
+            assert_eq!((pos.step, pos.first), (w.step, w.first));
+            assert_eq!(&pos.samples[..], &w.samples[..]);
+        }
     }
 }
 
@@ -328,7 +351,7 @@ async fn transient_faults_are_retried() {
         )
         .expect("start");
         let got = drain(&loader, 100).await.expect("retries recover");
-        check_batches(&got, &sampler, 5, 2, (0, 0), &direct).await;
+        check_batches(&got, &sampler, 5, 2, 0, &direct).await;
         let total = loader.stats().total();
         assert!(total.retries >= 3, "{layout}: {total:?}");
         let s = sim.stats();
@@ -356,7 +379,7 @@ async fn transient_faults_are_retried() {
     }
     let loader = Loader::start(reader.expect("manifest"), sampler.clone(), s).expect("start");
     let got = drain(&loader, 100).await.expect("flaky bucket");
-    check_batches(&got, &sampler, 4, 2, (0, 0), &open(raw, &prefix).await).await;
+    check_batches(&got, &sampler, 4, 2, 0, &open(raw, &prefix).await).await;
     assert!(loader.stats().total().retries > 0);
 }
 

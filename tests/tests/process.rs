@@ -280,6 +280,7 @@ fn options(cfg: &ClusterConfig, rank: u32) -> WorkerOptions {
         crash_after_steps: None,
         stop: None,
         steps_done: None,
+        trained: None,
     }
 }
 

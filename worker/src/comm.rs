@@ -49,6 +49,10 @@ pub enum CommError {
     Unexpected { what: &'static str, reply: String },
     #[error("cluster layout disagrees: {0}")]
     Layout(String),
+    /// The servers disagree about where the sample stream stands, or it
+    /// does not fit this worker's config.
+    #[error("sample order: {0}")]
+    DataSplit(String),
     #[error("could not reach server {addr} within {secs} s (server.connect_timeout_secs): {last}")]
     Unreachable {
         addr: String,
@@ -171,9 +175,20 @@ struct ShardReply {
     pulled: u64,
 }
 
+/// Where the servers say the sample stream stands (from their Welcome):
+/// global step `step` starts after `samples` samples of the run's stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DataStart {
+    pub step: u64,
+    pub samples: u64,
+    /// The `data.batch_size` the servers split the stream with.
+    pub batch: u64,
+}
+
 /// Connections to every server process and the shard routing.
 pub struct Comm {
     rank: u32,
+    data: DataStart,
     links: RefCell<Vec<Link>>,
     /// Serialises reconnects of one link.
     dialing: Vec<futures::lock::Mutex<()>>,
@@ -271,8 +286,19 @@ impl Comm {
             request_timeout: Duration::from_secs_f64(cfg.server.request_timeout_secs),
             max_frame: cfg.server.max_frame_bytes,
         };
+        let mut data: Option<DataStart> = None;
         for (i, server) in cfg.cluster.servers.iter().enumerate() {
-            let (conn, shards) = dialer.dial(server).await?;
+            let (conn, shards, start) = dialer.dial(server).await?;
+            match data {
+                None => data = Some(start),
+                Some(d) if d != start => {
+                    return Err(CommError::DataSplit(format!(
+                        "server {server} says step {} starts at sample {}, server {} says step {} starts at sample {}; start every server from the same checkpoint",
+                        start.step, start.samples, cfg.cluster.servers[0], d.step, d.samples
+                    )))
+                }
+                Some(_) => {}
+            }
             for s in shards {
                 let expected = map.range(s.shard as usize);
                 if expected != Some(s.lo as usize..s.hi as usize) {
@@ -293,8 +319,16 @@ impl Comm {
                 "no server serves shard {missing}"
             )));
         }
+        let data = data.unwrap_or_default();
+        if data.batch != cfg.data.batch_size as u64 {
+            return Err(CommError::DataSplit(format!(
+                "the servers split the samples in batches of {} (their data.batch_size), this worker has data.batch_size = {}",
+                data.batch, cfg.data.batch_size
+            )));
+        }
         Ok(Self {
             rank,
+            data,
             dialing: links
                 .iter()
                 .map(|_| futures::lock::Mutex::new(()))
@@ -317,6 +351,12 @@ impl Comm {
 
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// Where the sample stream stands, as the servers said when this
+    /// worker connected.
+    pub fn data_start(&self) -> DataStart {
+        self.data
     }
 
     /// The step this worker continues from: 0 on a fresh run, the cluster's
@@ -489,7 +529,7 @@ impl Comm {
             }
             reason => tracing::warn!(server, ?reason, "connection lost; reconnecting"),
         }
-        let (conn, _) = self.dialer.dial(&server).await?;
+        let (conn, _, _) = self.dialer.dial(&server).await?;
         self.links.borrow_mut()[link].conn = conn;
         self.recoveries.set(self.recoveries.get() + 1);
         Ok(true)
@@ -698,8 +738,11 @@ impl Comm {
 
 impl Dialer {
     /// Connect (with backoff, within the connect timeout) and authenticate;
-    /// returns the shards the server owns.
-    async fn dial(&self, server: &str) -> Result<(Connection, Vec<ShardRange>), CommError> {
+    /// returns the shards the server owns and where the sample stream stands.
+    async fn dial(
+        &self,
+        server: &str,
+    ) -> Result<(Connection, Vec<ShardRange>, DataStart), CommError> {
         let start = Instant::now();
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -718,7 +761,23 @@ impl Dialer {
             };
             let last = match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await
             {
-                Ok(Ok((conn, Response::Welcome { shards, .. }))) => return Ok((conn, shards)),
+                Ok(Ok((
+                    conn,
+                    Response::Welcome {
+                        shards,
+                        data_step,
+                        data_samples,
+                        data_batch,
+                        ..
+                    },
+                ))) => {
+                    let start = DataStart {
+                        step: data_step,
+                        samples: data_samples,
+                        batch: data_batch,
+                    };
+                    return Ok((conn, shards, start));
+                }
                 // Our previous connection is not yet seen dead: try again.
                 Ok(Ok((
                     _,

@@ -1,9 +1,9 @@
 //! `LoaderActor`: hands the trainer its batches, fetched ahead of time from a
 //! slow bucket through a memory and a disk cache.
 //!
-//! The sample order is known in advance (a seeded per-epoch permutation split
-//! across workers by rank, see [`EpochSampler`]), so the loader runs a pump
-//! task that works ahead of the trainer:
+//! The sample order is known in advance (this rank's part of every global
+//! step of the epochs' seeded global orders, see [`RankPlan`]), so the loader
+//! runs a pump task that works ahead of the trainer:
 //!
 //! * **Plan.** Batches are planned in order while the prefetch window allows:
 //!   at most `lookahead_samples` samples and `max_inflight_bytes` of sample
@@ -24,8 +24,10 @@
 //!   channel (`ready_batches`); when the trainer is slow, the channel and the
 //!   window fill up and planning stops (back-pressure).
 //!
-//! A run restarted mid-epoch resumes with [`LoaderSettings::resume_from`] and
-//! gets exactly the batches the uninterrupted run would have had. Per-epoch
+//! A run restarted mid-epoch resumes with [`LoaderSettings::resume_from`]
+//! (where the stream resumed, possibly with another worker count) and
+//! [`LoaderSettings::starting_at`], and gets exactly the batches the
+//! uninterrupted run would have had. Per-epoch
 //! counters (hits per tier, GETs, bytes from the bucket, retries) are in
 //! [`LoaderStats`].
 //!
@@ -50,7 +52,8 @@
 //! while let Some((pos, batch)) = loader.next().await.unwrap() {
 //!     assert_eq!(batch.len(), 10);
 //!     batches += 1;
-//!     assert_eq!(pos.step_in_epoch, (batches - 1) % 10);
+//!     assert_eq!(pos.step, batches - 1);
+//!     assert_eq!(pos.epoch, (batches - 1) / 10);
 //! }
 //! assert_eq!(batches, 20);
 //! assert_eq!(loader.stats().epoch(0).samples, 100);
@@ -72,15 +75,23 @@ use tokio::task::{JoinHandle, JoinSet};
 use ps_dataset::{Batch, DatasetError, DatasetReader, Manifest, RecordRequest, Split};
 use ps_shared::config::ClusterConfig;
 use ps_shared::dataplane::CostModel;
-use ps_shared::sampler::{EpochSampler, ResumePoint, SamplerError};
+use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint, SamplerError};
 
 use crate::cache::{CacheError, Lookup, TieredCache};
 
 /// Where a batch sits in the run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchPos {
+    /// The epoch of its first sample.
     pub epoch: u64,
-    pub step_in_epoch: usize,
+    /// The global step it belongs to.
+    pub step: u64,
+    /// Stream position of its first sample ([`RankPlan`]): sample `i` of
+    /// the batch is at `first + i`.
+    pub first: u64,
+    /// The sample indices planned for the batch, in order (a sample that
+    /// cannot be decoded may be missing from the batch itself).
+    pub samples: Arc<[usize]>,
 }
 
 /// Everything that can stop the loader.
@@ -143,8 +154,12 @@ pub struct LoaderSettings {
     pub batch_size: usize,
     /// Epochs of the run: the last batch is from epoch `epochs - 1`.
     pub epochs: u64,
-    /// Where to start; `None` is the beginning of the run.
+    /// Where the run's sample stream resumed; `None` is the beginning of
+    /// the run.
     pub start: Option<ResumePoint>,
+    /// The global step to begin at (at or after `start`'s step); `None`:
+    /// `start`'s step.
+    pub first_step: Option<u64>,
     /// Samples planned ahead of the trainer (at least one batch is).
     pub lookahead_samples: usize,
     /// Concurrent GETs.
@@ -170,6 +185,7 @@ impl LoaderSettings {
             batch_size,
             epochs,
             start: None,
+            first_step: None,
             lookahead_samples: d.lookahead(batch_size),
             max_inflight_requests: d.max_inflight_requests,
             max_inflight_bytes: d.max_inflight_bytes(),
@@ -197,6 +213,7 @@ impl LoaderSettings {
             batch_size: batch,
             epochs: cfg.training.epochs,
             start: None,
+            first_step: None,
             lookahead_samples: l
                 .lookahead(batch)
                 .max(cfg.data.prefetch_batches.saturating_mul(batch)),
@@ -213,9 +230,15 @@ impl LoaderSettings {
         }
     }
 
-    /// Start at a resume point saved by an earlier run.
+    /// Continue a sample stream that resumed at `point`.
     pub fn resume_from(mut self, point: ResumePoint) -> Self {
         self.start = Some(point);
+        self
+    }
+
+    /// Begin at global step `step` of the stream.
+    pub fn starting_at(mut self, step: u64) -> Self {
+        self.first_step = Some(step);
         self
     }
 }
@@ -350,122 +373,112 @@ impl LoaderStats {
 /// the next one; plus the key, so such samples still order deterministically.
 pub const FAR_FUTURE: u64 = 1 << 62;
 
-const NOT_IN_EPOCH: u32 = u32::MAX;
+const NOT_IN_EPOCH: u64 = u64::MAX;
 
-struct EpochOrder {
-    /// The samples used this epoch, in order (the dropped tail removed).
-    order: Vec<usize>,
-    /// Offset in `order` per sample index, or [`NOT_IN_EPOCH`].
-    offset_of: Vec<u32>,
+struct EpochUses {
+    /// Stream position of this rank's use of each sample in the epoch, or
+    /// [`NOT_IN_EPOCH`].
+    position_of: Vec<u64>,
 }
 
-/// This worker's sample order with what the cache needs to know: the
-/// absolute position of every use (`epoch * used_per_epoch + offset`) and
-/// each sample's next use. Holds the orders of at most a few epochs.
+/// This worker's part of the sample stream with what the cache needs to
+/// know: the stream position of every use (see [`RankPlan`]) and each
+/// sample's next use. Holds the uses of at most a few epochs.
 pub struct Schedule {
-    sampler: EpochSampler,
-    batch_size: usize,
-    steps: usize,
-    epochs: u64,
-    orders: BTreeMap<u64, EpochOrder>,
+    plan: RankPlan,
+    /// Global orders of the epochs batches are being planned from.
+    orders: BTreeMap<u64, Vec<usize>>,
+    uses: BTreeMap<u64, EpochUses>,
 }
 
 impl Schedule {
-    pub fn new(sampler: EpochSampler, batch_size: usize, epochs: u64) -> Result<Self, LoaderError> {
-        if batch_size == 0 {
-            return Err(LoaderError::Settings("batch_size must be >= 1".into()));
-        }
-        if sampler.num_samples() >= NOT_IN_EPOCH as usize {
-            return Err(LoaderError::Settings(format!(
-                "{} samples are more than the loader can index",
-                sampler.num_samples()
-            )));
-        }
-        let steps = sampler.steps_per_epoch(batch_size);
+    pub fn new(plan: RankPlan) -> Result<Self, LoaderError> {
         Ok(Self {
-            sampler,
-            batch_size,
-            steps,
-            epochs,
+            plan,
             orders: BTreeMap::new(),
+            uses: BTreeMap::new(),
         })
     }
 
-    pub fn steps_per_epoch(&self) -> usize {
-        self.steps
+    pub fn plan(&self) -> &RankPlan {
+        &self.plan
     }
 
-    /// Samples used per epoch (whole batches only).
-    pub fn used_per_epoch(&self) -> usize {
-        self.steps * self.batch_size
+    /// The first global step at which this rank has no batch.
+    pub fn end_step(&self) -> u64 {
+        self.plan.end_step()
     }
 
-    /// Absolute position of the sample at `offset` of `epoch`.
-    pub fn position(&self, epoch: u64, offset: usize) -> u64 {
-        epoch
-            .saturating_mul(self.used_per_epoch() as u64)
-            .saturating_add(offset as u64)
+    fn order(&mut self, epoch: u64) -> &[usize] {
+        let plan = &self.plan;
+        self.orders
+            .entry(epoch)
+            .or_insert_with(|| plan.sampler().global_order(epoch, plan.batch_size()))
     }
 
-    fn order(&mut self, epoch: u64) -> &EpochOrder {
-        let used = self.used_per_epoch();
-        let n = self.sampler.num_samples();
-        let sampler = &self.sampler;
-        self.orders.entry(epoch).or_insert_with(|| {
-            let mut order = sampler.epoch_order(epoch);
-            order.truncate(used);
-            let mut offset_of = vec![NOT_IN_EPOCH; n];
-            for (i, &s) in order.iter().enumerate() {
-                if let Some(slot) = offset_of.get_mut(s) {
-                    *slot = i as u32;
+    fn uses(&mut self, epoch: u64) -> &EpochUses {
+        if !self.uses.contains_key(&epoch) {
+            let n = self.plan.sampler().num_samples();
+            let (lo, hi) = (epoch * n as u64, (epoch + 1) * n as u64);
+            let mut position_of = vec![NOT_IN_EPOCH; n];
+            let steps = self.plan.steps_touching(lo, hi);
+            let ranges: Vec<_> = steps.map(|s| self.plan.range(s)).collect();
+            let order = self.order(epoch).to_vec();
+            for r in ranges {
+                for pos in r.start.max(lo)..r.end.min(hi) {
+                    if let Some(&sample) = order.get((pos - lo) as usize) {
+                        position_of[sample] = pos;
+                    }
                 }
             }
-            EpochOrder { order, offset_of }
-        })
-    }
-
-    /// The samples of batch `step` of `epoch`. Orders of epochs before
-    /// `epoch` are let go.
-    pub fn batch(&mut self, epoch: u64, step: usize) -> Vec<usize> {
-        while let Some((&first, _)) = self.orders.first_key_value() {
-            if first >= epoch {
-                break;
-            }
-            self.orders.remove(&first);
+            self.uses.insert(epoch, EpochUses { position_of });
         }
-        let b = self.batch_size;
-        let order = &self.order(epoch).order;
-        order
-            .get(step * b..(step + 1) * b)
-            .map(<[usize]>::to_vec)
-            .unwrap_or_default()
+        &self.uses[&epoch]
     }
 
-    /// The first use of `sample` in epoch `epoch` or later: its position in
-    /// `epoch`, [`FAR_FUTURE`] (plus the sample) when it is not used in
-    /// `epoch` but a later epoch of the run exists, `None` when the run ends
-    /// before.
+    /// The batch of global `step`: its first stream position and samples.
+    /// Orders of epochs before the batch's first sample are let go.
+    pub fn batch(&mut self, step: u64) -> (u64, Vec<usize>) {
+        let range = self.plan.range(step);
+        let n = self.plan.sampler().num_samples() as u64;
+        let first_epoch = range.start / n;
+        self.uses = self.uses.split_off(&first_epoch);
+        self.orders = self.orders.split_off(&first_epoch);
+        let mut samples = Vec::with_capacity((range.end - range.start) as usize);
+        for pos in range.clone() {
+            let order = self.order(pos / n);
+            samples.push(order[(pos % n) as usize]);
+        }
+        (range.start, samples)
+    }
+
+    /// The first use of `sample` in epoch `epoch` or later: its stream
+    /// position in `epoch`, [`FAR_FUTURE`] (plus the sample) when this rank
+    /// does not use it in `epoch` but a later epoch of the run exists,
+    /// `None` when the run ends before.
     pub fn next_use_from(&mut self, epoch: u64, sample: usize) -> Option<u64> {
-        if epoch >= self.epochs {
+        let epochs = self.plan.epochs();
+        if epoch >= epochs {
             return None;
         }
-        let offset = self
-            .order(epoch)
-            .offset_of
+        let pos = self
+            .uses(epoch)
+            .position_of
             .get(sample)
             .copied()
             .unwrap_or(NOT_IN_EPOCH);
-        if offset != NOT_IN_EPOCH {
-            Some(self.position(epoch, offset as usize))
-        } else if epoch + 1 < self.epochs {
+        if pos != NOT_IN_EPOCH {
+            Some(pos)
+        } else if epoch + 1 < epochs {
             Some(FAR_FUTURE + sample as u64)
         } else {
             None
         }
     }
 
-    /// The next use of `sample` after its use in `epoch`.
-    pub fn next_use_after(&mut self, epoch: u64, sample: usize) -> Option<u64> {
+    /// The next use of `sample` after its use at stream position `pos`.
+    pub fn next_use_after(&mut self, pos: u64, sample: usize) -> Option<u64> {
+        let epoch = self.plan.epoch_of(pos);
         self.next_use_from(epoch.saturating_add(1), sample)
     }
 }
@@ -508,8 +521,8 @@ enum Source {
 struct Waiting {
     /// `(slot seq, index in the batch)`, first need first.
     waiters: Vec<(u64, usize)>,
-    /// Epoch of the latest waiter.
-    last_epoch: u64,
+    /// Stream position of the latest use waiting.
+    last_pos: u64,
     /// Absolute position of the first need.
     first_need: u64,
     source: Source,
@@ -577,8 +590,8 @@ struct Pump {
     cache: TieredCache,
     shared: Arc<Shared>,
     tx: mpsc::Sender<Item>,
-    /// The next batch to plan.
-    next: Option<(u64, usize)>,
+    /// The global step to plan next.
+    next: Option<u64>,
     /// Epoch whose far-future cache entries were last re-examined.
     rekeyed: Option<u64>,
     slots: VecDeque<Slot>,
@@ -674,21 +687,18 @@ impl Pump {
 
     /// Plans batches while the window admits them.
     async fn plan(&mut self) -> Result<(), LoaderError> {
-        while let Some((epoch, step)) = self.next {
+        while let Some(step) = self.next {
             if !self.window.admits(self.ahead, self.settings.batch_size) {
                 break;
             }
-            if self.rekeyed != Some(epoch) {
-                self.rekey(epoch).await;
+            let (first, indices) = self.schedule.batch(step);
+            let last = first + (indices.len() as u64).saturating_sub(1);
+            let last_epoch = self.schedule.plan().epoch_of(last);
+            if self.rekeyed != Some(last_epoch) {
+                self.rekey(last_epoch).await;
             }
-            self.plan_batch(epoch, step).await?;
-            self.next = if step + 1 < self.schedule.steps_per_epoch() {
-                Some((epoch, step + 1))
-            } else if epoch + 1 < self.settings.epochs {
-                Some((epoch + 1, 0))
-            } else {
-                None
-            };
+            self.plan_batch(step, first, indices).await?;
+            self.next = (step + 1 < self.schedule.end_step()).then_some(step + 1);
         }
         Ok(())
     }
@@ -705,24 +715,30 @@ impl Pump {
         }
     }
 
-    async fn plan_batch(&mut self, epoch: u64, step: usize) -> Result<(), LoaderError> {
-        let indices = self.schedule.batch(epoch, step);
+    async fn plan_batch(
+        &mut self,
+        step: u64,
+        first: u64,
+        indices: Vec<usize>,
+    ) -> Result<(), LoaderError> {
+        let epoch = self.schedule.plan().epoch_of(first);
         let seq = self.base_seq + self.slots.len() as u64;
         let mut slot = Slot {
             pos: BatchPos {
                 epoch,
-                step_in_epoch: step,
+                step,
+                first,
+                samples: Arc::from(indices.as_slice()),
             },
             records: vec![None; indices.len()],
             missing: indices.len(),
             indices: Vec::new(),
         };
-        let first_offset = step * self.settings.batch_size;
         for (i, &sample) in indices.iter().enumerate() {
-            let position = self.schedule.position(epoch, first_offset + i);
+            let position = first + i as u64;
             if let Some(w) = self.waiting.get_mut(&sample) {
                 w.waiters.push((seq, i));
-                w.last_epoch = epoch;
+                w.last_pos = position;
                 continue;
             }
             if let Some(h) = self.held.get_mut(&sample) {
@@ -731,7 +747,7 @@ impl Pump {
                 slot.records[i] = Some(bytes.clone());
                 slot.missing -= 1;
                 self.shared.stats.update(epoch, |s| s.memory_hits += 1);
-                let next = self.schedule.next_use_after(epoch, sample);
+                let next = self.schedule.next_use_after(position, sample);
                 self.cache.offer(sample as u64, &bytes, next).await;
                 continue;
             }
@@ -747,7 +763,7 @@ impl Pump {
                         },
                     );
                     self.shared.stats.update(epoch, |s| s.memory_hits += 1);
-                    let next = self.schedule.next_use_after(epoch, sample);
+                    let next = self.schedule.next_use_after(position, sample);
                     self.cache.offer(sample as u64, &bytes, next).await;
                     continue;
                 }
@@ -767,7 +783,7 @@ impl Pump {
                 sample,
                 Waiting {
                     waiters: vec![(seq, i)],
-                    last_epoch: epoch,
+                    last_pos: position,
                     first_need: position,
                     source,
                 },
@@ -916,7 +932,7 @@ impl Pump {
                 },
             );
         }
-        let next = self.schedule.next_use_after(w.last_epoch, sample);
+        let next = self.schedule.next_use_after(w.last_pos, sample);
         self.cache.offer(sample as u64, &bytes, next).await;
     }
 
@@ -938,8 +954,8 @@ impl Pump {
         let records: Vec<Bytes> = slot.records.into_iter().flatten().collect();
         if records.len() != slot.indices.len() {
             return Err(LoaderError::Task(format!(
-                "batch {} of epoch {} is missing samples",
-                slot.pos.step_in_epoch, slot.pos.epoch
+                "batch of step {} (epoch {}) is missing samples",
+                slot.pos.step, slot.pos.epoch
             )));
         }
         let epoch = slot.pos.epoch;
@@ -968,8 +984,8 @@ impl Pump {
         });
         if decoded.batch.is_empty() {
             return Err(LoaderError::Task(format!(
-                "batch {} of epoch {epoch} has no sample left after skipping undecodable ones",
-                slot.pos.step_in_epoch
+                "batch of step {} (epoch {epoch}) has no sample left after skipping undecodable ones",
+                slot.pos.step
             )));
         }
         Ok((slot.pos, Arc::new(decoded.batch)))
@@ -1019,7 +1035,7 @@ async fn fetch_with_retry(
 pub struct Loader {
     rx: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     shared: Arc<Shared>,
-    steps_per_epoch: usize,
+    end_step: u64,
     task: JoinHandle<()>,
     /// Operations queued on the disk tier and not finished, if there is one.
     disk_ops: Option<watch::Receiver<usize>>,
@@ -1032,18 +1048,29 @@ impl Loader {
         sampler: EpochSampler,
         settings: LoaderSettings,
     ) -> Result<Self, LoaderError> {
-        let schedule = Schedule::new(sampler.clone(), settings.batch_size, settings.epochs)?;
-        let steps = schedule.steps_per_epoch();
-        let first = match &settings.start {
-            Some(point) => sampler.start_at(point, settings.batch_size)?,
-            None => (0, 0),
-        };
+        if settings.batch_size == 0 {
+            return Err(LoaderError::Settings("batch_size must be >= 1".into()));
+        }
+        let origin = settings
+            .start
+            .unwrap_or_else(|| ResumePoint::start(sampler.seed()));
+        let plan = sampler.plan_from(settings.batch_size, settings.epochs, origin)?;
+        let first = settings.first_step.unwrap_or(origin.step);
+        if first < origin.step {
+            return Err(SamplerError::StepBeforeResume {
+                step: first,
+                origin: origin.step,
+            }
+            .into());
+        }
+        let schedule = Schedule::new(plan)?;
+        let end_step = schedule.end_step();
         if settings.max_inflight_requests == 0 || settings.ready_batches == 0 {
             return Err(LoaderError::Settings(
                 "max_inflight_requests and ready_batches must be >= 1".into(),
             ));
         }
-        let next = (steps > 0 && first.0 < settings.epochs).then_some(first);
+        let next = (first < end_step).then_some(first);
         let cache = TieredCache::new(settings.memory_cache_bytes, settings.disk_cache.clone())?;
         let disk_ops = cache.disk().map(|d| d.pending_ops());
         let (tx, rx) = mpsc::channel(settings.ready_batches);
@@ -1084,26 +1111,25 @@ impl Loader {
         Ok(Self {
             rx: tokio::sync::Mutex::new(rx),
             shared,
-            steps_per_epoch: steps,
+            end_step,
             task,
             disk_ops,
         })
     }
 
-    /// Like [`Loader::start`], beginning at batch `step` of `epoch`.
+    /// Like [`Loader::start`], beginning at global step `step`.
     pub fn start_at(
         reader: DatasetReader,
         sampler: EpochSampler,
         settings: LoaderSettings,
-        epoch: u64,
-        step: usize,
+        step: u64,
     ) -> Result<Self, LoaderError> {
-        let point = sampler.resume_point(epoch, step);
-        Self::start(reader, sampler, settings.resume_from(point))
+        Self::start(reader, sampler, settings.starting_at(step))
     }
 
-    pub fn steps_per_epoch(&self) -> usize {
-        self.steps_per_epoch
+    /// The first global step this worker has no batch for.
+    pub fn end_step(&self) -> u64 {
+        self.end_step
     }
 
     /// The per-epoch counters.
@@ -1227,27 +1253,35 @@ mod tests {
 
     #[test]
     fn schedule_positions_and_next_uses() {
+        // One worker, batches of 3 over 10 samples: step 3 straddles into
+        // epoch 1.
         let sampler = EpochSampler::new(10, 1, 0, 3).unwrap();
-        let mut s = Schedule::new(sampler.clone(), 3, 3).unwrap();
-        assert_eq!((s.steps_per_epoch(), s.used_per_epoch()), (3, 9));
-        let e1 = sampler.epoch_order(1);
-        let b = s.batch(1, 2);
-        assert_eq!(b, e1[6..9].to_vec());
-        // A sample's next use after epoch 0 is its position in epoch 1.
-        let x = e1[4];
-        assert_eq!(s.next_use_after(0, x), Some(9 + 4));
-        // The sample dropped from epoch 1's tail is "far" (epoch 2 exists).
-        let dropped = e1[9];
-        assert_eq!(
-            s.next_use_after(0, dropped),
-            Some(FAR_FUTURE + dropped as u64)
+        let mut s = Schedule::new(sampler.plan(3, 3)).unwrap();
+        assert_eq!(s.end_step(), 10);
+        let (e0, e1, e2) = (
+            sampler.global_order(0, 3),
+            sampler.global_order(1, 3),
+            sampler.global_order(2, 3),
         );
+        assert_eq!(s.batch(3), (9, vec![e0[9], e1[0], e1[1]]));
+        // A sample's next use after epoch 0 is its stream position in epoch 1.
+        let x = e1[4];
+        assert_eq!(s.next_use_after(4, x), Some(10 + 4));
         // After the last epoch nothing is needed again.
-        assert_eq!(s.next_use_after(2, x), None);
-        let e2 = sampler.epoch_order(2);
-        assert_eq!(s.next_use_from(2, e2[0]), Some(18));
-        // Past the end, no batch.
-        assert!(s.batch(1, 3).is_empty());
+        assert_eq!(s.next_use_after(25, x), None);
+        assert_eq!(s.next_use_from(2, e2[0]), Some(20));
+        // The last step is short, and past the end there is no batch.
+        assert_eq!(s.batch(9), (27, e2[7..10].to_vec()));
+        assert_eq!(s.batch(10).1, Vec::<usize>::new());
+
+        // Rank 1 of 2 takes stream positions 10, 11, 15, 16 and 17 of epoch 1:
+        // the rest of epoch 1 is not its own, so only "later".
+        let rank1 = EpochSampler::new(10, 2, 1, 3).unwrap();
+        let mut s = Schedule::new(rank1.plan(3, 3)).unwrap();
+        assert_eq!(s.next_use_from(1, e1[6]), Some(16));
+        assert_eq!(s.next_use_from(1, e1[2]), Some(FAR_FUTURE + e1[2] as u64));
+        assert_eq!(s.next_use_from(2, e2[0]), None);
+        assert_eq!(s.next_use_from(2, e2[2]), Some(22));
     }
 
     #[test]

@@ -268,11 +268,12 @@ fn run() -> anyhow::Result<()> {
                 cfg.training.device = device;
                 cfg.validate().context("--device")?;
             }
-            if rank as usize >= cfg.cluster.workers {
+            let ranks = cfg.cluster.max_ranks();
+            if rank as usize >= ranks {
                 bail!(
-                    "--rank {rank}: the cluster has {} workers (ranks 0..{})",
+                    "--rank {rank}: the cluster admits ranks 0..{ranks} (cluster.workers = {}, cluster.max_workers = {})",
                     cfg.cluster.workers,
-                    cfg.cluster.workers
+                    cfg.cluster.max_workers
                 );
             }
             train(cfg, rank, !no_progress, report)
@@ -308,6 +309,7 @@ fn train(
         crash_after_steps: None,
         stop: Some(stop_rx),
         steps_done: None,
+        trained: None,
     };
     let system = actix::System::new();
     let report = system

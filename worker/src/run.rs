@@ -21,7 +21,7 @@ use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
 use ps_shared::config::{ClusterConfig, CompressionKind, OnBadSample};
 use ps_shared::dataplane::CostModel;
-use ps_shared::sampler::{EpochSampler, ResumePoint};
+use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 use ps_shared::simstore::SimStore;
 use ps_shared::sparse::Compressor;
 
@@ -86,6 +86,21 @@ pub struct WorkerOptions {
     /// When this turns true the worker says goodbye after its current step
     /// and stops with [`WorkerError::Interrupted`] (SIGTERM, Ctrl-C).
     pub stop: Option<tokio::sync::watch::Receiver<bool>>,
+    /// Receives every batch this worker trained, once its step's exchange
+    /// returned (tests check which samples a run saw).
+    pub trained: Option<tokio::sync::mpsc::UnboundedSender<TrainedBatch>>,
+}
+
+/// One batch a worker trained (see [`WorkerOptions::trained`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrainedBatch {
+    pub rank: u32,
+    /// The global step.
+    pub step: u64,
+    /// Stream position of the first sample: sample `i` of `samples` was
+    /// position `first + i` of the run's sample stream.
+    pub first: u64,
+    pub samples: Arc<[usize]>,
 }
 
 /// What one epoch did.
@@ -276,19 +291,28 @@ pub async fn run_worker(
         )));
     }
     let test = Arc::new(reader.fetch_all(Split::Test).await?);
+    let world = cfg.cluster.workers;
+    if rank as usize >= cfg.cluster.max_ranks() {
+        return Err(WorkerError::Sampler(format!(
+            "rank {rank} is beyond cluster.workers = {world} (and cluster.max_workers = {})",
+            cfg.cluster.max_workers
+        )));
+    }
+    // Ranks beyond the starting count (asp/ssp with cluster.max_workers)
+    // take the part of rank `rank % workers`: see the README, "Changing the
+    // worker count".
     let sampler = EpochSampler::new(
         manifest.train.num_samples,
-        cfg.cluster.workers,
-        rank as usize,
+        world,
+        rank as usize % world,
         cfg.data.seed,
     )
     .map_err(|e| WorkerError::Sampler(e.to_string()))?
     .with_partition(cfg.data.partition);
-    let steps_per_epoch = sampler.steps_per_epoch(cfg.data.batch_size) as u64;
-    if steps_per_epoch == 0 {
+    if manifest.train.num_samples < world * cfg.data.batch_size {
         return Err(WorkerError::Mismatch(format!(
-            "{} training samples over {} workers is less than one batch of {}",
-            manifest.train.num_samples, cfg.cluster.workers, cfg.data.batch_size
+            "{} training samples over {world} workers is less than one batch of {}",
+            manifest.train.num_samples, cfg.data.batch_size
         )));
     }
 
@@ -318,19 +342,30 @@ pub async fn run_worker(
         // at the cluster's step when this worker rejoins a run under way.
         let settings = LoaderSettings::from_config(cfg, &manifest, rank);
         let early = Loader::start(reader.clone(), sampler.clone(), settings.clone())?;
-        let comm =
-            CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?).start();
+        let comm = Comm::connect(cfg, rank, opts.tls.clone(), params).await?;
+        let data = comm.data_start();
+        let comm = CommActor::new(comm).start();
         let (start_params, start_step, _) = comm.send(Join).await??;
         trainer.send(ApplyUpdates(start_params)).await??;
         trainer.send(SetStep(start_step)).await?;
-        let loader = if start_step > 0 {
-            tracing::info!(rank, start_step, "rejoining the run");
+        // The servers say where the sample stream stands: global step
+        // `data.step` starts after `data.samples` samples of the stream.
+        let n = manifest.train.num_samples;
+        let origin = ResumePoint::at_stream(data.step, data.samples, n, cfg.data.seed);
+        let plan = sampler
+            .plan_from(cfg.data.batch_size, cfg.training.epochs, origin)
+            .map_err(|e| WorkerError::Sampler(e.to_string()))?;
+        let loader = if start_step > 0 || data.step > 0 || data.samples > 0 {
+            let point = plan.resume_point(start_step.max(data.step));
+            tracing::info!(
+                rank,
+                start_step,
+                epoch = point.epoch,
+                consumed = point.consumed,
+                "rejoining the run"
+            );
             drop(early);
-            let settings = settings.resume_from(ResumePoint {
-                epoch: start_step / steps_per_epoch,
-                step: (start_step % steps_per_epoch) as usize,
-                seed: cfg.data.seed,
-            });
+            let settings = settings.resume_from(origin).starting_at(start_step);
             Loader::start(reader, sampler, settings)?
         } else {
             early
@@ -340,7 +375,7 @@ pub async fn run_worker(
             comm,
             loader,
             start_step,
-            steps_per_epoch,
+            plan,
             num_params,
         };
         train(cfg, &opts, &trainer, test, run).await
@@ -355,7 +390,7 @@ struct Run {
     comm: Addr<CommActor>,
     loader: Addr<LoaderActor>,
     start_step: u64,
-    steps_per_epoch: u64,
+    plan: RankPlan,
     num_params: usize,
 }
 
@@ -371,14 +406,14 @@ async fn train(
         comm,
         loader,
         start_step,
-        steps_per_epoch,
+        plan,
         num_params,
     } = run;
     let loader = &loader;
 
     let epochs = cfg.training.epochs;
     let bar = if opts.progress {
-        let bar = ProgressBar::new(epochs * steps_per_epoch);
+        let bar = ProgressBar::new(plan.end_step());
         bar.set_style(
             ProgressStyle::with_template(
                 "{prefix} [{elapsed_precise}] {bar:30} {pos}/{len} steps {msg}",
@@ -393,7 +428,7 @@ async fn train(
     let mut metrics = open_metrics(cfg, rank)?;
     let mut reports = Vec::new();
     let mut acc = EpochAcc::default();
-    let mut epoch = start_step / steps_per_epoch;
+    let mut epoch = plan.resume_point(start_step).epoch;
     let mut step = start_step;
     bar.set_position(start_step);
     let mut evals = Evals::new(
@@ -501,6 +536,14 @@ async fn train(
         let t_comm = Instant::now();
         let (updates, traffic) = exchange.await??;
         acc.comm += t_comm.elapsed();
+        if let Some(tx) = &opts.trained {
+            let _ = tx.send(TrainedBatch {
+                rank,
+                step: pos.step,
+                first: pos.first,
+                samples: pos.samples.clone(),
+            });
+        }
         let workers = cfg.cluster.workers as u32;
         if traffic.live_workers < workers {
             if acc.min_live.is_none_or(|m| traffic.live_workers < m) {

@@ -481,24 +481,32 @@ async fn on_demand(
         ..RunResult::default()
     };
     let start = Instant::now();
-    for epoch in 0..epochs {
-        let t_epoch = Instant::now();
-        let mut wait = Duration::ZERO;
-        for indices in sampler.batches(epoch, batch) {
-            let t = Instant::now();
-            let b = reader.fetch_batch(Split::Train, &indices).await?;
-            wait += t.elapsed();
-            if b.len() != batch {
-                bail!("{name}: a batch of {} samples", b.len());
-            }
-            r.batches += 1;
-            let t = Instant::now();
-            tokio::time::sleep(compute).await;
-            r.compute_s += t.elapsed().as_secs_f64();
+    // The run's batches in order; a batch belongs to the epoch of its first
+    // sample, and only the run's last batch may be short.
+    let batches = sampler.plan(batch, epochs).batches_from(0);
+    let last = batches.len().saturating_sub(1);
+    let mut epoch = 0u64;
+    let mut t_epoch = start;
+    let mut wait = Duration::ZERO;
+    for (i, planned) in batches.into_iter().enumerate() {
+        if planned.epoch != epoch {
+            r.epoch_wait_s.push(wait.as_secs_f64());
+            r.epoch_total_s.push(t_epoch.elapsed().as_secs_f64());
+            (epoch, t_epoch, wait) = (planned.epoch, Instant::now(), Duration::ZERO);
         }
-        r.epoch_wait_s.push(wait.as_secs_f64());
-        r.epoch_total_s.push(t_epoch.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let b = reader.fetch_batch(Split::Train, &planned.samples).await?;
+        wait += t.elapsed();
+        if b.len() != batch && i != last {
+            bail!("{name}: a batch of {} samples", b.len());
+        }
+        r.batches += 1;
+        let t = Instant::now();
+        tokio::time::sleep(compute).await;
+        r.compute_s += t.elapsed().as_secs_f64();
     }
+    r.epoch_wait_s.push(wait.as_secs_f64());
+    r.epoch_total_s.push(t_epoch.elapsed().as_secs_f64());
     r.total_s = start.elapsed().as_secs_f64();
     r.data_wait_s = r.epoch_wait_s.iter().sum();
     Ok(r)
@@ -536,7 +544,7 @@ async fn with_loader(
             (epoch, t_epoch, wait) = (pos.epoch, Instant::now(), Duration::ZERO);
         }
         wait += waited;
-        if b.len() != batch {
+        if b.len() != batch && pos.step + 1 != loader.end_step() {
             bail!("{name}: a batch of {} samples", b.len());
         }
         r.batches += 1;

@@ -395,7 +395,9 @@ pub async fn start(
             hi: range.end,
             segments: segments_within(&range, &tensors),
             rule,
-            workers: cfg.cluster.workers as u32,
+            // The barrier's clients: one per node (per worker when
+            // cluster.workers_per_node is 1).
+            workers: cfg.nodes() as u32,
             mode,
         };
         let mut checkpoint = None;
@@ -458,6 +460,7 @@ pub async fn start(
     let membership = Membership::new(
         MembershipSettings {
             workers: cfg.cluster.workers as u32,
+            workers_per_node: cfg.cluster.workers_per_node as u32,
             token: cfg.cluster.token.clone(),
             num_params: num_params as u64,
             layout_hash,
@@ -556,6 +559,7 @@ async fn authenticate(
                 token,
                 worker_rank,
                 workers,
+                workers_per_node,
                 num_params,
                 layout_hash,
             }) => {
@@ -564,6 +568,7 @@ async fn authenticate(
                     token,
                     worker_rank,
                     workers,
+                    workers_per_node,
                     num_params,
                     layout_hash,
                 };
@@ -581,6 +586,15 @@ async fn authenticate(
     };
     match verdict {
         Ok(actions) => {
+            // The barrier's client: the rank, or its node when several
+            // ranks push through one node aggregator.
+            let client = actions
+                .iter()
+                .find_map(|a| match a {
+                    MemberAction::Joined { rank, .. } => Some(*rank),
+                    _ => None,
+                })
+                .unwrap_or(cert_rank);
             ctx.conns().insert(conn_id, conn.clone());
             ctx.apply(actions);
             let welcome = Response::Welcome {
@@ -589,7 +603,7 @@ async fn authenticate(
                 workers: ctx.workers,
             };
             reply(&mut send, &welcome).await;
-            Ok((conn, cert_rank))
+            Ok((conn, client))
         }
         Err(resp) => {
             let why = format!("{resp:?}");

@@ -321,10 +321,7 @@ impl Membership {
         self.ranks.insert(client, RankState::Live(conn));
         self.ever_joined = true;
         self.all_gone_since = None;
-        Ok(vec![MemberAction::Joined {
-            rank: client,
-            conn,
-        }])
+        Ok(vec![MemberAction::Joined { rank: client, conn }])
     }
 
     /// A request arrived on `conn`: note the activity; `false` when the
@@ -632,11 +629,19 @@ mod tests {
         // Rank 1 pushes through node 0's aggregator, never on its own.
         let e = m.hello(1, 1, &node(1), t0).unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownWorker);
-        assert!(e.message.contains("cluster.workers_per_node"), "{}", e.message);
+        assert!(
+            e.message.contains("cluster.workers_per_node"),
+            "{}",
+            e.message
+        );
         // A worker configured without nodes is refused by name.
         let e = m.hello(2, 0, &hello(0, 4), t0).unwrap_err();
         assert_eq!(e.code, ErrorCode::WorkerCountMismatch);
-        assert!(e.message.contains("cluster.workers_per_node"), "{}", e.message);
+        assert!(
+            e.message.contains("cluster.workers_per_node"),
+            "{}",
+            e.message
+        );
         // Ranks 0 and 2 are nodes 0 and 1.
         let a = m.hello(3, 0, &node(0), t0).unwrap();
         assert_eq!(a, vec![MemberAction::Joined { rank: 0, conn: 3 }]);
@@ -646,7 +651,8 @@ mod tests {
         m.bye(3, t0);
         let out = m.bye(4, t0);
         assert!(
-            out.iter().any(|a| matches!(a, MemberAction::Exit { ok: true, .. })),
+            out.iter()
+                .any(|a| matches!(a, MemberAction::Exit { ok: true, .. })),
             "{out:?}"
         );
     }

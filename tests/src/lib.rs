@@ -2,13 +2,13 @@
 
 use std::sync::Arc;
 
+use futures::future::{FutureExt, LocalBoxFuture};
 use object_store::{memory::InMemory, path::Path, ObjectStore};
 use ps_dataset::{synthetic, write_dataset, SyntheticSpec};
 use ps_server::net::ServerTls;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::pki::{CertPair, ClusterCa};
 use ps_worker::comm::WorkerTls;
-use futures::future::{FutureExt, LocalBoxFuture};
 use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions, WorkerReport};
 
 /// A cluster CA with a loopback server certificate and one client
@@ -172,8 +172,7 @@ pub fn run_cluster_detailed(
             epoch_lines: true,
             ..pki.options(rank)
         };
-        let runs: Vec<LocalBoxFuture<'_, Vec<Result<WorkerReport, WorkerError>>>> = if wpn == 1
-        {
+        let runs: Vec<LocalBoxFuture<'_, Vec<Result<WorkerReport, WorkerError>>>> = if wpn == 1 {
             (0..cfg.cluster.workers as u32)
                 .map(|rank| {
                     let run = run_worker(&cfg, opts(rank), store.clone(), prefix.clone());

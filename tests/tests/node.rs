@@ -112,8 +112,7 @@ fn compare(kind: CompressionKind, density: f64, epochs: u64, bound: f32) -> (f32
     let acc = |r: &[WorkerReport]| r[0].final_accuracy;
     for r in &node {
         assert_eq!(
-            r.final_accuracy,
-            node[0].final_accuracy,
+            r.final_accuracy, node[0].final_accuracy,
             "rank {} holds a different model than rank 0",
             r.rank
         );

@@ -658,11 +658,18 @@ mod tests {
             let (u, t) = r.as_ref().unwrap();
             assert_eq!(u.len(), 1);
             assert_eq!(u[0].offset, 4);
-            assert_eq!((t.round_trips, t.live_workers, t.density), (2, 4, Some(0.01)));
+            assert_eq!(
+                (t.round_trips, t.live_workers, t.density),
+                (2, 4, Some(0.01))
+            );
             pushed += t.pushed;
             pulled += t.pulled;
         }
-        assert_eq!((pushed, pulled), (1001, 10), "shares add up to the node's bytes");
+        assert_eq!(
+            (pushed, pulled),
+            (1001, 10),
+            "shares add up to the node's bytes"
+        );
         let failed = fan_out(
             Err(NodeError::Failed {
                 node: 1,
@@ -685,7 +692,11 @@ mod tests {
         };
         assert!(matches!(
             Node::new(&cfg, 1, tls.clone()).member(0),
-            Err(NodeError::NotMember { first: 2, end: 4, .. })
+            Err(NodeError::NotMember {
+                first: 2,
+                end: 4,
+                ..
+            })
         ));
         assert!(node_members(&cfg, 2, tls.clone()).is_err(), "only 2 nodes");
         let system = actix::System::new();

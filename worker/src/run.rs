@@ -436,8 +436,9 @@ async fn run_rank(
         let early = Loader::start(reader.clone(), sampler.clone(), settings.clone())?;
         let (exchange, start_params, start_step) = match node {
             None => {
-                let comm = CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?)
-                    .start();
+                let comm =
+                    CommActor::new(Comm::connect(cfg, rank, opts.tls.clone(), params).await?)
+                        .start();
                 let (start_params, start_step, _) = comm.send(Join).await??;
                 (Exchange::Flat(comm), start_params, start_step)
             }

@@ -70,7 +70,9 @@ pub struct ShardSetup {
     /// Tensor boundaries inside the shard (local ranges), for LARS.
     pub segments: Vec<std::ops::Range<usize>>,
     pub rule: crate::optimizer::UpdateRule,
-    /// Worker ranks `0..workers` form the barrier.
+    /// Clients `0..workers` form the barrier: the worker ranks, or the
+    /// nodes when `cluster.workers_per_node` > 1 (each node pushes once for
+    /// its ranks).
     pub workers: u32,
     pub mode: Mode,
 }

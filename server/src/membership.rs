@@ -16,7 +16,7 @@
 //! let t0 = Instant::now();
 //! let mut m = Membership::new(MembershipSettings { workers: 1, ..MembershipSettings::default() }, t0);
 //! assert!(m.connection_opened(1, t0).is_ok());
-//! let hello = Hello { protocol_version: ps_shared::protocol::PROTOCOL_VERSION, token: "t0ken-123".into(), worker_rank: 0, workers: 1, num_params: 10, layout_hash: 7 };
+//! let hello = Hello { protocol_version: ps_shared::protocol::PROTOCOL_VERSION, token: "t0ken-123".into(), worker_rank: 0, workers: 1, workers_per_node: 1, num_params: 10, layout_hash: 7 };
 //! let settings = MembershipSettings { workers: 1, token: "t0ken-123".into(), num_params: 10, layout_hash: 7, ..MembershipSettings::default() };
 //! let mut m = Membership::new(settings, t0);
 //! m.connection_opened(1, t0).unwrap();
@@ -39,6 +39,7 @@ pub struct Hello {
     pub token: String,
     pub worker_rank: u32,
     pub workers: u32,
+    pub workers_per_node: u32,
     pub num_params: u64,
     pub layout_hash: u64,
 }
@@ -51,6 +52,9 @@ pub struct MembershipSettings {
     /// Ranks `workers..max_workers` may join beyond the starting count
     /// (`cluster.max_workers`, ASP and SSP only); at most `workers` means none.
     pub max_workers: u32,
+    /// `cluster.workers_per_node`: the servers' clients are the nodes, each
+    /// connecting as its first rank and counted as client `rank / workers_per_node`.
+    pub workers_per_node: u32,
     pub token: String,
     pub num_params: u64,
     pub layout_hash: u64,
@@ -69,11 +73,20 @@ pub struct MembershipSettings {
     pub exit_when_done: bool,
 }
 
+impl MembershipSettings {
+    /// The clients in the barrier: one per node (one per worker when
+    /// `workers_per_node` is 1).
+    pub fn clients(&self) -> u32 {
+        self.workers / self.workers_per_node.max(1)
+    }
+}
+
 impl Default for MembershipSettings {
     fn default() -> Self {
         Self {
             workers: 2,
             max_workers: 0,
+            workers_per_node: 1,
             token: String::new(),
             num_params: 0,
             layout_hash: 0,
@@ -155,7 +168,7 @@ pub struct Membership {
 impl Membership {
     pub fn new(settings: MembershipSettings, now: Instant) -> Self {
         Self {
-            ranks: (0..settings.workers)
+            ranks: (0..settings.clients())
                 .map(|r| (r, RankState::Pending))
                 .collect(),
             s: settings,
@@ -260,12 +273,12 @@ impl Membership {
                 ),
             ));
         }
-        if hello.workers != self.s.workers {
+        if hello.workers != self.s.workers || hello.workers_per_node != self.s.workers_per_node {
             return Err(refused(
                 ErrorCode::WorkerCountMismatch,
                 format!(
-                    "worker is configured for cluster.workers = {}, this server for {}",
-                    hello.workers, self.s.workers
+                    "worker is configured for cluster.workers = {} and cluster.workers_per_node = {}, this server for {} and {}",
+                    hello.workers, hello.workers_per_node, self.s.workers, self.s.workers_per_node
                 ),
             ));
         }
@@ -283,6 +296,19 @@ impl Membership {
             };
             return Err(refused(ErrorCode::UnknownWorker, message));
         }
+        let wpn = self.s.workers_per_node.max(1);
+        if cert_rank % wpn != 0 {
+            return Err(refused(
+                ErrorCode::UnknownWorker,
+                format!(
+                    "rank {cert_rank} is not the first rank of its node (cluster.workers_per_node = {wpn}): node {} pushes as rank {}",
+                    cert_rank / wpn,
+                    cert_rank / wpn * wpn
+                ),
+            ));
+        }
+        // The barrier counts clients: nodes when several ranks share one.
+        let client = cert_rank / wpn;
         if hello.num_params != self.s.num_params || hello.layout_hash != self.s.layout_hash {
             return Err(refused(
                 ErrorCode::LayoutMismatch,
@@ -292,7 +318,7 @@ impl Membership {
                 ),
             ));
         }
-        if let Some(RankState::Live(other)) = self.ranks.get(&cert_rank) {
+        if let Some(RankState::Live(other)) = self.ranks.get(&client) {
             if self.conns.contains_key(other) {
                 return Err(refused(
                     ErrorCode::RankInUse,
@@ -301,16 +327,13 @@ impl Membership {
             }
         }
         if let Some(c) = self.conns.get_mut(&conn) {
-            c.rank = Some(cert_rank);
+            c.rank = Some(client);
             c.last_seen = now;
         }
-        self.ranks.insert(cert_rank, RankState::Live(conn));
+        self.ranks.insert(client, RankState::Live(conn));
         self.ever_joined = true;
         self.all_gone_since = None;
-        Ok(vec![MemberAction::Joined {
-            rank: cert_rank,
-            conn,
-        }])
+        Ok(vec![MemberAction::Joined { rank: client, conn }])
     }
 
     /// A request arrived on `conn`: note the activity; `false` when the
@@ -470,7 +493,7 @@ impl Membership {
                 ok: false,
                 message: format!(
                     "every worker has been gone for more than {:?} ({finished} of {} finished; server.all_gone_grace_secs)",
-                    self.s.all_gone_grace, self.s.workers
+                    self.s.all_gone_grace, self.s.clients()
                 ),
             });
         }
@@ -490,6 +513,7 @@ mod tests {
         MembershipSettings {
             workers,
             max_workers: 0,
+            workers_per_node: 1,
             token: "secret-token".into(),
             num_params: 100,
             layout_hash: 42,
@@ -509,6 +533,7 @@ mod tests {
             token: "secret-token".into(),
             worker_rank: rank,
             workers,
+            workers_per_node: 1,
             num_params: 100,
             layout_hash: 42,
         }
@@ -629,6 +654,55 @@ mod tests {
         ));
         let joined = m.hello(2, 0, &hello(0, 2), t0).unwrap();
         assert_eq!(joined, vec![MemberAction::Joined { rank: 0, conn: 2 }]);
+    }
+
+    #[test]
+    fn nodes_join_as_their_first_rank_and_count_as_one_client() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(
+            MembershipSettings {
+                workers_per_node: 2,
+                max_unauthenticated: 4,
+                ..settings(4)
+            },
+            t0,
+        );
+        let node = |rank| Hello {
+            workers_per_node: 2,
+            ..hello(rank, 4)
+        };
+        for conn in 1..=4 {
+            m.connection_opened(conn, t0).unwrap();
+        }
+        // Rank 1 pushes through node 0's aggregator, never on its own.
+        let e = m.hello(1, 1, &node(1), t0).unwrap_err();
+        assert_eq!(e.code, ErrorCode::UnknownWorker);
+        assert!(
+            e.message.contains("cluster.workers_per_node"),
+            "{}",
+            e.message
+        );
+        // A worker configured without nodes is refused by name.
+        let e = m.hello(2, 0, &hello(0, 4), t0).unwrap_err();
+        assert_eq!(e.code, ErrorCode::WorkerCountMismatch);
+        assert!(
+            e.message.contains("cluster.workers_per_node"),
+            "{}",
+            e.message
+        );
+        // Ranks 0 and 2 are nodes 0 and 1.
+        let a = m.hello(3, 0, &node(0), t0).unwrap();
+        assert_eq!(a, vec![MemberAction::Joined { rank: 0, conn: 3 }]);
+        let b = m.hello(4, 2, &node(2), t0).unwrap();
+        assert_eq!(b, vec![MemberAction::Joined { rank: 1, conn: 4 }]);
+        // Both nodes saying goodbye is every client finished.
+        m.bye(3, t0);
+        let out = m.bye(4, t0);
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, MemberAction::Exit { ok: true, .. })),
+            "{out:?}"
+        );
     }
 
     #[test]

@@ -460,7 +460,9 @@ pub async fn start(
             hi: range.end,
             segments: segments_within(&range, &tensors),
             rule,
-            workers: cfg.cluster.workers as u32,
+            // The barrier's clients: one per node (per worker when
+            // cluster.workers_per_node is 1).
+            workers: cfg.nodes() as u32,
             mode,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
@@ -505,6 +507,7 @@ pub async fn start(
         MembershipSettings {
             workers: cfg.cluster.workers as u32,
             max_workers: cfg.cluster.max_ranks() as u32,
+            workers_per_node: cfg.cluster.workers_per_node as u32,
             token: cfg.cluster.token.clone(),
             num_params: num_params as u64,
             layout_hash,
@@ -604,6 +607,7 @@ async fn authenticate(
                 token,
                 worker_rank,
                 workers,
+                workers_per_node,
                 num_params,
                 layout_hash,
             }) => {
@@ -612,6 +616,7 @@ async fn authenticate(
                     token,
                     worker_rank,
                     workers,
+                    workers_per_node,
                     num_params,
                     layout_hash,
                 };
@@ -629,6 +634,15 @@ async fn authenticate(
     };
     match verdict {
         Ok(actions) => {
+            // The barrier's client: the rank, or its node when several
+            // ranks push through one node aggregator.
+            let client = actions
+                .iter()
+                .find_map(|a| match a {
+                    MemberAction::Joined { rank, .. } => Some(*rank),
+                    _ => None,
+                })
+                .unwrap_or(cert_rank);
             ctx.conns().insert(conn_id, conn.clone());
             ctx.apply(actions);
             let welcome = Response::Welcome {
@@ -640,7 +654,7 @@ async fn authenticate(
                 data_batch: ctx.data.batch,
             };
             reply(&mut send, &welcome).await;
-            Ok((conn, cert_rank))
+            Ok((conn, client))
         }
         Err(resp) => {
             let why = format!("{resp:?}");

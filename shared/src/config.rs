@@ -90,6 +90,12 @@ pub struct ClusterSection {
     /// (the default) means `workers`: nobody joins beyond it. A `bsp`
     /// barrier has a fixed size, so there it must be 0 or `workers`.
     pub max_workers: usize,
+    /// Worker ranks per node (one per GPU). Above 1, the ranks of a node
+    /// (node `n` holds ranks `n * workers_per_node ..`) hand their
+    /// gradients to a node aggregator that sums them, compresses the sum
+    /// and pushes once per node; the servers see each node as its first
+    /// rank. 1 = every worker pushes on its own. Must divide `workers`.
+    pub workers_per_node: usize,
     /// Shared secret workers present when they connect (overridden by `STRATUS_TOKEN`).
     pub token: String,
 }
@@ -113,6 +119,7 @@ impl Default for ClusterSection {
             shards_per_server: 2,
             workers: 2,
             max_workers: 0,
+            workers_per_node: 1,
             token: "stratus-dev-token".into(),
         }
     }
@@ -809,6 +816,24 @@ impl ClusterConfig {
                 ),
             ));
         }
+        if c.workers_per_node == 0 || c.workers % c.workers_per_node != 0 {
+            return Err(invalid(
+                "cluster.workers_per_node",
+                format!(
+                    "must be >= 1 and divide cluster.workers = {} (got {})",
+                    c.workers, c.workers_per_node
+                ),
+            ));
+        }
+        if c.max_ranks() > c.workers && c.workers_per_node > 1 {
+            return Err(invalid(
+                "cluster.max_workers",
+                format!(
+                    "workers join beyond cluster.workers one at a time, so it needs cluster.workers_per_node = 1 (got {})",
+                    c.workers_per_node
+                ),
+            ));
+        }
         if c.token.len() < 8 {
             return Err(invalid(
                 "cluster.token",
@@ -1064,6 +1089,25 @@ impl ClusterConfig {
         self.training.overlap && self.server.mode != SyncMode::Bsp
     }
 
+    /// Number of nodes: `cluster.workers / cluster.workers_per_node`.
+    pub fn nodes(&self) -> usize {
+        self.cluster.workers / self.cluster.workers_per_node.max(1)
+    }
+
+    /// The node that runs worker `rank`.
+    pub fn node_of(&self, rank: u32) -> u32 {
+        rank / self.cluster.workers_per_node.max(1) as u32
+    }
+
+    /// The ranks the servers see as their clients: every rank when each
+    /// worker pushes on its own, otherwise the first rank of each node
+    /// (which pushes for the whole node).
+    pub fn server_clients(&self) -> Vec<u32> {
+        (0..self.cluster.workers as u32)
+            .step_by(self.cluster.workers_per_node.max(1))
+            .collect()
+    }
+
     pub fn total_shards(&self) -> usize {
         self.cluster.servers.len() * self.cluster.shards_per_server
     }
@@ -1113,6 +1157,19 @@ mod tests {
     }
 
     #[test]
+    fn nodes_and_their_server_clients_follow_workers_per_node() {
+        let mut cfg = ClusterConfig::embedded_default().unwrap();
+        cfg.cluster.workers = 6;
+        assert_eq!(cfg.nodes(), 6);
+        assert_eq!(cfg.server_clients(), vec![0, 1, 2, 3, 4, 5]);
+        cfg.cluster.workers_per_node = 3;
+        cfg.validate().unwrap();
+        assert_eq!(cfg.nodes(), 2);
+        assert_eq!(cfg.server_clients(), vec![0, 3]);
+        assert_eq!((cfg.node_of(2), cfg.node_of(3), cfg.node_of(5)), (0, 1, 1));
+    }
+
+    #[test]
     fn unknown_field_is_rejected() {
         let e = ClusterConfig::from_toml_str("[optimizer]\nlearning_rate = 0.1\n").unwrap_err();
         assert!(e.to_string().contains("learning_rate"), "{e}");
@@ -1132,6 +1189,18 @@ mod tests {
             ),
             // Joining beyond the starting count is refused for bsp.
             ("[cluster]\nmax_workers = 4\n", "cluster.max_workers"),
+            (
+                "[cluster]\nworkers = 4\nmax_workers = 6\nworkers_per_node = 2\n[server]\nmode = \"asp\"\n",
+                "cluster.max_workers",
+            ),
+            (
+                "[cluster]\nworkers = 4\nworkers_per_node = 3\n",
+                "cluster.workers_per_node",
+            ),
+            (
+                "[cluster]\nworkers_per_node = 0\n",
+                "cluster.workers_per_node",
+            ),
             ("[cluster]\ntoken = \"short\"\n", "cluster.token"),
             ("[data]\nbatch_size = 0\n", "data.batch_size"),
             ("[data]\ndecode_threads = 0\n", "data.decode_threads"),

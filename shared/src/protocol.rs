@@ -256,6 +256,10 @@ pub enum Request {
         worker_rank: u32,
         /// The worker count this worker was configured with.
         workers: u32,
+        /// `cluster.workers_per_node` of the worker's config: above 1 the
+        /// client is a node aggregator speaking for ranks
+        /// `worker_rank .. worker_rank + workers_per_node`.
+        workers_per_node: u32,
         num_params: u64,
         layout_hash: u64,
     },
@@ -453,6 +457,7 @@ mod tests {
             token: "secret-token".into(),
             worker_rank: 1,
             workers: 2,
+            workers_per_node: 1,
             num_params: 1234,
             layout_hash: 99,
         });

@@ -2,13 +2,14 @@
 
 use std::sync::Arc;
 
+use futures::future::{FutureExt, LocalBoxFuture};
 use object_store::{memory::InMemory, path::Path, ObjectStore};
 use ps_dataset::{synthetic, write_dataset, SyntheticSpec};
 use ps_server::net::ServerTls;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::pki::{CertPair, ClusterCa};
 use ps_worker::comm::WorkerTls;
-use ps_worker::run::{run_worker, WorkerOptions, WorkerReport};
+use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions, WorkerReport};
 
 /// A cluster CA with a loopback server certificate and one client
 /// certificate per worker rank, all in memory.
@@ -105,6 +106,7 @@ pub fn hello(cfg: &ClusterConfig, rank: u32) -> ps_shared::protocol::Request {
         token: cfg.cluster.token.clone(),
         worker_rank: rank,
         workers: cfg.cluster.workers as u32,
+        workers_per_node: cfg.cluster.workers_per_node as u32,
         num_params: cfg.model.num_params() as u64,
         layout_hash: cfg.model.layout_hash(),
     }
@@ -135,8 +137,9 @@ pub async fn start_loopback_server(
 /// Upper bound on a whole in-process cluster run.
 pub const CLUSTER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// Run every server process of `cfg.cluster.servers` and every worker in this process;
-/// returns the workers' reports in rank order.
+/// Run every server process of `cfg.cluster.servers` and every worker in this process
+/// (grouped into nodes when `cluster.workers_per_node` > 1); returns the workers'
+/// reports in rank order.
 pub fn run_cluster(
     cfg: ClusterConfig,
     store: Arc<dyn ObjectStore>,
@@ -163,19 +166,35 @@ pub fn run_cluster_detailed(
             servers.push(server);
         }
         cfg.cluster.servers = servers.iter().map(|s| s.local_addr().to_string()).collect();
-        let workers = (0..cfg.cluster.workers as u32).map(|rank| {
-            let opts = WorkerOptions {
-                epoch_lines: true,
-                ..pki.options(rank)
-            };
-            run_worker(&cfg, opts, store.clone(), prefix.clone())
-        });
-        let reports = tokio::time::timeout(CLUSTER_TIMEOUT, futures::future::join_all(workers))
+        // Every worker, or with cluster.workers_per_node > 1 every node with
+        // its ranks, as tasks of this thread.
+        let wpn = cfg.cluster.workers_per_node.max(1) as u32;
+        let opts = |rank| WorkerOptions {
+            epoch_lines: true,
+            ..pki.options(rank)
+        };
+        let runs: Vec<LocalBoxFuture<'_, Vec<Result<WorkerReport, WorkerError>>>> = if wpn == 1 {
+            (0..cfg.cluster.workers as u32)
+                .map(|rank| {
+                    let run = run_worker(&cfg, opts(rank), store.clone(), prefix.clone());
+                    async move { vec![run.await] }.boxed_local()
+                })
+                .collect()
+        } else {
+            (0..cfg.nodes() as u32)
+                .map(|node| {
+                    let ranks = (node * wpn..(node + 1) * wpn).map(&opts).collect();
+                    run_node(&cfg, node, ranks, store.clone(), prefix.clone()).boxed_local()
+                })
+                .collect()
+        };
+        let reports = tokio::time::timeout(CLUSTER_TIMEOUT, futures::future::join_all(runs))
             .await
             .map_err(|_| anyhow::anyhow!("cluster did not finish within {CLUSTER_TIMEOUT:?}"))
             .and_then(|reports| {
                 reports
                     .into_iter()
+                    .flatten()
                     .map(|r| r.map_err(anyhow::Error::from))
                     .collect::<anyhow::Result<Vec<_>>>()
             });

@@ -82,18 +82,18 @@ fn server_refuses_bad_clients_and_keeps_serving() {
 
         // Hellos that must be refused, each on a connection of its own, and
         // the connection closed afterwards.
-        let Request::Hello { protocol_version, token, worker_rank, workers, num_params, layout_hash } = hello(&cfg, 0) else {
+        let Request::Hello { protocol_version, token, worker_rank, workers, workers_per_node, num_params, layout_hash } = hello(&cfg, 0) else {
             unreachable!()
         };
         let bad = [
-            (0, Request::Hello { token: "wrong-token-123".into(), protocol_version, worker_rank, workers, num_params, layout_hash }, ErrorCode::Unauthorized),
-            (0, Request::Hello { protocol_version: protocol_version + 1, token: token.clone(), worker_rank, workers, num_params, layout_hash }, ErrorCode::VersionMismatch),
-            (0, Request::Hello { num_params: num_params + 1, protocol_version, token: token.clone(), worker_rank, workers, layout_hash }, ErrorCode::LayoutMismatch),
+            (0, Request::Hello { token: "wrong-token-123".into(), protocol_version, worker_rank, workers, num_params, layout_hash, workers_per_node }, ErrorCode::Unauthorized),
+            (0, Request::Hello { protocol_version: protocol_version + 1, token: token.clone(), worker_rank, workers, num_params, layout_hash, workers_per_node }, ErrorCode::VersionMismatch),
+            (0, Request::Hello { num_params: num_params + 1, protocol_version, token: token.clone(), worker_rank, workers, layout_hash, workers_per_node }, ErrorCode::LayoutMismatch),
             // Rank 0's certificate speaking for rank 1: impersonation.
-            (0, Request::Hello { worker_rank: 1, protocol_version, token: token.clone(), workers, num_params, layout_hash }, ErrorCode::Unauthorized),
-            (0, Request::Hello { workers: 4, protocol_version, token: token.clone(), worker_rank, num_params, layout_hash }, ErrorCode::WorkerCountMismatch),
+            (0, Request::Hello { worker_rank: 1, protocol_version, token: token.clone(), workers, num_params, layout_hash, workers_per_node }, ErrorCode::Unauthorized),
+            (0, Request::Hello { workers: 4, protocol_version, token: token.clone(), worker_rank, num_params, layout_hash, workers_per_node }, ErrorCode::WorkerCountMismatch),
             // A certificate for a rank the cluster does not have.
-            (1, Request::Hello { worker_rank: 1, protocol_version, token: token.clone(), workers, num_params, layout_hash }, ErrorCode::UnknownWorker),
+            (1, Request::Hello { worker_rank: 1, protocol_version, token: token.clone(), workers, num_params, layout_hash, workers_per_node }, ErrorCode::UnknownWorker),
             (0, Request::Heartbeat, ErrorCode::Unauthorized),
             (0, Request::Bye, ErrorCode::Unauthorized),
         ];

@@ -133,6 +133,9 @@ pub struct Traffic {
     pub round_trips: u64,
     /// Fewest workers connected to any shard's barrier in the replies.
     pub live_workers: u32,
+    /// Entries pushed / parameters, when the push was compressed away from
+    /// the trainer (by the node aggregator); `None` for a worker's own push.
+    pub density: Option<f64>,
 }
 
 /// The worker's current flat parameters (what it offers a restarted server).
@@ -272,6 +275,7 @@ impl Comm {
                 token: cfg.cluster.token.clone(),
                 worker_rank: rank,
                 workers: cfg.cluster.workers as u32,
+                workers_per_node: cfg.cluster.workers_per_node as u32,
                 num_params: num_params as u64,
                 layout_hash: cfg.model.layout_hash(),
             },
@@ -688,7 +692,7 @@ impl Comm {
     }
 
     /// The trainer applies what this call returned: remember it as held.
-    fn commit(&self) {
+    pub(crate) fn commit(&self) {
         *self.held.borrow_mut() = self.versions.borrow().clone();
     }
 
@@ -871,6 +875,24 @@ pub struct CommSummary {
     pub final_version: u64,
     /// Link time the simulated link (`[link]`) charged, summed over messages.
     pub link_simulated_secs: f64,
+    /// Bytes the link carried from the worker (or its node) to the servers.
+    pub link_sent_bytes: u64,
+    /// Bytes the link carried from the servers to the worker (or its node).
+    pub link_received_bytes: u64,
+}
+
+impl CommSummary {
+    /// What `comm` did so far.
+    pub fn of(comm: &Comm) -> Self {
+        let link = comm.link().stats();
+        Self {
+            recoveries: comm.recoveries(),
+            final_version: comm.min_version(),
+            link_simulated_secs: link.simulated_secs,
+            link_sent_bytes: link.sent_bytes,
+            link_received_bytes: link.received_bytes,
+        }
+    }
 }
 
 /// Say goodbye to every server, then stop the actor.
@@ -885,11 +907,7 @@ impl Handler<Leave> for CommActor {
         Box::pin(
             async move {
                 comm.bye().await?;
-                Ok(CommSummary {
-                    recoveries: comm.recoveries(),
-                    final_version: comm.min_version(),
-                    link_simulated_secs: comm.link().stats().simulated_secs,
-                })
+                Ok(CommSummary::of(&comm))
             }
             .into_actor(self)
             .map(|result, _, ctx| {

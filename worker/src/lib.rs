@@ -6,12 +6,14 @@
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
 //! * [`comm`]: `CommActor`, pushes and pulls over QUIC.
-//! * [`run`]: one worker's whole training run.
+//! * [`node`]: node-local aggregation, several ranks sharing one push.
+//! * [`run`]: one worker's whole training run, or a node's ranks.
 
 pub mod cache;
 pub mod comm;
 pub mod layers;
 pub mod loader;
 pub mod model;
+pub mod node;
 pub mod run;
 pub mod trainer;

@@ -16,7 +16,7 @@ use ps_shared::config::ClusterConfig;
 use ps_shared::pki::CertPair;
 use ps_shared::transport::read_pem;
 use ps_worker::comm::WorkerTls;
-use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
+use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions};
 
 /// Stratus worker: trains its share of each step with candle, pushes compressed
 /// gradients to the parameter servers over QUIC and pulls the new parameters.
@@ -37,18 +37,26 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Train as one worker (the default when no subcommand is given: rank 0).
+    /// Train as one worker (the default when no subcommand is given: rank 0),
+    /// or as every rank of one node with --node (cluster.workers_per_node > 1).
     Train {
-        /// This worker's rank in 0..cluster.workers.
+        /// This worker's rank in 0..cluster.workers (cluster.workers_per_node = 1).
         #[arg(long, default_value_t = 0, env = "STRATUS_RANK")]
         rank: u32,
+        /// Run node N: its cluster.workers_per_node ranks N*workers_per_node ..
+        /// (N+1)*workers_per_node, each with its own model replica and data
+        /// shard, pushing once per node through a node aggregator. Needs each
+        /// rank's certificate; the first rank's authenticates the node.
+        #[arg(long, env = "STRATUS_NODE", conflicts_with = "rank")]
+        node: Option<u32>,
         /// Bucket URL of the dataset (overrides data.url).
         #[arg(long)]
         data: Option<String>,
         /// Print one line per epoch instead of a progress bar.
         #[arg(long)]
         no_progress: bool,
-        /// Write the final report as JSON to this file.
+        /// Write the final report as JSON to this file (with --node: a list,
+        /// one report per rank).
         #[arg(long)]
         report: Option<PathBuf>,
         /// Compute device (overrides training.device): cpu, cuda or cuda:N;
@@ -241,6 +249,7 @@ fn run() -> anyhow::Result<()> {
     init_logging(&cli.log, "warn");
     let command = cli.command.unwrap_or(Command::Train {
         rank: 0,
+        node: None,
         data: None,
         no_progress: false,
         report: None,
@@ -255,6 +264,7 @@ fn run() -> anyhow::Result<()> {
         Command::Dataset(cmd) => dataset(cmd),
         Command::Train {
             rank,
+            node,
             data,
             no_progress,
             report,
@@ -268,87 +278,131 @@ fn run() -> anyhow::Result<()> {
                 cfg.training.device = device;
                 cfg.validate().context("--device")?;
             }
-            let ranks = cfg.cluster.max_ranks();
-            if rank as usize >= ranks {
-                bail!(
-                    "--rank {rank}: the cluster admits ranks 0..{ranks} (cluster.workers = {}, cluster.max_workers = {})",
+            let wpn = cfg.cluster.workers_per_node as u32;
+            let ranks: Vec<u32> = match node {
+                Some(n) if (n as usize) < cfg.nodes() => (n * wpn..(n + 1) * wpn).collect(),
+                Some(n) => bail!(
+                    "--node {n}: the cluster has {} nodes (cluster.workers = {} / cluster.workers_per_node = {wpn})",
+                    cfg.nodes(),
+                    cfg.cluster.workers
+                ),
+                None if wpn > 1 => bail!(
+                    "cluster.workers_per_node = {wpn}: start each node with --node N (N in 0..{}), which runs its {wpn} ranks together",
+                    cfg.nodes()
+                ),
+                None if rank as usize >= cfg.cluster.max_ranks() => bail!(
+                    "--rank {rank}: the cluster admits ranks 0..{} (cluster.workers = {}, cluster.max_workers = {})",
+                    cfg.cluster.max_ranks(),
                     cfg.cluster.workers,
                     cfg.cluster.max_workers
-                );
-            }
-            train(cfg, rank, !no_progress, report)
+                ),
+                None => vec![rank],
+            };
+            train(cfg, node, ranks, !no_progress, report)
         }
     }
 }
 
 fn train(
     cfg: ClusterConfig,
-    rank: u32,
+    node: Option<u32>,
+    ranks: Vec<u32>,
     progress: bool,
     report_path: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     let ca_pem = read_pem(&cfg.tls.ca).with_context(|| {
         "the worker needs the cluster CA certificate (tls.ca); `ps-server certs` writes one"
     })?;
-    let (cert, key) = cfg.tls.worker_paths(rank);
-    let identity = CertPair::read(&cert, &key).with_context(|| {
-        format!(
-            "the worker needs its rank-{rank} certificate ({} and {}, from tls.worker_cert / tls.worker_key); `ps-server certs` writes one per rank",
-            cert.display(),
-            key.display()
-        )
-    })?;
     let (store, prefix) = open_bucket(&cfg.data.url)
         .with_context(|| format!("opening data.url = {}", cfg.data.url))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let opts = WorkerOptions {
-        rank,
-        tls: WorkerTls { ca_pem, identity },
-        progress,
-        epoch_lines: true,
-        crash_after_steps: None,
-        stop: Some(stop_rx),
-        steps_done: None,
-        trained: None,
-    };
+    let mut options = Vec::new();
+    for &rank in &ranks {
+        let (cert, key) = cfg.tls.worker_paths(rank);
+        let identity = CertPair::read(&cert, &key).with_context(|| {
+            format!(
+                "the worker needs its rank-{rank} certificate ({} and {}, from tls.worker_cert / tls.worker_key); `ps-server certs` writes one per rank",
+                cert.display(),
+                key.display()
+            )
+        })?;
+        options.push(WorkerOptions {
+            rank,
+            tls: WorkerTls {
+                ca_pem: ca_pem.clone(),
+                identity,
+            },
+            // One progress bar per process: a node prints epoch lines.
+            progress: progress && node.is_none(),
+            epoch_lines: true,
+            crash_after_steps: None,
+            stop: Some(stop_rx.clone()),
+            steps_done: None,
+            trained: None,
+        });
+    }
     let system = actix::System::new();
-    let report = system
-        .block_on(async {
-            // SIGTERM or Ctrl-C: finish the current step, say goodbye, stop.
-            actix::spawn(async move {
-                let name = stop_signal().await;
-                eprintln!("ps-worker: {name}: finishing the current step and saying goodbye");
-                let _ = stop_tx.send(true);
-            });
-            run_worker(&cfg, opts, store, prefix).await
-        })
-        .map_err(|e| match e {
+    let outcomes = system.block_on(async {
+        // SIGTERM or Ctrl-C: finish the current step, say goodbye, stop.
+        actix::spawn(async move {
+            let name = stop_signal().await;
+            eprintln!("ps-worker: {name}: finishing the current step and saying goodbye");
+            let _ = stop_tx.send(true);
+        });
+        match node {
+            Some(n) => run_node(&cfg, n, options, store, prefix).await,
+            None => {
+                let opts = options.remove(0);
+                vec![run_worker(&cfg, opts, store, prefix).await]
+            }
+        }
+    });
+    let mut reports = Vec::new();
+    for outcome in outcomes {
+        reports.push(outcome.map_err(|e| match e {
             WorkerError::Dataset(_) | WorkerError::Mismatch(_) => {
                 anyhow::Error::new(e).context(format!("data.url = {}", cfg.data.url))
             }
             other => other.into(),
-        })?;
-    if report.steps_short_of_workers > 0 {
+        })?);
+    }
+    for report in &reports {
+        let rank = report.rank;
+        if report.steps_short_of_workers > 0 {
+            println!(
+                "worker {rank}: WARNING: {} of {} steps ran with fewer than {} workers in the barrier (as few as {})",
+                report.steps_short_of_workers,
+                report.steps - report.start_step,
+                cfg.cluster.workers,
+                report.min_live_workers
+            );
+        }
         println!(
-            "worker {rank}: WARNING: {} of {} steps ran with fewer than {} workers in the barrier (as few as {})",
-            report.steps_short_of_workers,
-            report.steps - report.start_step,
-            cfg.cluster.workers,
-            report.min_live_workers
+            "worker {rank} done: {} steps, test accuracy {:.2}%, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
+            report.steps,
+            100.0 * report.final_accuracy,
+            report.bytes_pushed_per_step / 1e3,
+            report.bytes_pulled_per_step / 1e3,
+            report.data_wait_s,
+            report.compute_s,
+            report.comm_s
         );
     }
-    println!(
-        "worker {rank} done: {} steps, test accuracy {:.2}%, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
-        report.steps,
-        100.0 * report.final_accuracy,
-        report.bytes_pushed_per_step / 1e3,
-        report.bytes_pulled_per_step / 1e3,
-        report.data_wait_s,
-        report.compute_s,
-        report.comm_s
-    );
+    if let (Some(n), Some(first)) = (node, reports.first()) {
+        println!(
+            "node {n} done: its link carried {:.1} MB up and {:.1} MB down for {} ranks",
+            first.link_sent_bytes as f64 / 1e6,
+            first.link_received_bytes as f64 / 1e6,
+            reports.len()
+        );
+    }
     if let Some(path) = report_path {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+        // One rank: its report; a node: the list of its ranks' reports.
+        let json = match (node, reports.as_slice()) {
+            (None, [one]) => serde_json::to_string_pretty(one)?,
+            _ => serde_json::to_string_pretty(&reports)?,
+        };
+        std::fs::write(&path, json)
             .with_context(|| format!("writing report {}", path.display()))?;
     }
     Ok(())

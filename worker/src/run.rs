@@ -26,13 +26,15 @@ use ps_shared::simstore::SimStore;
 use ps_shared::sparse::Compressor;
 
 use crate::comm::{
-    Abort, Comm, CommActor, CommError, Join, Leave, ParamSource, StepExchange, WorkerTls,
+    Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
+    ShardUpdate, StepExchange, Traffic, WorkerTls,
 };
 use crate::loader::{
     BatchPos, EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings,
     NextBatch,
 };
 use crate::model::{device_from_str, Model, ModelError};
+use crate::node::{node_members, NodeError, NodeMember};
 use crate::trainer::{
     ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, SetStep, TrainerActor,
     TrainerError,
@@ -52,6 +54,8 @@ pub enum WorkerError {
     Trainer(#[from] TrainerError),
     #[error("communication: {0}")]
     Comm(#[from] CommError),
+    #[error("node aggregation: {0}")]
+    Node(#[from] NodeError),
     #[error("an actor stopped unexpectedly: {0}")]
     Mailbox(#[from] MailboxError),
     #[error("worker stopped by fault injection after {0} steps")]
@@ -223,6 +227,12 @@ pub struct WorkerReport {
     pub link_simulated_s: f64,
     /// Round trips to server shards per training step.
     pub round_trips_per_step: f64,
+    /// Bytes sent over the link this worker's pushes crossed: its own, or
+    /// its node's (with `cluster.workers_per_node` > 1 every rank of a node
+    /// reports the node's one link, so count it once per node).
+    pub link_sent_bytes: u64,
+    /// Bytes received over that link.
+    pub link_received_bytes: u64,
     /// Steps trained while fewer than `cluster.workers` were in the barrier
     /// (the others had crashed, left, or never joined).
     pub steps_short_of_workers: u64,
@@ -251,12 +261,115 @@ struct EpochAcc {
     started: Option<Instant>,
 }
 
-/// Run one worker to the end of training. Must be called inside an actix `System`.
+/// Run one worker to the end of training. Must be called inside an actix
+/// `System`. With `cluster.workers_per_node` > 1 a rank cannot run alone:
+/// use [`run_node`].
 pub async fn run_worker(
     cfg: &ClusterConfig,
     opts: WorkerOptions,
     store: Arc<dyn ObjectStore>,
     prefix: StorePath,
+) -> Result<WorkerReport, WorkerError> {
+    if cfg.cluster.workers_per_node > 1 {
+        return Err(WorkerError::Node(NodeError::Failed {
+            node: cfg.node_of(opts.rank),
+            message: format!(
+                "cluster.workers_per_node = {}: rank {} runs together with the other ranks of its node (ps-worker train --node {})",
+                cfg.cluster.workers_per_node,
+                opts.rank,
+                cfg.node_of(opts.rank)
+            ),
+        }));
+    }
+    run_rank(cfg, opts, store, prefix, None).await
+}
+
+/// Run every rank of node `node` (`cluster.workers_per_node` of them) in
+/// this task, sharing one node aggregator (see [`crate::node`]); `opts`
+/// holds one entry per rank of the node, in rank order, and the first
+/// rank's certificate authenticates the node. Returns each rank's outcome
+/// in rank order. Must be called inside an actix `System`.
+pub async fn run_node(
+    cfg: &ClusterConfig,
+    node: u32,
+    opts: Vec<WorkerOptions>,
+    store: Arc<dyn ObjectStore>,
+    prefix: StorePath,
+) -> Vec<Result<WorkerReport, WorkerError>> {
+    let wpn = cfg.cluster.workers_per_node.max(1) as u32;
+    let expected: Vec<u32> = (node * wpn..(node + 1) * wpn).collect();
+    let given: Vec<u32> = opts.iter().map(|o| o.rank).collect();
+    if given != expected {
+        let e = NodeError::Failed {
+            node,
+            message: format!(
+                "runs ranks {expected:?} (cluster.workers_per_node = {wpn}), given {given:?}"
+            ),
+        };
+        return vec![Err(e.into())];
+    }
+    let members = match node_members(cfg, node, opts[0].tls.clone()) {
+        Ok((_, members)) => members,
+        Err(e) => return vec![Err(e.into())],
+    };
+    let runs = opts
+        .into_iter()
+        .zip(members)
+        .map(|(o, m)| run_rank(cfg, o, store.clone(), prefix.clone(), Some(m)));
+    futures::future::join_all(runs).await
+}
+
+/// How a rank exchanges with the servers: on its own connections, or
+/// through its node's aggregator.
+enum Exchange {
+    Flat(Addr<CommActor>),
+    Node(NodeMember),
+}
+
+type StepFuture = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<(Vec<ShardUpdate>, Traffic), WorkerError>>>,
+>;
+
+impl Exchange {
+    /// Hand the gradient over now; the future resolves with the reply.
+    fn step(&self, grad: Outgoing) -> StepFuture {
+        match self {
+            Exchange::Flat(comm) => {
+                let request = comm.send(StepExchange { grad });
+                Box::pin(async move { Ok(request.await??) })
+            }
+            Exchange::Node(member) => {
+                let reply = member.step(grad);
+                Box::pin(async move { Ok(reply.await?) })
+            }
+        }
+    }
+
+    async fn leave(&self) -> Result<CommSummary, WorkerError> {
+        match self {
+            Exchange::Flat(comm) => Ok(comm.send(Leave).await??),
+            Exchange::Node(member) => Ok(member.leave().await?),
+        }
+    }
+
+    async fn abort(&self) -> Result<(), WorkerError> {
+        match self {
+            Exchange::Flat(comm) => Ok(comm.send(Abort).await?),
+            Exchange::Node(member) => {
+                member.abort().await;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One rank's run; `node` is its handle on the node aggregator, if any.
+async fn run_rank(
+    cfg: &ClusterConfig,
+    opts: WorkerOptions,
+    store: Arc<dyn ObjectStore>,
+    prefix: StorePath,
+    node: Option<NodeMember>,
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
     let store: Arc<dyn ObjectStore> = if cfg.bucket_sim.enabled {
@@ -319,7 +432,10 @@ pub async fn run_worker(
     let device = device_from_str(&cfg.training.device)?;
     let model = Model::new(&cfg.model, device, cfg.training.init_seed)?;
     let num_params = model.num_params();
+    // Ranks of a node hand their dense gradient to the node, which
+    // compresses the node's sum.
     let compressor = match cfg.compression.kind {
+        _ if node.is_some() => None,
         CompressionKind::None => None,
         CompressionKind::Topk => Some(Compressor::new(num_params, cfg.compression.compressor())),
     };
@@ -342,10 +458,19 @@ pub async fn run_worker(
         // at the cluster's step when this worker rejoins a run under way.
         let settings = LoaderSettings::from_config(cfg, &manifest, rank);
         let early = Loader::start(reader.clone(), sampler.clone(), settings.clone())?;
-        let comm = Comm::connect(cfg, rank, opts.tls.clone(), params).await?;
-        let data = comm.data_start();
-        let comm = CommActor::new(comm).start();
-        let (start_params, start_step, _) = comm.send(Join).await??;
+        let (exchange, start_params, start_step, data) = match node {
+            None => {
+                let comm = Comm::connect(cfg, rank, opts.tls.clone(), params).await?;
+                let data = comm.data_start();
+                let comm = CommActor::new(comm).start();
+                let (start_params, start_step, _) = comm.send(Join).await??;
+                (Exchange::Flat(comm), start_params, start_step, data)
+            }
+            Some(member) => {
+                let (start_params, start_step, data) = member.join(params).await?;
+                (Exchange::Node(member), start_params, start_step, data)
+            }
+        };
         trainer.send(ApplyUpdates(start_params)).await??;
         trainer.send(SetStep(start_step)).await?;
         // The servers say where the sample stream stands: global step
@@ -372,7 +497,7 @@ pub async fn run_worker(
         };
         let loader = LoaderActor::new(loader).start();
         let run = Run {
-            comm,
+            exchange,
             loader,
             start_step,
             plan,
@@ -387,7 +512,7 @@ pub async fn run_worker(
 
 /// What the training loop works with.
 struct Run {
-    comm: Addr<CommActor>,
+    exchange: Exchange,
     loader: Addr<LoaderActor>,
     start_step: u64,
     plan: RankPlan,
@@ -403,7 +528,7 @@ async fn train(
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
     let Run {
-        comm,
+        exchange,
         loader,
         start_step,
         plan,
@@ -516,7 +641,7 @@ async fn train(
                 out
             }
         };
-        let exchange = comm.send(StepExchange { grad: out.grad });
+        let reply = exchange.step(out.grad);
         if overlap && !max_steps_reached(max_steps, step + 1) {
             // The exchange is queued: take the next batch and compute its
             // gradient on the parameters held now (one step stale), unless
@@ -534,7 +659,7 @@ async fn train(
             lookahead = Some(next);
         }
         let t_comm = Instant::now();
-        let (updates, traffic) = exchange.await??;
+        let (updates, traffic) = reply.await?;
         acc.comm += t_comm.elapsed();
         if let Some(tx) = &opts.trained {
             let _ = tx.send(TrainedBatch {
@@ -570,16 +695,16 @@ async fn train(
         acc.pulled += traffic.pulled;
         evals.pushed += traffic.pushed;
         evals.pulled += traffic.pulled;
-        acc.density_sum += out.density;
+        acc.density_sum += traffic.density.unwrap_or(out.density);
         step += 1;
         if opts.crash_after_steps == Some(step) {
-            comm.send(Abort).await?;
+            exchange.abort().await?;
             bar.finish_and_clear();
             return Err(WorkerError::Crashed(step));
         }
         if opts.stop.as_ref().is_some_and(|s| *s.borrow()) {
             bar.finish_and_clear();
-            comm.send(Leave).await??;
+            exchange.leave().await?;
             return Err(WorkerError::Interrupted(step));
         }
         if let Some(tx) = &opts.steps_done {
@@ -599,7 +724,7 @@ async fn train(
     }
     let train_s = evals.train_s();
     bar.finish_and_clear();
-    let summary = comm.send(Leave).await??;
+    let summary = exchange.leave().await?;
 
     // A worker that joined a finished run trained no epoch: evaluate anyway.
     let final_accuracy = match reports.last() {
@@ -623,6 +748,8 @@ async fn train(
         final_version: summary.final_version,
         link_simulated_s: summary.link_simulated_secs,
         round_trips_per_step: sum(|r| r.round_trips as f64) / steps,
+        link_sent_bytes: summary.link_sent_bytes,
+        link_received_bytes: summary.link_received_bytes,
         steps_short_of_workers: reports.iter().map(|r| r.steps_short_of_workers).sum(),
         min_live_workers: reports
             .iter()

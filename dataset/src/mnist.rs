@@ -34,6 +34,36 @@ pub(crate) fn open_maybe_gz(
     })
 }
 
+/// Drops a UTF-8 byte-order mark (spreadsheet exports) at the start of
+/// `reader`, so that it is not part of the first field. (A BOM split over
+/// the first read is not looked for: the buffer holds the file's first KiBs.)
+pub(crate) fn skip_bom(
+    path: &std::path::Path,
+    reader: &mut dyn BufRead,
+) -> Result<(), DatasetError> {
+    const BOM: &[u8] = "\u{feff}".as_bytes();
+    if reader.fill_buf().map_err(io_err(path))?.starts_with(BOM) {
+        reader.consume(BOM.len());
+    }
+    Ok(())
+}
+
+/// A read error of the `csv` crate as a [`DatasetError`] naming the file
+/// and, where the reader knows it, the line.
+pub(crate) fn csv_error(path: &std::path::Path, e: csv::Error) -> DatasetError {
+    let line = e.position().map_or(0, |p| p.line() as usize);
+    let message = match e.into_kind() {
+        csv::ErrorKind::Io(source) => return io_err(path)(source),
+        csv::ErrorKind::Utf8 { err, .. } => format!("field {} is not UTF-8 text", err.field() + 1),
+        other => format!("{other:?}"),
+    };
+    DatasetError::Parse {
+        path: path.to_path_buf(),
+        line,
+        message,
+    }
+}
+
 /// Where the label sits in an MNIST CSV row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LabelColumn {
@@ -95,7 +125,7 @@ pub fn read_mnist_csv(path: &std::path::Path) -> Result<Vec<Sample>, DatasetErro
 }
 
 fn parse_mnist_csv<R: BufRead>(
-    reader: R,
+    mut reader: R,
     path: &std::path::Path,
 ) -> Result<Vec<Sample>, DatasetError> {
     let parse_err = |line: usize, message: String| DatasetError::Parse {
@@ -109,17 +139,26 @@ fn parse_mnist_csv<R: BufRead>(
     let mut first_col = ColumnStats::new();
     let mut last_col = ColumnStats::new();
 
-    for (i, line) in reader.lines().enumerate() {
-        let line_no = i + 1;
-        let line = line.map_err(io_err(path))?;
-        let text = line.trim();
-        if text.is_empty() {
+    skip_bom(path, &mut reader)?;
+    let mut csv = csv::ReaderBuilder::new()
+        .has_headers(false)
+        // Rows of another width get this reader's own message.
+        .flexible(true)
+        .trim(csv::Trim::All)
+        .from_reader(reader);
+    let mut record = csv::StringRecord::new();
+    loop {
+        let more = csv
+            .read_record(&mut record)
+            .map_err(|e| csv_error(path, e))?;
+        if !more {
+            break;
+        }
+        let line_no = record.position().map_or(0, |p| p.line() as usize);
+        if record.len() == 1 && record[0].is_empty() {
             continue;
         }
-        let fields: Vec<&str> = text
-            .split(',')
-            .map(|f| f.trim().trim_matches('"').trim())
-            .collect();
+        let fields: Vec<&str> = record.iter().map(|f| f.trim_matches('"').trim()).collect();
         let values: Result<Vec<f32>, usize> = fields
             .iter()
             .enumerate()

@@ -7,11 +7,13 @@
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
 //! * [`comm`]: `CommActor`, pushes and pulls over QUIC.
 //! * [`run`]: one worker's whole training run.
+//! * [`plot`]: PNG charts of a run's per-epoch metrics (`ps-worker plot`).
 
 pub mod cache;
 pub mod comm;
 pub mod layers;
 pub mod loader;
 pub mod model;
+pub mod plot;
 pub mod run;
 pub mod trainer;

@@ -27,7 +27,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use crate::format::*;
-use crate::mnist::{csv_error, io_err, open_maybe_gz, skip_bom};
+use crate::mnist::{csv_error, csv_record_line, io_err, open_maybe_gz, skip_bom, LineTracker};
 use crate::write::*;
 
 /// A file format [`import_dataset`] reads.
@@ -441,9 +441,10 @@ fn unquote(field: &str) -> &str {
 /// lines are skipped.
 struct CsvRows {
     path: PathBuf,
-    reader: csv::Reader<Box<dyn BufRead + Send>>,
+    reader: csv::Reader<LineTracker<Box<dyn BufRead + Send>>>,
     record: csv::StringRecord,
-    /// 1-based line where the record last read starts.
+    /// 1-based line where the record last read ends (its only line, for
+    /// anything but a quoted field with a line break).
     line: usize,
     /// A first data record already read (files without a header).
     pending: bool,
@@ -462,7 +463,7 @@ impl CsvRows {
             // Rows of another width get this importer's own message.
             .flexible(true)
             .trim(csv::Trim::All)
-            .from_reader(input);
+            .from_reader(LineTracker::new(input));
         let mut rows = CsvRows {
             path: path.to_path_buf(),
             reader,
@@ -521,13 +522,12 @@ impl CsvRows {
     /// Reads the next record that is not a blank line into `record`.
     fn read_record(&mut self) -> Result<bool, DatasetError> {
         loop {
-            match self.reader.read_record(&mut self.record) {
+            let read = self.reader.read_record(&mut self.record);
+            self.line = csv_record_line(&mut self.reader);
+            match read {
                 Ok(false) => return Ok(false),
                 Ok(true) => {}
-                Err(e) => return Err(csv_error(&self.path, e)),
-            }
-            if let Some(pos) = self.record.position() {
-                self.line = pos.line() as usize;
+                Err(e) => return Err(csv_error(&self.path, e, self.line)),
             }
             let blank = self.record.len() == 1 && self.record[0].is_empty();
             if !blank {

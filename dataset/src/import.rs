@@ -1809,6 +1809,10 @@ mod tests {
             &["ragged.csv:4:", "2 columns but the header has 3"],
         )
         .await;
+        // Lines are counted as an editor shows them, with CRLF endings and
+        // blank lines too.
+        let p = write(d, "crlf.csv", "label,a,b\r\n0,1,2\r\n\r\n\n1,2,y\r\n");
+        fails(&opts(p), &["crlf.csv:5:", "column 3 (`b`)"]).await;
         let p = write(d, "bom.csv", format!("\u{feff}{header}0,1,2\n1,3,x\n"));
         fails(&opts(p), &["bom.csv:3:", "column 3 (`b`)"]).await;
         let p = write(d, "empty.csv", "");

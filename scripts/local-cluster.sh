@@ -20,7 +20,8 @@
 #                                           chosen one with cluster.servers and
 #                                           shards_per_server rewritten, saved
 #                                           as runs/colocated.toml
-# Logs and per-epoch metrics land in runs/.
+# Logs and per-epoch metrics land in runs/, and charts of the metrics
+# (`ps-worker plot runs`) in runs/plots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -112,3 +113,9 @@ if [[ $status -ne 0 ]]; then
 fi
 for ((r = 1; r < workers; r++)); do tail -n 1 "runs/worker-$r.log"; done
 echo "==> done: every process exited cleanly"
+metrics_dir=$("$bin/ps-worker" --config "$config" show-config |
+    sed -n 's/^metrics_dir = "\(.*\)".*/\1/p' | head -n 1)
+if [[ -n "$metrics_dir" ]]; then
+    echo "==> charts of the per-epoch metrics ($metrics_dir/worker-*.jsonl):"
+    "$bin/ps-worker" plot "$metrics_dir" | sed 's/^/  /'
+fi

@@ -27,7 +27,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 use crate::format::*;
-use crate::mnist::{io_err, open_maybe_gz};
+use crate::mnist::{csv_error, csv_record_line, io_err, open_maybe_gz, skip_bom, LineTracker};
 use crate::write::*;
 
 /// A file format [`import_dataset`] reads.
@@ -426,7 +426,8 @@ impl Rows {
     }
 }
 
-/// Trims blanks and one pair of surrounding double quotes.
+/// Trims blanks and one pair of surrounding double quotes the CSV reader
+/// left (a quote after leading blanks does not start a quoted field).
 fn unquote(field: &str) -> &str {
     let f = field.trim();
     f.strip_prefix('"')
@@ -435,16 +436,17 @@ fn unquote(field: &str) -> &str {
         .unwrap_or(f)
 }
 
-/// CSV rows: every column but the label column is a feature. Fields are
-/// numbers; quotes around a field are allowed, a separator inside quotes is
-/// not.
+/// CSV rows, read by the `csv` crate as a stream: every column but the
+/// label column is a feature. Fields are numbers, optionally quoted; blank
+/// lines are skipped.
 struct CsvRows {
     path: PathBuf,
-    reader: Box<dyn BufRead + Send>,
-    delimiter: char,
+    reader: csv::Reader<LineTracker<Box<dyn BufRead + Send>>>,
+    record: csv::StringRecord,
+    /// 1-based line where the record last read ends (its only line, for
+    /// anything but a quoted field with a line break).
     line: usize,
-    buf: String,
-    /// A first data line already read (files without a header).
+    /// A first data record already read (files without a header).
     pending: bool,
     columns: usize,
     label: usize,
@@ -453,29 +455,29 @@ struct CsvRows {
 
 impl CsvRows {
     fn open(path: &FsPath, delimiter: u8, label: &LabelColumn) -> Result<Self, DatasetError> {
+        let mut input = open_maybe_gz(path)?;
+        skip_bom(path, &mut input)?;
+        let reader = csv::ReaderBuilder::new()
+            .delimiter(delimiter)
+            .has_headers(false)
+            // Rows of another width get this importer's own message.
+            .flexible(true)
+            .trim(csv::Trim::All)
+            .from_reader(LineTracker::new(input));
         let mut rows = CsvRows {
             path: path.to_path_buf(),
-            reader: open_maybe_gz(path)?,
-            delimiter: delimiter as char,
+            reader,
+            record: csv::StringRecord::new(),
             line: 0,
-            buf: String::new(),
             pending: false,
             columns: 0,
             label: 0,
             header: None,
         };
-        if !rows.read_line()? {
+        if !rows.read_record()? {
             return Err(err_file(path, "the file is empty"));
         }
-        // A byte-order mark (spreadsheet exports) is not part of the first name.
-        if rows.buf.starts_with('\u{feff}') {
-            rows.buf.drain(..'\u{feff}'.len_utf8());
-        }
-        let fields: Vec<String> = rows
-            .buf
-            .split(rows.delimiter)
-            .map(|f| unquote(f).to_string())
-            .collect();
+        let fields: Vec<String> = rows.record.iter().map(|f| unquote(f).to_string()).collect();
         rows.columns = fields.len();
         match label {
             LabelColumn::Name(name) => {
@@ -517,21 +519,18 @@ impl CsvRows {
         Ok(rows)
     }
 
-    /// Reads the next non-blank line into `buf`, without its line ending.
-    fn read_line(&mut self) -> Result<bool, DatasetError> {
+    /// Reads the next record that is not a blank line into `record`.
+    fn read_record(&mut self) -> Result<bool, DatasetError> {
         loop {
-            self.buf.clear();
-            let n = self
-                .reader
-                .read_line(&mut self.buf)
-                .map_err(io_err(&self.path))?;
-            if n == 0 {
-                return Ok(false);
+            let read = self.reader.read_record(&mut self.record);
+            self.line = csv_record_line(&mut self.reader);
+            match read {
+                Ok(false) => return Ok(false),
+                Ok(true) => {}
+                Err(e) => return Err(csv_error(&self.path, e, self.line)),
             }
-            self.line += 1;
-            let trimmed = self.buf.trim_end_matches(['\n', '\r']).len();
-            self.buf.truncate(trimmed);
-            if !self.buf.trim().is_empty() {
+            let blank = self.record.len() == 1 && self.record[0].is_empty();
+            if !blank {
                 return Ok(true);
             }
         }
@@ -542,16 +541,12 @@ impl RowSource for CsvRows {
     fn next_row(&mut self, label: &mut f64, features: &mut Vec<f32>) -> Result<bool, DatasetError> {
         if self.pending {
             self.pending = false;
-        } else if !self.read_line()? {
+        } else if !self.read_record()? {
             return Ok(false);
         }
         features.clear();
-        let mut n = 0;
-        for (c, field) in self.buf.split(self.delimiter).enumerate() {
-            n += 1;
-            if n > self.columns {
-                continue;
-            }
+        let n = self.record.len();
+        for (c, field) in self.record.iter().take(self.columns).enumerate() {
             let field = unquote(field);
             if c == self.label {
                 *label = field.parse::<f64>().map_err(|_| {
@@ -1814,6 +1809,10 @@ mod tests {
             &["ragged.csv:4:", "2 columns but the header has 3"],
         )
         .await;
+        // Lines are counted as an editor shows them, with CRLF endings and
+        // blank lines too.
+        let p = write(d, "crlf.csv", "label,a,b\r\n0,1,2\r\n\r\n\n1,2,y\r\n");
+        fails(&opts(p), &["crlf.csv:5:", "column 3 (`b`)"]).await;
         let p = write(d, "bom.csv", format!("\u{feff}{header}0,1,2\n1,3,x\n"));
         fails(&opts(p), &["bom.csv:3:", "column 3 (`b`)"]).await;
         let p = write(d, "empty.csv", "");

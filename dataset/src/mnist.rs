@@ -34,6 +34,88 @@ pub(crate) fn open_maybe_gz(
     })
 }
 
+/// Drops a UTF-8 byte-order mark (spreadsheet exports) at the start of
+/// `reader`, so that it is not part of the first field. (A BOM split over
+/// the first read is not looked for: the buffer holds the file's first KiBs.)
+pub(crate) fn skip_bom(
+    path: &std::path::Path,
+    reader: &mut dyn BufRead,
+) -> Result<(), DatasetError> {
+    const BOM: &[u8] = "\u{feff}".as_bytes();
+    if reader.fill_buf().map_err(io_err(path))?.starts_with(BOM) {
+        reader.consume(BOM.len());
+    }
+    Ok(())
+}
+
+/// A reader that remembers where its line breaks are, so that the line of a
+/// CSV record can be told from the csv reader's byte position (the csv
+/// crate's own record line is off after blank lines and CRLF endings).
+/// Only the breaks not yet passed by a query are kept.
+pub(crate) struct LineTracker<R> {
+    inner: R,
+    read: u64,
+    pending: std::collections::VecDeque<u64>,
+    passed: usize,
+}
+
+impl<R: Read> LineTracker<R> {
+    pub(crate) fn new(inner: R) -> Self {
+        Self {
+            inner,
+            read: 0,
+            pending: std::collections::VecDeque::new(),
+            passed: 0,
+        }
+    }
+
+    /// The 1-based line holding byte `offset`; offsets must not decrease
+    /// from one call to the next.
+    fn line_of(&mut self, offset: u64) -> usize {
+        while self.pending.front().is_some_and(|&b| b < offset) {
+            self.pending.pop_front();
+            self.passed += 1;
+        }
+        self.passed + 1
+    }
+}
+
+impl<R: Read> Read for LineTracker<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        for (i, b) in buf[..n].iter().enumerate() {
+            if *b == b'\n' {
+                self.pending.push_back(self.read + i as u64);
+            }
+        }
+        self.read += n as u64;
+        Ok(n)
+    }
+}
+
+/// The 1-based line where the record `reader` read last ends (its last
+/// byte is the one before the reader's position: the record's line break,
+/// or its last field byte at the end of the file or before a CRLF's LF).
+pub(crate) fn csv_record_line<R: Read>(reader: &mut csv::Reader<LineTracker<R>>) -> usize {
+    let end = reader.position().byte().saturating_sub(1);
+    reader.get_mut().line_of(end)
+}
+
+/// A read error of the `csv` crate as a [`DatasetError`] naming the file
+/// and, where the reader knows it, the line.
+pub(crate) fn csv_error(path: &std::path::Path, e: csv::Error, line: usize) -> DatasetError {
+    let message = match e.into_kind() {
+        csv::ErrorKind::Io(source) => return io_err(path)(source),
+        csv::ErrorKind::Utf8 { err, .. } => format!("field {} is not UTF-8 text", err.field() + 1),
+        other => format!("{other:?}"),
+    };
+    DatasetError::Parse {
+        path: path.to_path_buf(),
+        line,
+        message,
+    }
+}
+
 /// Where the label sits in an MNIST CSV row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LabelColumn {
@@ -95,7 +177,7 @@ pub fn read_mnist_csv(path: &std::path::Path) -> Result<Vec<Sample>, DatasetErro
 }
 
 fn parse_mnist_csv<R: BufRead>(
-    reader: R,
+    mut reader: R,
     path: &std::path::Path,
 ) -> Result<Vec<Sample>, DatasetError> {
     let parse_err = |line: usize, message: String| DatasetError::Parse {
@@ -109,17 +191,24 @@ fn parse_mnist_csv<R: BufRead>(
     let mut first_col = ColumnStats::new();
     let mut last_col = ColumnStats::new();
 
-    for (i, line) in reader.lines().enumerate() {
-        let line_no = i + 1;
-        let line = line.map_err(io_err(path))?;
-        let text = line.trim();
-        if text.is_empty() {
+    skip_bom(path, &mut reader)?;
+    let mut csv = csv::ReaderBuilder::new()
+        .has_headers(false)
+        // Rows of another width get this reader's own message.
+        .flexible(true)
+        .trim(csv::Trim::All)
+        .from_reader(LineTracker::new(reader));
+    let mut record = csv::StringRecord::new();
+    loop {
+        let more = csv.read_record(&mut record);
+        let line_no = csv_record_line(&mut csv);
+        if !more.map_err(|e| csv_error(path, e, line_no))? {
+            break;
+        }
+        if record.len() == 1 && record[0].is_empty() {
             continue;
         }
-        let fields: Vec<&str> = text
-            .split(',')
-            .map(|f| f.trim().trim_matches('"').trim())
-            .collect();
+        let fields: Vec<&str> = record.iter().map(|f| f.trim_matches('"').trim()).collect();
         let values: Result<Vec<f32>, usize> = fields
             .iter()
             .enumerate()

@@ -502,7 +502,8 @@ pub struct TrainingSection {
     pub device: String,
     /// Seed of the initial weights (the first worker's initial weights win).
     pub init_seed: u64,
-    /// Directory for per-epoch metrics (JSON lines); empty disables.
+    /// Directory for per-epoch metrics (`worker-<rank>.jsonl` and `.csv`);
+    /// empty disables.
     pub metrics_dir: String,
     /// Evaluate on the test split every this many steps (0 = only at the end
     /// of each epoch). Evaluation time is not counted as training time.

@@ -527,6 +527,74 @@ fn worker_run_reports_data_plane_metrics() {
     assert_eq!(left, 0);
 }
 
+/// `ps-worker plot` on a real run's metrics: a two-worker run writes its
+/// JSONL, and every chart drawn from it is a PNG of the chart size with a
+/// drawing on it (many colours: axes, text, one line per worker and measure).
+#[test]
+fn plots_are_drawn_from_a_real_runs_metrics() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let spec = SyntheticSpec {
+        train: 512,
+        test: 64,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = rt.block_on(ps_tests::synthetic_bucket(&spec));
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 3);
+    cfg.training.metrics_dir = runs.display().to_string();
+    cfg.validate().expect("valid config");
+    let reports = ps_tests::run_cluster(cfg, store, prefix).expect("cluster run");
+    assert_eq!(reports.len(), 2);
+
+    let out = runs.join("plots");
+    let written = ps_worker::plot::plot_run_dir(&runs, &out).expect("plot");
+    let names: Vec<String> = written
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    let expected: Vec<&str> = ps_worker::plot::chart_files().collect();
+    assert_eq!(names, expected);
+    assert!(expected.contains(&"loss.png") && expected.contains(&"bucket_cost.png"));
+    let (width, height) = ps_worker::plot::CHART_SIZE;
+    for (path, name) in written.iter().zip(&names) {
+        let decoder = png::Decoder::new(std::io::BufReader::new(
+            std::fs::File::open(path).expect("chart file"),
+        ));
+        let mut reader = decoder.read_info().expect("a PNG header");
+        let mut pixels = vec![0; reader.output_buffer_size().expect("buffer size")];
+        let frame = reader.next_frame(&mut pixels).expect("PNG data");
+        assert_eq!((frame.width, frame.height), (width, height), "{path:?}");
+        let pixels = &pixels[..frame.buffer_size()];
+        let step = frame.color_type.samples();
+        let mut colours: Vec<&[u8]> = pixels.chunks(step).collect();
+        colours.sort_unstable();
+        colours.dedup();
+        let ink = pixels
+            .chunks(step)
+            .filter(|p| p.iter().any(|&c| c < 200))
+            .count();
+        assert!(colours.len() > 20, "{path:?}: {} colours", colours.len());
+        assert!(ink > 2_000, "{path:?}: {ink} dark pixels");
+        println!("{name}: {} colours, {ink} dark pixels", colours.len());
+    }
+    // The JSONL epochs the charts were drawn from count from 1, as the
+    // console does.
+    let jsonl = std::fs::read_to_string(runs.join("worker-1.jsonl")).unwrap();
+    let epochs: Vec<u64> = jsonl
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["epoch"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(epochs, [1, 2, 3]);
+}
+
 /// With a cache as large as a rank's part, a stable partition serves every
 /// later epoch from the cache; reshuffling across ranks cannot (each epoch
 /// about half of a rank's samples were another rank's last epoch).

@@ -8,6 +8,7 @@
 //! * [`comm`]: `CommActor`, pushes and pulls over QUIC.
 //! * [`node`]: node-local aggregation, several ranks sharing one push.
 //! * [`run`]: one worker's whole training run, or a node's ranks.
+//! * [`plot`]: PNG charts of a run's per-epoch metrics (`ps-worker plot`).
 
 pub mod cache;
 pub mod comm;
@@ -15,5 +16,6 @@ pub mod layers;
 pub mod loader;
 pub mod model;
 pub mod node;
+pub mod plot;
 pub mod run;
 pub mod trainer;

@@ -69,6 +69,17 @@ enum Command {
     Dataset(DatasetCommand),
     /// Print the effective configuration (token redacted) and exit.
     ShowConfig,
+    /// Draw PNG charts of a run's per-epoch metrics (the worker-<rank>.jsonl
+    /// files in training.metrics_dir): loss, accuracy, data wait, compute and
+    /// communication time, bytes per step, cache hit rates, bucket GETs and
+    /// cost; one line per worker. Prints the paths written.
+    Plot {
+        /// The run's metrics directory (training.metrics_dir).
+        run_dir: PathBuf,
+        /// Where to write the charts (default: RUN_DIR/plots).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -262,6 +273,13 @@ fn run() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Dataset(cmd) => dataset(cmd),
+        Command::Plot { run_dir, out } => {
+            let out = out.unwrap_or_else(|| run_dir.join("plots"));
+            for path in ps_worker::plot::plot_run_dir(&run_dir, &out)? {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
         Command::Train {
             rank,
             node,

@@ -108,33 +108,36 @@ pub struct TrainedBatch {
 }
 
 /// What one epoch did.
+///
+/// One record per epoch in `worker-<rank>.jsonl` and one row in
+/// `worker-<rank>.csv`; the fields are in the CSV's column order: which
+/// epoch and worker, time, loss and accuracy, where the time went, bytes to
+/// the servers, decoding, the cache tiers, then the bucket.
 #[derive(Debug, Clone, Serialize)]
 pub struct EpochReport {
-    pub rank: u32,
+    /// The epoch, counted from 1 (the console line, the JSONL and the CSV
+    /// all use this number).
     pub epoch: u64,
+    pub rank: u32,
     pub steps: u64,
+    pub epoch_s: f64,
+    /// Mean training loss over the epoch's steps.
     pub train_loss: f32,
+    /// Loss on the test split at the epoch's end.
     pub test_loss: f32,
     pub test_accuracy: f32,
     pub data_wait_s: f64,
     pub compute_s: f64,
     pub comm_s: f64,
-    pub epoch_s: f64,
     pub bytes_pushed: u64,
     pub bytes_pulled: u64,
     pub density: f64,
-    /// Data plane: samples served from memory (memory tier or prefetch window).
-    pub memory_hit_rate: f64,
-    /// Data plane: samples served from the disk tier.
-    pub disk_hit_rate: f64,
-    /// Data plane: GET requests sent to the bucket for this epoch's batches.
-    pub bucket_gets: u64,
-    /// Data plane: bytes read from the bucket for this epoch's batches.
-    pub bucket_bytes: u64,
-    /// Data plane: estimated request + egress cost (`[bucket_sim]` prices).
-    pub bucket_cost_usd: f64,
-    /// Data plane: GETs that were retries after a failure.
-    pub fetch_retries: u64,
+    /// Round trips to server shards (Offer and Step requests).
+    pub round_trips: u64,
+    /// Fewest workers in the barrier seen in this epoch's replies.
+    pub min_live_workers: u32,
+    /// Steps trained while fewer than `cluster.workers` were in the barrier.
+    pub steps_short_of_workers: u64,
     /// Images decoded for this epoch's batches (image datasets).
     pub images_decoded: u64,
     /// Seconds the decode threads spent on them, summed over threads.
@@ -147,12 +150,18 @@ pub struct EpochReport {
     pub trainer_samples_per_s: f64,
     /// Samples skipped because they could not be decoded.
     pub bad_samples: u64,
-    /// Round trips to server shards (Offer and Step requests).
-    pub round_trips: u64,
-    /// Fewest workers in the barrier seen in this epoch's replies.
-    pub min_live_workers: u32,
-    /// Steps trained while fewer than `cluster.workers` were in the barrier.
-    pub steps_short_of_workers: u64,
+    /// Data plane: samples served from memory (memory tier or prefetch window).
+    pub memory_hit_rate: f64,
+    /// Data plane: samples served from the disk tier.
+    pub disk_hit_rate: f64,
+    /// Data plane: GET requests sent to the bucket for this epoch's batches.
+    pub bucket_gets: u64,
+    /// Data plane: bytes read from the bucket for this epoch's batches.
+    pub bucket_bytes: u64,
+    /// Data plane: estimated request + egress cost (`[bucket_sim]` prices).
+    pub bucket_cost_usd: f64,
+    /// Data plane: GETs that were retries after a failure.
+    pub fetch_retries: u64,
 }
 
 impl EpochReport {
@@ -593,30 +602,16 @@ async fn train(
             }
             let data = loader.send(EpochStats(epoch)).await?;
             report.set_data_plane(&data, &cfg.bucket_sim.cost_model());
-            let line = format!(
-                "worker {rank} epoch {}/{epochs}: loss {:.4}, test accuracy {:.2}%, data wait {:.2}s, compute {:.2}s, comm {:.2}s, pushed {:.1} KB/step, density {:.4}, bucket {} GETs {:.1} MB ${:.5}, hits memory {:.0}% disk {:.0}%",
-                report.epoch + 1,
-                report.train_loss,
-                100.0 * report.test_accuracy,
-                report.data_wait_s,
-                report.compute_s,
-                report.comm_s,
-                report.bytes_pushed as f64 / report.steps.max(1) as f64 / 1e3,
-                report.density,
-                report.bucket_gets,
-                report.bucket_bytes as f64 / 1e6,
-                report.bucket_cost_usd,
-                100.0 * report.memory_hit_rate,
-                100.0 * report.disk_hit_rate,
-            );
-            let line = if report.steps_short_of_workers > 0 {
-                format!(
-                    "{line}; WARNING: {} steps with only {} of {} workers in the barrier",
-                    report.steps_short_of_workers, report.min_live_workers, cfg.cluster.workers
-                )
-            } else {
-                line
-            };
+            let mut line = epoch_line(&report, epochs);
+            if report.steps_short_of_workers > 0 {
+                line.push_str(&format!(
+                    "\nrank {rank} epoch {}: WARNING: {} steps with only {} of {} workers in the barrier",
+                    report.epoch,
+                    report.steps_short_of_workers,
+                    report.min_live_workers,
+                    cfg.cluster.workers
+                ));
+            }
             if opts.epoch_lines {
                 bar.suspend(|| println!("{line}"));
             }
@@ -711,7 +706,11 @@ async fn train(
             tx.send_replace(step);
         }
         bar.inc(1);
-        bar.set_message(format!("epoch {} loss {:.4}", pos.epoch + 1, out.loss));
+        bar.set_message(format!(
+            "epoch {}/{epochs}, last step's train_loss {:.4}",
+            pos.epoch + 1,
+            out.loss
+        ));
         if evals.every > 0 && step % evals.every == 0 {
             evals.at(step, trainer, &test).await?;
             if evals.reached_target() {
@@ -763,12 +762,50 @@ async fn train(
     })
 }
 
+/// The console line of one epoch; it fits in 100 columns (the JSONL has
+/// every field), e.g.
+/// `rank 0 epoch 3/10: train_loss 0.412 test_loss 0.398 acc 88.4% wait 1.2s compute 35s comm 4.1s`.
+fn epoch_line(r: &EpochReport, epochs: u64) -> String {
+    format!(
+        "rank {} epoch {}/{epochs}: train_loss {} test_loss {} acc {:.1}% wait {} compute {} comm {}",
+        r.rank,
+        r.epoch,
+        short_loss(r.train_loss),
+        short_loss(r.test_loss),
+        100.0 * r.test_accuracy,
+        short_secs(r.data_wait_s),
+        short_secs(r.compute_s),
+        short_secs(r.comm_s),
+    )
+}
+
+/// A loss in at most 5 characters below 100 000 (`2.303`, `12.35`, `123.5`).
+fn short_loss(v: f32) -> String {
+    match v.abs() {
+        a if a < 10.0 => format!("{v:.3}"),
+        a if a < 100.0 => format!("{v:.2}"),
+        a if a < 1000.0 => format!("{v:.1}"),
+        _ => format!("{v:.0}"),
+    }
+}
+
+/// Seconds in at most 4 characters below 1000 hours (`0.4s`, `35s`, `20m`, `14h`).
+fn short_secs(s: f64) -> String {
+    match s {
+        s if s < 9.95 => format!("{s:.1}s"),
+        s if s < 999.5 => format!("{s:.0}s"),
+        s if s < 99.5 * 60.0 => format!("{:.0}m", s / 60.0),
+        s => format!("{:.0}h", s / 3600.0),
+    }
+}
+
 /// Whether a run at `step` has trained `training.max_steps` (0 = no cap).
 fn max_steps_reached(max_steps: u64, step: u64) -> bool {
     max_steps > 0 && step >= max_steps
 }
 
-/// Closes the epoch in `acc`; `(test_loss, test_accuracy)` come from the
+/// Closes the epoch in `acc` (`epoch` counts from 0, as the sampler does;
+/// the report counts from 1); `(test_loss, test_accuracy)` come from the
 /// evaluation at its last step.
 fn close_epoch(
     rank: u32,
@@ -781,7 +818,7 @@ fn close_epoch(
     let steps = a.steps.max(1);
     EpochReport {
         rank,
-        epoch,
+        epoch: epoch + 1,
         steps: a.steps,
         train_loss: (a.loss_sum / steps as f64) as f32,
         test_loss,
@@ -903,8 +940,7 @@ impl Evals {
 /// The per-epoch metrics files: `worker-<rank>.jsonl` and `worker-<rank>.csv`.
 struct MetricsFiles {
     jsonl: (PathBuf, std::fs::File),
-    csv: (PathBuf, std::fs::File),
-    csv_header_written: bool,
+    csv: (PathBuf, csv::Writer<std::fs::File>),
 }
 
 fn open_metrics(cfg: &ClusterConfig, rank: u32) -> Result<Option<MetricsFiles>, WorkerError> {
@@ -922,43 +958,30 @@ fn open_metrics(cfg: &ClusterConfig, rank: u32) -> Result<Option<MetricsFiles>, 
         let file = std::fs::File::create(&path).map_err(io)?;
         Ok::<_, WorkerError>((path, file))
     };
+    let jsonl = create(format!("worker-{rank}.jsonl"))?;
+    let (csv_path, csv_file) = create(format!("worker-{rank}.csv"))?;
     Ok(Some(MetricsFiles {
-        jsonl: create(format!("worker-{rank}.jsonl"))?,
-        csv: create(format!("worker-{rank}.csv"))?,
-        csv_header_written: false,
+        jsonl,
+        csv: (csv_path, csv::Writer::from_writer(csv_file)),
     }))
 }
 
+/// Appends `report` to both metrics files: a JSON line, and a CSV row
+/// (with the header before the first) whose columns are the fields of
+/// [`EpochReport`] in order; f32 fields are written as f32 in both.
 fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result<(), WorkerError> {
     let Some(files) = out else { return Ok(()) };
     let (path, file) = &mut files.jsonl;
-    let line = serde_json::to_string(report).unwrap_or_default();
-    writeln!(file, "{line}").map_err(|source| WorkerError::Metrics {
-        path: path.clone(),
-        source,
-    })?;
-    // The CSV has the same fields as the JSON lines, one column each.
-    let serde_json::Value::Object(fields) = serde_json::to_value(report).unwrap_or_default() else {
-        return Ok(());
-    };
-    let (path, file) = &mut files.csv;
-    let io = |source| WorkerError::Metrics {
+    let io = |path: &PathBuf, source| WorkerError::Metrics {
         path: path.clone(),
         source,
     };
-    if !files.csv_header_written {
-        let header: Vec<&str> = fields.keys().map(String::as_str).collect();
-        writeln!(file, "{}", header.join(",")).map_err(io)?;
-        files.csv_header_written = true;
-    }
-    let row: Vec<String> = fields
-        .values()
-        .map(|v| match v {
-            serde_json::Value::String(s) => format!("\"{}\"", s.replace('"', "\"\"")),
-            other => other.to_string(),
-        })
-        .collect();
-    writeln!(file, "{}", row.join(",")).map_err(io)
+    let line = serde_json::to_string(report).map_err(|e| io(path, e.into()))?;
+    writeln!(file, "{line}").map_err(|e| io(path, e))?;
+    let (path, writer) = &mut files.csv;
+    writer.serialize(report).map_err(|e| io(path, e.into()))?;
+    // Flushed per epoch, so the file is complete while the run goes on.
+    writer.flush().map_err(|e| io(path, e))
 }
 
 #[cfg(test)]
@@ -968,6 +991,136 @@ mod tests {
 
     fn evals(keep: usize) -> Evals {
         Evals::new(0, 0.0, keep)
+    }
+
+    /// A report with every figure at a large but possible value.
+    fn large_report() -> EpochReport {
+        let mut acc = EpochAcc {
+            steps: 123_456,
+            loss_sum: 123_456.0 * 23.456_789,
+            wait: Duration::from_secs_f64(9_876.5),
+            compute: Duration::from_secs_f64(123_456.7),
+            comm: Duration::from_secs_f64(98_765.4),
+            pushed: u64::MAX / 4,
+            pulled: u64::MAX / 4,
+            density_sum: 123_456.0,
+            round_trips: u64::MAX,
+            ..EpochAcc::default()
+        };
+        let mut r = close_epoch(999, 999, 1000, &mut acc, (12.345_678, 1.0));
+        r.bucket_gets = u64::MAX;
+        r.bucket_cost_usd = 123_456.789;
+        r
+    }
+
+    #[test]
+    fn the_epoch_line_fits_100_columns_and_labels_both_losses() {
+        let r = large_report();
+        let line = epoch_line(&r, 1000);
+        assert!(
+            line.chars().count() <= 100,
+            "{} columns: {line}",
+            line.len()
+        );
+        assert!(line.starts_with("rank 999 epoch 1000/1000: "), "{line}");
+        assert!(line.contains("train_loss 23.46 "), "{line}");
+        assert!(line.contains("test_loss 12.35 "), "{line}");
+        assert!(line.contains("acc 100.0% "), "{line}");
+        assert!(line.contains("wait 165m compute 34h comm 27h"), "{line}");
+        let mut small = r.clone();
+        (small.train_loss, small.test_loss, small.test_accuracy) = (0.4123, 0.3981, 0.884);
+        (small.data_wait_s, small.compute_s, small.comm_s) = (0.04, 35.2, 4.1);
+        assert_eq!(
+            epoch_line(&small, 1000),
+            "rank 999 epoch 1000/1000: train_loss 0.412 test_loss 0.398 acc 88.4% \
+             wait 0.0s compute 35s comm 4.1s"
+        );
+    }
+
+    #[test]
+    fn short_figures_keep_their_width() {
+        for (s, want) in [
+            (9.94, "9.9s"),
+            (9.96, "10s"),
+            (999.4, "999s"),
+            (999.6, "17m"),
+            (5969.0, "99m"),
+            (5971.0, "2h"),
+        ] {
+            assert_eq!(short_secs(s), want, "{s}");
+        }
+        for (v, want) in [
+            (2.456_7, "2.457"),
+            (99.994, "99.99"),
+            (999.94, "999.9"),
+            (123_456.0, "123456"),
+        ] {
+            assert_eq!(short_loss(v), want, "{v}");
+        }
+    }
+
+    #[test]
+    fn metrics_files_agree_on_epochs_columns_and_f32_digits() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = ClusterConfig::default();
+        cfg.training.metrics_dir = dir.path().join("runs").display().to_string();
+        let mut files = open_metrics(&cfg, 7).unwrap();
+        for epoch in 0..2 {
+            let mut acc = EpochAcc {
+                steps: 3,
+                loss_sum: 3.0 * 0.613_333_34,
+                ..EpochAcc::default()
+            };
+            let r = close_epoch(7, epoch, 2, &mut acc, (0.5, 0.613_333_34));
+            write_metrics(&mut files, &r).unwrap();
+        }
+        drop(files);
+        let jsonl = std::fs::read_to_string(dir.path().join("runs/worker-7.jsonl")).unwrap();
+        let csv = std::fs::read_to_string(dir.path().join("runs/worker-7.csv")).unwrap();
+        let lines: Vec<&str> = jsonl.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(
+            lines[0].starts_with("{\"epoch\":1,\"rank\":7,"),
+            "{}",
+            lines[0]
+        );
+        assert!(lines[1].starts_with("{\"epoch\":2,"), "{}", lines[1]);
+        assert!(
+            lines[0].contains("\"test_accuracy\":0.61333334,"),
+            "{}",
+            lines[0]
+        );
+        let rows: Vec<&str> = csv.lines().collect();
+        assert_eq!(rows.len(), 3, "{csv}");
+        let header: Vec<&str> = rows[0].split(',').collect();
+        assert_eq!(
+            header[..10],
+            [
+                "epoch",
+                "rank",
+                "steps",
+                "epoch_s",
+                "train_loss",
+                "test_loss",
+                "test_accuracy",
+                "data_wait_s",
+                "compute_s",
+                "comm_s"
+            ]
+        );
+        assert_eq!(header.last(), Some(&"fetch_retries"));
+        let first: Vec<&str> = rows[1].split(',').collect();
+        assert_eq!(first.len(), header.len());
+        assert_eq!(first[..2], ["1", "7"]);
+        assert_eq!(first[6], "0.61333334");
+        assert_eq!(rows[2].split(',').next(), Some("2"));
+        // Every JSONL field is a CSV column, in the same order.
+        let record: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+        let mut keys: Vec<String> = record.as_object().unwrap().keys().cloned().collect();
+        keys.sort();
+        let mut sorted_header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+        sorted_header.sort();
+        assert_eq!(keys, sorted_header);
     }
 
     #[test]

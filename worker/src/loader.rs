@@ -25,7 +25,10 @@
 //!   window fill up and planning stops (back-pressure).
 //!
 //! A run restarted mid-epoch resumes with [`LoaderSettings::resume_from`] and
-//! gets exactly the batches the uninterrupted run would have had. Per-epoch
+//! gets exactly the batches the uninterrupted run would have had; the disk
+//! tier an earlier run left for the same dataset is reused, soonest-needed
+//! samples first, so the restarted run fetches only what it lacks. Samples
+//! read back from the disk are checked against the manifest's checksums. Per-epoch
 //! counters (hits per tier, GETs, bytes from the bucket, retries) are in
 //! [`LoaderStats`].
 //!
@@ -74,7 +77,7 @@ use ps_shared::config::ClusterConfig;
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, ResumePoint, SamplerError};
 
-use crate::cache::{CacheError, Lookup, TieredCache};
+use crate::cache::{CacheError, DatasetIdentity, Lookup, TieredCache};
 
 /// Where a batch sits in the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -464,6 +467,26 @@ impl Schedule {
         }
     }
 
+    /// The first use of `sample` at batch `step` of `epoch` or later, for a
+    /// run that starts there.
+    pub fn next_use_at(&mut self, epoch: u64, step: usize, sample: usize) -> Option<u64> {
+        if epoch >= self.epochs {
+            return None;
+        }
+        let from = step.saturating_mul(self.batch_size);
+        let offset = self
+            .order(epoch)
+            .offset_of
+            .get(sample)
+            .copied()
+            .unwrap_or(NOT_IN_EPOCH);
+        if offset != NOT_IN_EPOCH && offset as usize >= from {
+            Some(self.position(epoch, offset as usize))
+        } else {
+            self.next_use_after(epoch, sample)
+        }
+    }
+
     /// The next use of `sample` after its use in `epoch`.
     pub fn next_use_after(&mut self, epoch: u64, sample: usize) -> Option<u64> {
         self.next_use_from(epoch.saturating_add(1), sample)
@@ -697,6 +720,8 @@ impl Pump {
     /// may now have a known next use, or none left in the run.
     async fn rekey(&mut self, epoch: u64) {
         self.rekeyed = Some(epoch);
+        // A restart from here on finds the disk tier as it is now.
+        self.cache.save_index();
         for key in self.cache.plan().keys_needed_after(FAR_FUTURE) {
             let next = usize::try_from(key)
                 .ok()
@@ -849,7 +874,20 @@ impl Pump {
                     }
                 }
             }
-            Done::Disk { sample, result } => match result {
+            Done::Disk { sample, result } => match result.and_then(|bytes| {
+                // The file's own checksum was right; the bytes must also be
+                // the sample the manifest describes.
+                self.reader
+                    .verify_record(Split::Train, sample, &bytes)
+                    .map(|()| bytes)
+                    .map_err(|e| CacheError::Damaged {
+                        path: self.cache.disk().map_or_else(
+                            || PathBuf::from(format!("sample {sample}")),
+                            |d| d.file_of(sample as u64),
+                        ),
+                        message: e.to_string(),
+                    })
+            }) {
                 Ok(bytes) => self.deliver(sample, bytes).await,
                 Err(e) => {
                     tracing::warn!("sample {sample}: {e}; fetching it from the bucket");
@@ -1044,7 +1082,29 @@ impl Loader {
             ));
         }
         let next = (steps > 0 && first.0 < settings.epochs).then_some(first);
-        let cache = TieredCache::new(settings.memory_cache_bytes, settings.disk_cache.clone())?;
+        let (manifest_crc32, manifest_bytes) = reader.manifest_checksum();
+        let dataset = DatasetIdentity {
+            location: format!("{} {}", reader.store(), reader.prefix()),
+            manifest_crc32,
+            manifest_bytes,
+        };
+        let mut cache = TieredCache::new(
+            settings.memory_cache_bytes,
+            settings.disk_cache.clone(),
+            &dataset,
+        )?;
+        // Disk files of an earlier run (a restart) serve the samples this
+        // run needs soonest; the others go.
+        let mut schedule = schedule;
+        let restored = cache.restore(|key| match (next, usize::try_from(key)) {
+            (Some((epoch, step)), Ok(sample)) if sample < sampler.num_samples() => {
+                schedule.next_use_at(epoch, step, sample)
+            }
+            _ => None,
+        });
+        if restored > 0 {
+            tracing::info!("disk cache: reusing {restored} samples kept by an earlier run");
+        }
         let disk_ops = cache.disk().map(|d| d.pending_ops());
         let (tx, rx) = mpsc::channel(settings.ready_batches);
         let shared = Arc::new(Shared {
@@ -1104,6 +1164,14 @@ impl Loader {
 
     pub fn steps_per_epoch(&self) -> usize {
         self.steps_per_epoch
+    }
+
+    /// Stops the pump and waits until it has let go of everything: the disk
+    /// tier has finished its IO and saved its index, so that a loader started
+    /// next on the same directory reuses its files.
+    pub async fn stop(mut self) {
+        self.task.abort();
+        let _ = (&mut self.task).await;
     }
 
     /// The per-epoch counters.

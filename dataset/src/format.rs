@@ -312,11 +312,7 @@ pub struct SplitInfo {
     /// checked on every such read without fetching more than it needs. It
     /// costs 4 bytes per record (8 hex digits in the manifest), 1/50 of an
     /// MNIST record.
-    #[serde(
-        default,
-        skip_serializing_if = "Vec::is_empty",
-        with = "crc_hex"
-    )]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "crc_hex")]
     pub crc32: Vec<u32>,
 }
 
@@ -810,7 +806,11 @@ mod tests {
             json.contains(r#""crc32":"00000001000000020000000300000004deadbeef""#),
             "{json}"
         );
-        assert_eq!(json.matches("crc32").count(), 1, "the empty test split has none");
+        assert_eq!(
+            json.matches("crc32").count(),
+            1,
+            "the empty test split has none"
+        );
         assert_eq!(serde_json::from_str::<Manifest>(&json).unwrap(), m);
         for bad in ["0000001", "0000000g", "0000000é"] {
             let text = json.replace("00000001000000020000000300000004deadbeef", bad);

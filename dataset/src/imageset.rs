@@ -259,7 +259,11 @@ mod tests {
             let body = store.get(&object).await.unwrap().bytes().await.unwrap();
             let (at, len) = (e.offset as usize, e.len as usize);
             assert_eq!(e.crc32, Some(crc32(&body[at..at + len])));
-            assert!(index.train.iter().chain(&index.test).all(|e| e.crc32.is_some()));
+            assert!(index
+                .train
+                .iter()
+                .chain(&index.test)
+                .all(|e| e.crc32.is_some()));
             let mut bent = body.to_vec();
             bent[at + len / 2] ^= 0x10;
             store.put(&object, bent.into()).await.unwrap();

@@ -1084,7 +1084,10 @@ mod tests {
         reader.fetch(Split::Test, &[0, 2]).await.unwrap();
         // The record's checksum catches the change first.
         let err = reader.fetch(Split::Test, &[1]).await.unwrap_err();
-        assert!(err.to_string().contains("test sample 1 fails its checksum"), "{err}");
+        assert!(
+            err.to_string().contains("test sample 1 fails its checksum"),
+            "{err}"
+        );
         // Without checksums (an older manifest) the label check still does.
         strip_checksums(store.as_ref(), &Path::default()).await;
         let reader = DatasetReader::open(store, Path::default()).await.unwrap();
@@ -1154,7 +1157,10 @@ mod tests {
         assert_damaged(&err, "c/train/shard-00001.bin", "train sample 20");
         let err = reader.fetch_all(Split::Train).await.unwrap_err();
         assert_damaged(&err, "c/train/shard-00001.bin", "train sample 16");
-        for req in reader.plan_requests(Split::Train, &[17, 18], 1 << 20).unwrap() {
+        for req in reader
+            .plan_requests(Split::Train, &[17, 18], 1 << 20)
+            .unwrap()
+        {
             let err = reader.read_request(&req).await.unwrap_err();
             assert_damaged(&err, "c/train/shard-00001.bin", "train sample 17");
         }
@@ -1185,16 +1191,28 @@ mod tests {
                 records_per_shard: 16,
             };
             let (train, test) = synthetic(&small_spec());
-            let m = write_dataset_with(store.as_ref(), &Path::default(), "o", 5, 4, &train, &test, &options)
-                .await
-                .unwrap();
+            let m = write_dataset_with(
+                store.as_ref(),
+                &Path::default(),
+                "o",
+                5,
+                4,
+                &train,
+                &test,
+                &options,
+            )
+            .await
+            .unwrap();
             assert_eq!((m.train.crc32.len(), m.test.crc32.len()), (203, 37));
             assert_eq!(m.train.crc32[5], crc32(&store_record(&train[5])));
             strip_checksums(store.as_ref(), &Path::default()).await;
             let reader = DatasetReader::open(store, Path::default()).await.unwrap();
             assert!(reader.manifest().train.crc32.is_empty());
             let got = reader.fetch(Split::Train, &[5, 1, 202]).await.unwrap();
-            assert_eq!(got, vec![train[5].clone(), train[1].clone(), train[202].clone()]);
+            assert_eq!(
+                got,
+                vec![train[5].clone(), train[1].clone(), train[202].clone()]
+            );
             assert_eq!(
                 reader.fetch_all(Split::Test).await.unwrap(),
                 Batch::from_samples(&test, 5)

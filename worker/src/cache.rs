@@ -628,7 +628,10 @@ fn load_index(dir: &Path, dataset: &DatasetIdentity) -> FileEntries {
         Ok(raw) => match serde_json::from_slice(&raw) {
             Ok(index) => index,
             Err(e) => {
-                tracing::warn!("disk cache: {} is unreadable ({e}); starting empty", path.display());
+                tracing::warn!(
+                    "disk cache: {} is unreadable ({e}); starting empty",
+                    path.display()
+                );
                 return FileEntries::new();
             }
         },
@@ -1202,7 +1205,11 @@ mod tests {
         let disk = DiskTier::open(&sub, &dataset("a")).unwrap();
         assert_eq!(disk.restored(), &[(1, 11), (2, 12), (3, 13), (4, 14)]);
         assert!(files_with(&sub, "tmp").is_empty());
-        assert_eq!(files_with(&sub, "rec").len(), 4, "unlisted and cut files go");
+        assert_eq!(
+            files_with(&sub, "rec").len(),
+            4,
+            "unlisted and cut files go"
+        );
         for k in [1u64, 2] {
             let got = disk.read(k).await.unwrap().unwrap();
             assert_eq!(got, Bytes::from(vec![k as u8; 10 + k as usize]));
@@ -1226,7 +1233,10 @@ mod tests {
         })
         .unwrap();
         let err = disk.read(4).await.unwrap().unwrap_err();
-        assert!(err.to_string().contains("the cache index recorded"), "{err}");
+        assert!(
+            err.to_string().contains("the cache index recorded"),
+            "{err}"
+        );
         drop(disk);
 
         // Another dataset (or a rewritten manifest) reuses nothing.

@@ -197,6 +197,7 @@ mod tests {
     use crate::index::{index_class_folders, index_webdataset};
     use crate::{DatasetReader, Layout};
     use object_store::memory::InMemory;
+    use object_store::ObjectStoreExt;
     use std::sync::Arc;
 
     fn options(shape: [usize; 3]) -> IndexOptions {
@@ -233,7 +234,9 @@ mod tests {
                 (m.train.num_samples, m.test.num_samples, m.features),
                 (25, 10, 432)
             );
-            let reader = DatasetReader::open(store, prefix).await.unwrap();
+            let reader = DatasetReader::open(store.clone(), prefix.clone())
+                .await
+                .unwrap();
             assert!(reader.layout().is_images());
             let all = reader.fetch_all(Split::Test).await.unwrap();
             assert_eq!((all.len(), all.dim), (10, 432));
@@ -247,6 +250,33 @@ mod tests {
                 assert_eq!(m.layout, Layout::WebDataset);
                 assert_eq!(all.labels, test.iter().map(|t| t.label).collect::<Vec<_>>());
             }
+
+            // Every image has the checksum of its bytes; an image changed
+            // since is reported by name, with its object, and not decoded.
+            let index = m.images.as_ref().unwrap();
+            let e = &index.test[3];
+            let object = object_path(&prefix, &index.objects[e.object as usize]).unwrap();
+            let body = store.get(&object).await.unwrap().bytes().await.unwrap();
+            let (at, len) = (e.offset as usize, e.len as usize);
+            assert_eq!(e.crc32, Some(crc32(&body[at..at + len])));
+            assert!(index
+                .train
+                .iter()
+                .chain(&index.test)
+                .all(|e| e.crc32.is_some()));
+            let mut bent = body.to_vec();
+            bent[at + len / 2] ^= 0x10;
+            store.put(&object, bent.into()).await.unwrap();
+            let err = reader.fetch(Split::Test, &[3]).await.unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                matches!(&err, DatasetError::Corrupt { object: o, permanent: true, .. } if *o == object.to_string()),
+                "{msg}"
+            );
+            assert!(
+                msg.contains(&e.key) && msg.contains("test sample 3 fails its checksum"),
+                "{msg}"
+            );
         }
     }
 

@@ -15,6 +15,9 @@ use crate::webdataset::{expand_braces, is_label_name, parse_label, split_key, Ta
 /// Shards indexed at once.
 const INDEX_CONCURRENCY: usize = 8;
 
+/// Class-folder images read at once for their checksums.
+const CHECKSUM_CONCURRENCY: usize = 32;
+
 /// What to index and how strictly.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IndexOptions {
@@ -47,7 +50,7 @@ fn invalid(object: &str, message: String) -> DatasetError {
 
 /// Indexes WebDataset shards: `train` and `test` are shard names relative
 /// to `prefix`, brace-expanded (`train-{0000..0009}.tar`). Each shard is
-/// read once, as a stream.
+/// read once, as a stream, which also gives every image's checksum.
 pub async fn index_webdataset(
     store: &dyn ObjectStore,
     prefix: &Path,
@@ -149,7 +152,7 @@ fn group_members(
     report: &mut IndexReport,
 ) -> Result<(), DatasetError> {
     struct Parts {
-        image: Option<(u64, u64)>,
+        image: Option<(u64, u64, u32)>,
         label: Option<Result<u32, String>>,
     }
     let mut order: Vec<String> = Vec::new();
@@ -165,7 +168,7 @@ fn group_members(
             }
         });
         if is_image_name(&m.name) {
-            entry.image = Some((m.offset, m.len));
+            entry.image = Some((m.offset, m.len, m.crc32));
         } else if let Some(data) = &m.data {
             entry.label = Some(parse_label(ext, data));
         }
@@ -176,12 +179,13 @@ fn group_members(
             (None, _) => Err("has no .jpg, .jpeg or .png member".to_string()),
             (Some(_), None) => Err("has no label (a .cls or .json member)".to_string()),
             (Some(_), Some(Err(e))) => Err(e.clone()),
-            (Some((offset, len)), Some(Ok(label))) if *len > 0 => Ok(ImageEntry {
+            (Some((offset, len, crc32)), Some(Ok(label))) if *len > 0 => Ok(ImageEntry {
                 object,
                 offset: *offset,
                 len: *len,
                 label: *label,
                 key: key.clone(),
+                crc32: Some(*crc32),
             }),
             (Some(_), Some(Ok(_))) => Err("has an empty image".to_string()),
         };
@@ -200,7 +204,8 @@ fn group_members(
 }
 
 /// Indexes `train/<class>/<file>` and `test/<class>/<file>` under `prefix`:
-/// the classes are the training folders' names in sorted order.
+/// the classes are the training folders' names in sorted order. Every image
+/// is read once, for the checksum the loader checks each read against.
 pub async fn index_class_folders(
     store: &dyn ObjectStore,
     prefix: &Path,
@@ -283,10 +288,42 @@ pub async fn index_class_folders(
                 len: *size,
                 label,
                 key: rel.rsplit('/').next().unwrap_or(rel).to_string(),
+                crc32: None,
             });
             objects.push(rel.clone());
         }
         splits.push(entries);
+    }
+    // Read every image once for its checksum, so that the loader can check
+    // each read against it.
+    let sums: Vec<(u32, u64)> = futures::stream::iter(objects.iter())
+        .map(|rel| async move {
+            let path = object_path(prefix, rel).map_err(DatasetError::Invalid)?;
+            let body = match store.get_opts(&path, GetOptions::default()).await {
+                Ok(r) => r.bytes().await?,
+                Err(object_store::Error::NotFound { .. }) => {
+                    return Err(invalid(rel, "the image vanished while indexing".into()))
+                }
+                Err(e) => return Err(e.into()),
+            };
+            Ok::<_, DatasetError>((crc32(&body), body.len() as u64))
+        })
+        .buffered(CHECKSUM_CONCURRENCY)
+        .try_collect()
+        .await?;
+    for e in splits.iter_mut().flatten() {
+        let (sum, len) = sums[e.object as usize];
+        if len != e.len {
+            return Err(invalid(
+                &objects[e.object as usize],
+                format!(
+                    "the image was listed as {} bytes but read as {len} (changed while indexing?)",
+                    e.len
+                ),
+            ));
+        }
+        e.crc32 = Some(sum);
+        report.bytes_read += len;
     }
     let test_entries = splits.pop().unwrap_or_default();
     let train_entries = splits.pop().unwrap_or_default();
@@ -327,11 +364,11 @@ fn image_manifest(
         record_bytes: mean.saturating_add(LABEL_BYTES),
         train: SplitInfo {
             num_samples: train.len(),
-            shards: Vec::new(),
+            ..SplitInfo::default()
         },
         test: SplitInfo {
             num_samples: test.len(),
-            shards: Vec::new(),
+            ..SplitInfo::default()
         },
         normalization: None,
         images: Some(ImageIndex {

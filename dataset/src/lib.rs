@@ -14,6 +14,9 @@
 //!   case, one GET per sample.
 //!
 //! Manifests written before the layout field existed read as `shards`.
+//! Writers record a CRC-32 of every record (of every image, for the image
+//! layouts) in the manifest, and the reader checks each record it reads
+//! against it; manifests written before checksums read unchecked.
 //!
 //! This crate also builds datasets: a learnable [`synthetic`] task, MNIST from
 //! CSV ([`read_mnist_csv`]) or IDX files ([`read_mnist_idx`]), and

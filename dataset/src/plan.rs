@@ -182,6 +182,7 @@ mod tests {
             } else {
                 Vec::new()
             },
+            crc32: Vec::new(),
         };
         Manifest {
             format: layout.format(),
@@ -193,7 +194,7 @@ mod tests {
             train,
             test: SplitInfo {
                 num_samples: 0,
-                shards: Vec::new(),
+                ..SplitInfo::default()
             },
             normalization: None,
             images: None,

@@ -17,6 +17,8 @@ struct ReaderInner {
     planner: ReadPlanner,
     /// Image layouts: how images are decoded and augmented.
     images: Option<ImagePipeline>,
+    /// CRC-32 and length of the manifest's bytes as read.
+    manifest_sum: (u32, u64),
 }
 
 /// A batch decoded from records, with what decoding cost.
@@ -73,6 +75,7 @@ impl DatasetReader {
             }
             Err(e) => return Err(e.into()),
         };
+        let manifest_sum = (crc32(&bytes), bytes.len() as u64);
         let manifest: Manifest = serde_json::from_slice(&bytes)
             .map_err(|e| DatasetError::Manifest(format!("{manifest_path}: {e}")))?;
         let planner = ReadPlanner::new(manifest, prefix)?;
@@ -89,6 +92,7 @@ impl DatasetReader {
                 store,
                 planner,
                 images,
+                manifest_sum,
             }),
         })
     }
@@ -110,6 +114,7 @@ impl DatasetReader {
                 store: self.inner.store.clone(),
                 planner: self.inner.planner.clone(),
                 images: Some(pipeline),
+                manifest_sum: self.inner.manifest_sum,
             }),
         })
     }
@@ -126,6 +131,39 @@ impl DatasetReader {
     /// The prefix the dataset was opened at.
     pub fn prefix(&self) -> &Path {
         &self.inner.planner.prefix
+    }
+
+    /// CRC-32 and length of `manifest.json` as it was read: they change
+    /// whenever the dataset is rewritten or re-indexed.
+    pub fn manifest_checksum(&self) -> (u32, u64) {
+        self.inner.manifest_sum
+    }
+
+    /// Checks a record of sample `index` (as [`DatasetReader::read_request`]
+    /// returns it, e.g. kept in a cache since) against the manifest's
+    /// checksum of that sample, when it has one.
+    pub fn verify_record(
+        &self,
+        split: Split,
+        index: usize,
+        record: &[u8],
+    ) -> Result<(), DatasetError> {
+        let m = &self.inner.planner.manifest;
+        let (expected, bytes) = match &m.images {
+            Some(images) => (
+                images.entries(split).get(index).and_then(|e| e.crc32),
+                record.get(LABEL_BYTES..).unwrap_or_default(),
+            ),
+            None => (m.split(split).crc32.get(index).copied(), record),
+        };
+        match checksum_mismatch(split, index, expected, bytes) {
+            None => Ok(()),
+            Some(message) => Err(DatasetError::Corrupt {
+                object: format!("cached copy of {split} sample {index}"),
+                message,
+                permanent: true,
+            }),
+        }
     }
 
     /// The store the dataset is read from.
@@ -164,7 +202,8 @@ impl DatasetReader {
     }
 
     /// Issues one request and returns its records in index order, each checked
-    /// for length and label. A missing object, a short body or a bad label is
+    /// for length, checksum (when the manifest has them) and label. A
+    /// missing object, a short body, a checksum mismatch or a bad label is
     /// [`DatasetError::Corrupt`] naming the object; a store failure is
     /// [`DatasetError::Store`].
     pub async fn read_request(&self, req: &RecordRequest) -> Result<Vec<Bytes>, DatasetError> {
@@ -203,6 +242,9 @@ impl DatasetReader {
                     e.len
                 )));
             }
+            if let Some(why) = checksum_mismatch(req.split, req.first, e.crc32, &body) {
+                return Err(damaged(format!("image `{}`: {why}", e.key)));
+            }
             let mut record = Vec::with_capacity(LABEL_BYTES + body.len());
             record.extend_from_slice(&e.label.to_le_bytes());
             record.extend_from_slice(&body);
@@ -216,9 +258,16 @@ impl DatasetReader {
                 req.count
             )));
         }
+        let sums = &m.split(req.split).crc32;
         let mut out = Vec::with_capacity(req.count);
         for i in 0..req.count {
             let record = body.slice(i * rb..(i + 1) * rb);
+            let index = req.first + i;
+            if let Some(why) =
+                checksum_mismatch(req.split, index, sums.get(index).copied(), &record)
+            {
+                return Err(damaged(why));
+            }
             check_label(&record, m.classes).map_err(|label| {
                 damaged(format!(
                     "record {} has label {label}, not below the manifest's {} classes",
@@ -435,9 +484,11 @@ impl DatasetReader {
         let m = &self.inner.planner.manifest;
         let mut batch = Batch::with_capacity(info.num_samples, m.features);
         for (shard, d) in &data {
-            for buf in &d.buffers {
-                for record in buf.chunks_exact(m.record_bytes) {
-                    let (label, feats) = self.decode_record(split, *shard, record)?;
+            let first = info.shards[*shard].first;
+            for (run, buf) in d.runs.iter().zip(&d.buffers) {
+                for (i, record) in buf.chunks_exact(m.record_bytes).enumerate() {
+                    let index = first + run.start + i;
+                    let (label, feats) = self.decode_record(split, *shard, index, record)?;
                     batch.labels.push(label);
                     batch.features.extend(features_iter(feats));
                 }
@@ -524,7 +575,8 @@ impl DatasetReader {
             let record = buf
                 .get(at..at + rb)
                 .ok_or_else(|| corrupt(format!("record {local} is cut short")))?;
-            let (label, feats) = self.decode_record(split, shard, record)?;
+            let index = info.shards[shard].first + local;
+            let (label, feats) = self.decode_record(split, shard, index, record)?;
             sink(label, feats);
         }
         Ok(())
@@ -619,12 +671,13 @@ impl DatasetReader {
         Ok(buffers)
     }
 
-    /// Splits one record into its label (checked against `classes`) and its
-    /// feature bytes.
+    /// Splits record `index` of a split into its label (checked against
+    /// `classes`) and its feature bytes, after checking its checksum.
     fn decode_record<'a>(
         &self,
         split: Split,
         shard: usize,
+        index: usize,
         record: &'a [u8],
     ) -> Result<(u32, &'a [u8]), DatasetError> {
         let m = &self.inner.planner.manifest;
@@ -639,6 +692,14 @@ impl DatasetReader {
                 record.len(),
                 m.record_bytes
             )));
+        }
+        let expected = m.split(split).crc32.get(index).copied();
+        if let Some(message) = checksum_mismatch(split, index, expected, record) {
+            return Err(DatasetError::Corrupt {
+                object: self.inner.planner.shard_paths[split.index()][shard].to_string(),
+                message,
+                permanent: true,
+            });
         }
         let (label_bytes, feats) = record.split_at(LABEL_BYTES);
         let label = u32::from_le_bytes([
@@ -1017,10 +1078,155 @@ mod tests {
             .to_vec();
         raw[24..28].copy_from_slice(&9u32.to_le_bytes());
         store.put(&shard, raw.into()).await.unwrap();
-        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+        let reader = DatasetReader::open(store.clone(), Path::default())
+            .await
+            .unwrap();
         reader.fetch(Split::Test, &[0, 2]).await.unwrap();
+        // The record's checksum catches the change first.
+        let err = reader.fetch(Split::Test, &[1]).await.unwrap_err();
+        assert!(
+            err.to_string().contains("test sample 1 fails its checksum"),
+            "{err}"
+        );
+        // Without checksums (an older manifest) the label check still does.
+        strip_checksums(store.as_ref(), &Path::default()).await;
+        let reader = DatasetReader::open(store, Path::default()).await.unwrap();
         let err = reader.fetch(Split::Test, &[1]).await.unwrap_err();
         assert!(err.to_string().contains("label 9"), "{err}");
+    }
+
+    /// Rewrites the manifest under `prefix` in the form written before
+    /// checksums existed: without any `crc32` field.
+    async fn strip_checksums(store: &dyn ObjectStore, prefix: &Path) {
+        let path = prefix.clone().join(MANIFEST_NAME);
+        let raw = store.get(&path).await.unwrap().bytes().await.unwrap();
+        let mut json: serde_json::Value = serde_json::from_slice(&raw).unwrap();
+        for split in ["train", "test"] {
+            json[split].as_object_mut().unwrap().remove("crc32");
+        }
+        if let Some(images) = json.get_mut("images") {
+            for split in ["train", "test"] {
+                for e in images[split].as_array_mut().unwrap() {
+                    e.as_object_mut().unwrap().remove("crc32");
+                }
+            }
+        }
+        let text = serde_json::to_string(&json).unwrap();
+        assert!(!text.contains("crc32"), "{text}");
+        store.put(&path, text.into_bytes().into()).await.unwrap();
+    }
+
+    /// Overwrites `object` with random bytes of the same size.
+    async fn scramble(store: &dyn ObjectStore, object: &Path, seed: u64) {
+        let size = store.head(object).await.unwrap().size as usize;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let noise: Vec<u8> = (0..size).map(|_| rng.random()).collect();
+        store.put(object, noise.into()).await.unwrap();
+    }
+
+    fn assert_damaged(err: &DatasetError, object: &str, sample: &str) {
+        assert!(
+            matches!(err, DatasetError::Corrupt { object: o, permanent: true, .. } if o == object),
+            "{err}"
+        );
+        assert!(!err.is_transient(), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(object) && msg.contains(sample) && msg.contains("fails its checksum"),
+            "{msg}"
+        );
+    }
+
+    #[tokio::test]
+    async fn overwritten_objects_are_reported_as_corrupt() {
+        // Shards: every way of reading a record checks its checksum.
+        let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let prefix = Path::from("c");
+        let (train, _) = write_small(store.as_ref(), &prefix).await;
+        let shard = Path::from("c/train/shard-00001.bin");
+        scramble(store.as_ref(), &shard, 9).await;
+        let reader = DatasetReader::open(store.clone(), prefix.clone())
+            .await
+            .unwrap();
+        // Records of other shards still read.
+        assert_eq!(
+            reader.fetch(Split::Train, &[3, 40]).await.unwrap(),
+            vec![train[3].clone(), train[40].clone()]
+        );
+        let err = reader.fetch(Split::Train, &[20]).await.unwrap_err();
+        assert_damaged(&err, "c/train/shard-00001.bin", "train sample 20");
+        let err = reader.fetch_all(Split::Train).await.unwrap_err();
+        assert_damaged(&err, "c/train/shard-00001.bin", "train sample 16");
+        for req in reader
+            .plan_requests(Split::Train, &[17, 18], 1 << 20)
+            .unwrap()
+        {
+            let err = reader.read_request(&req).await.unwrap_err();
+            assert_damaged(&err, "c/train/shard-00001.bin", "train sample 17");
+        }
+
+        // One object per sample.
+        let options = WriteOptions {
+            layout: Layout::PerSample,
+            records_per_shard: 1,
+        };
+        let (train, test) = synthetic(&small_spec());
+        let prefix = Path::from("p");
+        write_dataset_with(store.as_ref(), &prefix, "p", 5, 4, &train, &test, &options)
+            .await
+            .unwrap();
+        scramble(store.as_ref(), &Path::from("p/test/00000007.bin"), 10).await;
+        let reader = DatasetReader::open(store.clone(), prefix).await.unwrap();
+        reader.fetch(Split::Test, &[6, 8]).await.unwrap();
+        let err = reader.fetch_all(Split::Test).await.unwrap_err();
+        assert_damaged(&err, "p/test/00000007.bin", "test sample 7");
+    }
+
+    #[tokio::test]
+    async fn manifest_without_checksums_still_reads() {
+        for layout in [Layout::Shards, Layout::PerSample] {
+            let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+            let options = WriteOptions {
+                layout,
+                records_per_shard: 16,
+            };
+            let (train, test) = synthetic(&small_spec());
+            let m = write_dataset_with(
+                store.as_ref(),
+                &Path::default(),
+                "o",
+                5,
+                4,
+                &train,
+                &test,
+                &options,
+            )
+            .await
+            .unwrap();
+            assert_eq!((m.train.crc32.len(), m.test.crc32.len()), (203, 37));
+            assert_eq!(m.train.crc32[5], crc32(&store_record(&train[5])));
+            strip_checksums(store.as_ref(), &Path::default()).await;
+            let reader = DatasetReader::open(store, Path::default()).await.unwrap();
+            assert!(reader.manifest().train.crc32.is_empty());
+            let got = reader.fetch(Split::Train, &[5, 1, 202]).await.unwrap();
+            assert_eq!(
+                got,
+                vec![train[5].clone(), train[1].clone(), train[202].clone()]
+            );
+            assert_eq!(
+                reader.fetch_all(Split::Test).await.unwrap(),
+                Batch::from_samples(&test, 5)
+            );
+        }
+    }
+
+    /// A sample as the writer stores it: label, then features, little-endian.
+    fn store_record(s: &Sample) -> Vec<u8> {
+        let mut out = s.label.to_le_bytes().to_vec();
+        for v in &s.features {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
     }
 
     #[tokio::test]
@@ -1083,7 +1289,7 @@ mod tests {
             m.test,
             SplitInfo {
                 num_samples: 0,
-                shards: vec![]
+                ..SplitInfo::default()
             }
         );
     }

@@ -67,6 +67,8 @@ pub struct TarMember {
     pub len: u64,
     /// The data, for members the scanner was asked to keep (small labels).
     pub data: Option<Bytes>,
+    /// CRC-32 of the member's data, computed as it streams past.
+    pub crc32: u32,
 }
 
 const BLOCK: usize = 512;
@@ -76,8 +78,16 @@ pub const MAX_KEPT_MEMBER: u64 = 64 * 1024;
 enum State {
     /// Collecting the next 512-byte header.
     Header,
-    /// Passing over `remaining` bytes (data not kept, or padding).
+    /// Passing over `remaining` bytes of padding or extended headers.
     Skip { remaining: u64 },
+    /// Passing over a member's data, not kept but checksummed, then `pad`
+    /// bytes of padding.
+    Hash {
+        member: TarMember,
+        hasher: crc32fast::Hasher,
+        remaining: u64,
+        pad: u64,
+    },
     /// Collecting a member's data, then `pad` bytes of padding.
     Collect {
         kind: Collecting,
@@ -147,6 +157,30 @@ impl<F: Fn(&str) -> bool> TarScanner<F> {
                     self.pos += take;
                     if *remaining == 0 {
                         self.state = State::Header;
+                    }
+                }
+                State::Hash {
+                    hasher, remaining, ..
+                } => {
+                    let take = (*remaining).min(chunk.len() as u64) as usize;
+                    hasher.update(&chunk[..take]);
+                    chunk = &chunk[take..];
+                    self.pos += take as u64;
+                    *remaining -= take as u64;
+                    if *remaining == 0 {
+                        if let State::Hash {
+                            mut member,
+                            hasher,
+                            pad,
+                            ..
+                        } = std::mem::replace(&mut self.state, State::Header)
+                        {
+                            member.crc32 = hasher.finalize();
+                            self.members.push(member);
+                            if pad > 0 {
+                                self.state = State::Skip { remaining: pad };
+                            }
+                        }
                     }
                 }
                 State::Collect {
@@ -246,21 +280,26 @@ impl<F: Fn(&str) -> bool> TarScanner<F> {
             b'0' | 0 | b'7' => {
                 let name = self.next_name.take().unwrap_or_else(header_name);
                 self.current = Some((name.clone(), at));
-                if (self.keep)(&name) && size <= MAX_KEPT_MEMBER {
-                    Some(Collecting::Member(TarMember {
-                        name,
-                        offset: self.pos,
-                        len: size,
-                        data: None,
-                    }))
-                } else {
-                    self.members.push(TarMember {
-                        name,
-                        offset: self.pos,
-                        len: size,
-                        data: None,
-                    });
+                let member = TarMember {
+                    name,
+                    offset: self.pos,
+                    len: size,
+                    data: None,
+                    crc32: crc32fast::hash(&[]),
+                };
+                if (self.keep)(&member.name) && size <= MAX_KEPT_MEMBER {
+                    Some(Collecting::Member(member))
+                } else if size == 0 {
+                    self.members.push(member);
                     None
+                } else {
+                    self.state = State::Hash {
+                        member,
+                        hasher: crc32fast::Hasher::new(),
+                        remaining: size,
+                        pad,
+                    };
+                    return Ok(());
                 }
             }
             _ => {
@@ -302,6 +341,7 @@ impl<F: Fn(&str) -> bool> TarScanner<F> {
                 }
             }
             Collecting::Member(mut m) => {
+                m.crc32 = crc32fast::hash(&data);
                 m.data = Some(Bytes::from(data));
                 self.members.push(m);
             }
@@ -485,6 +525,12 @@ mod tests {
         );
         let (o, l) = (img.offset as usize, img.len as usize);
         assert_eq!(&tar[o..o + l], vec![2u8; 702].as_slice());
+        // Every member's checksum is that of its bytes, whatever the chunking.
+        for m in &whole {
+            let (o, l) = (m.offset as usize, m.len as usize);
+            assert_eq!(m.crc32, crc32fast::hash(&tar[o..o + l]), "{}", m.name);
+        }
+        assert_ne!(whole[0].crc32, whole[2].crc32);
         assert_eq!(whole[5].data.as_deref(), Some(&b"6"[..]));
         assert_eq!(whole[0].data, None, "images are not kept");
     }

@@ -132,12 +132,15 @@ struct SplitState {
     buffered: usize,
     samples: usize,
     shards: Vec<ShardInfo>,
+    /// CRC-32 of every record pushed, in order.
+    crc32: Vec<u32>,
 }
 
 type Upload<'a> = BoxFuture<'a, Result<(), object_store::Error>>;
 
 /// Writes a dataset one sample at a time, for inputs that do not fit in
-/// memory.
+/// memory. The CRC-32 of every record goes into the manifest (`crc32` of
+/// each split), so that readers can check every record they read.
 ///
 /// Memory stays bounded: one shard buffer per split, plus at most 8 shards
 /// (or 32 per-sample objects) being uploaded. Shard objects are written as they
@@ -287,7 +290,9 @@ impl<'a> DatasetWriter<'a> {
             return Err(self.fail(DatasetError::Invalid(message)).await);
         }
         let state = &mut self.splits[split.index()];
+        let start = state.buf.len();
         encode_record(&mut state.buf, label, features);
+        state.crc32.push(crc32(&state.buf[start..]));
         state.buffered += 1;
         state.samples += 1;
         let full = match self.options.layout {
@@ -335,6 +340,7 @@ impl<'a> DatasetWriter<'a> {
             SplitInfo {
                 num_samples: state.samples,
                 shards: std::mem::take(&mut state.shards),
+                crc32: std::mem::take(&mut state.crc32),
             }
         });
         let manifest = Manifest {

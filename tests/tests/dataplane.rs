@@ -256,6 +256,147 @@ async fn damaged_disk_cache_files_are_fetched_again() {
     assert_eq!(e.disk_hits + e.bucket_samples + e.memory_hits, 96);
 }
 
+fn rec_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out: Vec<_> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|e| e == "rec"))
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+/// Loader settings of the restart tests: one batch planned ahead, a disk
+/// tier that holds the whole training split, no memory tier.
+fn restart_settings(tier: &std::path::Path) -> LoaderSettings {
+    let mut s = settings(8, 3);
+    s.lookahead_samples = 8;
+    s.ready_batches = 1;
+    s.disk_cache = Some((tier.to_path_buf(), 96 * RECORD));
+    s
+}
+
+/// A first run that stops after 6 of the 12 batches of epoch 0, as a worker
+/// that is stopped or crashes. Returns the samples it fetched.
+async fn interrupted_run(sim: &Arc<SimStore>, prefix: &Path, tier: &std::path::Path) -> u64 {
+    let sampler = EpochSampler::new(96, 1, 0, 12).unwrap();
+    let loader = Loader::start(
+        open(sim.clone(), prefix).await,
+        sampler,
+        restart_settings(tier),
+    )
+    .expect("start");
+    for _ in 0..6 {
+        loader.next().await.expect("batch").expect("a batch");
+    }
+    tokio::time::timeout(Duration::from_secs(60), loader.settled())
+        .await
+        .expect("the loader comes to rest while nobody takes batches");
+    let fetched = loader.stats().total().bucket_samples;
+    loader.stop().await;
+    fetched
+}
+
+/// Resumes the run of [`interrupted_run`] at batch 6 of epoch 0 with the disk
+/// tier in `tier`; returns the bucket GETs it made and its counters.
+async fn resumed_run(
+    sim: &Arc<SimStore>,
+    prefix: &Path,
+    tier: &std::path::Path,
+    direct: &DatasetReader,
+) -> (u64, ps_worker::loader::EpochDataStats) {
+    let sampler = EpochSampler::new(96, 1, 0, 12).unwrap();
+    let reader = open(sim.clone(), prefix).await;
+    sim.reset_stats();
+    let loader =
+        Loader::start_at(reader, sampler.clone(), restart_settings(tier), 0, 6).expect("start");
+    let got = drain(&loader, 100).await.expect("resumed run");
+    check_batches(&got, &sampler, 8, 3, (0, 6), direct).await;
+    (sim.stats().gets, loader.stats().total())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_fetches_only_what_it_lacks() {
+    let (raw, sim, prefix) = bucket(Layout::PerSample, 96).await;
+    let direct = open(raw.clone(), &prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+
+    // Without a disk tier left by a first run, the rest of the run fetches
+    // every sample once (the tier holds them all after that).
+    let (cold_gets, cold) = resumed_run(&sim, &prefix, &dir.path().join("cold"), &direct).await;
+    assert_eq!((cold_gets, cold.gets, cold.disk_hits > 0), (96, 96, true));
+
+    let tier = dir.path().join("tier");
+    let fetched = interrupted_run(&sim, &prefix, &tier).await;
+    let kept = rec_files(&tier).len() as u64;
+    // Everything the first run fetched went to the disk tier and stayed.
+    assert_eq!(kept, fetched);
+    assert!((48..96).contains(&kept), "{kept} files");
+    let (gets, stats) = resumed_run(&sim, &prefix, &tier, &direct).await;
+    // One GET per sample in this layout: only the samples not on disk.
+    assert_eq!(gets, 96 - kept, "GETs after the restart");
+    assert_eq!(stats.gets, gets);
+    assert_eq!(stats.disk_errors, 0);
+    println!(
+        "restart: {kept} of 96 samples reused from the disk tier; {gets} GETs instead of {cold_gets}"
+    );
+
+    // Damaged files are found out on reuse and fetched again: one with a
+    // flipped byte, one holding another sample's (well-formed) file.
+    let _ = interrupted_run(&sim, &prefix, &tier).await;
+    let files = rec_files(&tier);
+    let kept = files.len() as u64;
+    let mut raw_file = std::fs::read(&files[0]).unwrap();
+    let last = raw_file.len() - 1;
+    raw_file[last] ^= 0x40;
+    std::fs::write(&files[0], raw_file).unwrap();
+    std::fs::copy(&files[2], &files[1]).unwrap();
+    let (gets, stats) = resumed_run(&sim, &prefix, &tier, &direct).await;
+    assert_eq!(stats.disk_errors, 2, "{stats:?}");
+    assert_eq!(
+        gets,
+        96 - kept + 2,
+        "the two damaged samples are fetched again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_dataset_does_not_reuse_the_disk_tier() {
+    let (_, sim, prefix) = bucket(Layout::Shards, 96).await;
+    let dir = tempfile::tempdir().unwrap();
+    let tier = dir.path().join("tier");
+    let kept = interrupted_run(&sim, &prefix, &tier).await;
+    assert_eq!(rec_files(&tier).len() as u64, kept);
+    // The same place, rewritten with other samples: another manifest.
+    let spec = SyntheticSpec {
+        train: 96,
+        test: 8,
+        features: FEATURES,
+        classes: 3,
+        seed: 6,
+        label_noise: 0.0,
+    };
+    let (tr, te) = synthetic(&spec);
+    let raw = Arc::new(InMemory::new());
+    let options = WriteOptions {
+        layout: Layout::Shards,
+        records_per_shard: 10,
+    };
+    write_dataset_with(raw.as_ref(), &prefix, "dp", FEATURES, 3, &tr, &te, &options)
+        .await
+        .expect("write dataset");
+    let other = Arc::new(SimStore::new(raw.clone(), SimSettings::instant()));
+    let direct = open(raw.clone(), &prefix).await;
+    let (_, stats) = resumed_run(&other, &prefix, &tier, &direct).await;
+    // Nothing of the first dataset was served (the batches match the new
+    // one byte for byte): every sample came from the bucket first.
+    assert_eq!(stats.bucket_samples, 96, "{stats:?}");
+    assert_eq!(stats.disk_errors, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resume_mid_epoch_matches_the_uninterrupted_run() {
     for layout in [Layout::Shards, Layout::PerSample] {
@@ -383,20 +524,44 @@ async fn transient_faults_are_retried() {
     assert!(loader.stats().total().retries > 0);
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Damage {
+    /// Cut to 7 bytes.
+    Cut,
+    Missing,
+    /// Overwritten with random bytes of the same size.
+    Scrambled,
+}
+
+/// `len` bytes that look random, the same for the same `seed`.
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (ps_dataset::crc32(&(i ^ (seed << 32)).to_le_bytes()) >> 11) as u8)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn persistent_damage_is_a_clear_error() {
     for layout in [Layout::Shards, Layout::PerSample] {
-        for missing in [false, true] {
+        for damage in [Damage::Cut, Damage::Missing, Damage::Scrambled] {
             let (raw, sim, prefix) = bucket(layout, 50).await;
             let object = match layout {
                 Layout::Shards => "ds/train/shard-00002.bin",
                 _ => "ds/train/00000023.bin",
             };
             let path = Path::from(object);
-            if missing {
-                raw.delete(&path).await.unwrap();
-            } else {
-                raw.put(&path, vec![1u8; 7].into()).await.unwrap();
+            match damage {
+                Damage::Missing => raw.delete(&path).await.map(drop).unwrap(),
+                Damage::Cut => raw.put(&path, vec![1u8; 7].into()).await.map(drop).unwrap(),
+                Damage::Scrambled => {
+                    // Random bytes of the same size: only the checksums
+                    // tell them from the records.
+                    let size = raw.head(&path).await.unwrap().size;
+                    raw.put(&path, noise(size as usize, 77).into())
+                        .await
+                        .map(drop)
+                        .unwrap()
+                }
             }
             let sampler = EpochSampler::new(50, 1, 0, 2).unwrap();
             let mut s = settings(5, 1);
@@ -416,9 +581,10 @@ async fn persistent_damage_is_a_clear_error() {
             }
             let err = error.expect("damaged object must fail the run");
             let msg = err.to_string();
-            // A missing object is permanent: no retry. A short body may be
-            // a cut connection: retried until the budget runs out.
-            let tries = if missing { 1 } else { 3 };
+            // A missing object and a checksum mismatch are permanent: no
+            // retry. A short body may be a cut connection: retried until the
+            // budget runs out.
+            let tries = if damage == Damage::Cut { 3 } else { 1 };
             assert!(
                 matches!(&err, LoaderError::Fetch { object: o, attempts, .. } if o == object && *attempts == tries),
                 "{msg}"
@@ -427,7 +593,11 @@ async fn persistent_damage_is_a_clear_error() {
                 msg.contains(object) && msg.contains(&format!("{tries} attempt")),
                 "{msg}"
             );
-            let why = if missing { "missing" } else { "bytes" };
+            let why = match damage {
+                Damage::Missing => "missing",
+                Damage::Cut => "bytes",
+                Damage::Scrambled => "fails its checksum",
+            };
             assert!(msg.contains(why), "{msg}");
             // Later calls keep failing instead of pretending the run ended.
             let again = loader.next().await.expect_err("still failed");

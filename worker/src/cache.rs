@@ -1,7 +1,8 @@
 //! The loader's sample cache: a memory tier ([moka], weighed in bytes), a
 //! local-disk tier (a directory with a byte cap; files are written under a
-//! temporary name and renamed into place) and [`TierPlan`], the policy that
-//! decides which samples live where.
+//! temporary name and renamed into place, and kept with an index across
+//! restarts, see [`DiskTier`]) and [`TierPlan`], the policy that decides
+//! which samples live where.
 //!
 //! The loader knows the whole future sample order, so every sample it holds
 //! has a known *next use*: an absolute position in this worker's schedule.
@@ -15,7 +16,9 @@
 //! Correctness never depends on the cache: a sample the plan believes cached
 //! but that cannot be read back (dropped by moka, a damaged or missing file)
 //! is reported as a miss and fetched again; a capacity of zero, or smaller
-//! than one sample, only costs speed.
+//! than one sample, only costs speed. Every disk read is checked against the
+//! CRC-32 written with the file (and recorded in the index), and the loader
+//! checks the bytes against the manifest's checksum of the sample as well.
 //!
 //! ```
 //! use ps_worker::cache::{CacheAction, Tier, TierPlan};
@@ -36,7 +39,7 @@
 //! assert_eq!(plan.offer(1, 10, None), vec![CacheAction::DropMemory(1)]);
 //! ```
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
@@ -45,7 +48,7 @@ use std::thread::JoinHandle;
 use bytes::Bytes;
 use moka::future::Cache;
 use moka::policy::EvictionPolicy;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 
 /// Key of a cached sample: its index in the training split.
@@ -216,6 +219,17 @@ impl TierPlan {
         }
     }
 
+    /// Puts `key` (already in `tier`) into the plan if it fits without
+    /// pushing anything out; no IO. For files found in place at start.
+    pub fn place(&mut self, key: SampleKey, tier: Tier, bytes: u64, next_use: u64) -> bool {
+        let t = tier.index();
+        if self.entries.contains_key(&key) || self.used[t].saturating_add(bytes) > self.caps[t] {
+            return false;
+        }
+        self.insert(key, tier, next_use, bytes);
+        true
+    }
+
     /// Forgets `key` (a tier lost it); no IO.
     pub fn forget(&mut self, key: SampleKey) -> Option<Tier> {
         self.remove(key).map(|e| e.tier)
@@ -338,109 +352,231 @@ impl MemoryTier {
 // Disk tier
 // ---------------------------------------------------------------------------
 
-/// Magic at the start of every cache file.
-const FILE_MAGIC: &[u8; 4] = b"STRC";
-/// Magic, payload length (u64 LE), FNV-1a 64 of the payload (u64 LE).
-const FILE_HEADER: usize = 4 + 8 + 8;
+/// Magic at the start of every cache file (older builds wrote `STRC` files
+/// with an FNV-1a sum; they are not read).
+const FILE_MAGIC: &[u8; 4] = b"STC2";
+/// Magic, payload length (u64 LE), CRC-32 of the payload (u32 LE).
+const FILE_HEADER: usize = 4 + 8 + 4;
 /// Worker threads of the disk tier; a sample always goes to the same one, so
 /// the operations on one file happen in the order they were asked for.
 const DISK_LANES: usize = 2;
+/// The index of the files in the tier's directory.
+pub const INDEX_NAME: &str = "index.json";
+/// Version of the [`INDEX_NAME`] format.
+const INDEX_VERSION: u32 = 1;
+/// Writes between two saves of the index, at least (also at least a quarter
+/// of the files held, so that saving stays a small share of the IO).
+const INDEX_EVERY_WRITES: u64 = 1024;
+
+/// Which dataset the files of a disk tier hold samples of. A tier whose
+/// index names another dataset (another place, or a manifest that changed
+/// since) is emptied when it opens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetIdentity {
+    /// Where the dataset is read from: the store and the prefix.
+    pub location: String,
+    /// CRC-32 of the manifest's bytes, as read from the bucket.
+    pub manifest_crc32: u32,
+    /// Length of the manifest in bytes.
+    pub manifest_bytes: u64,
+}
+
+/// What [`INDEX_NAME`] holds.
+#[derive(Debug, Serialize, Deserialize)]
+struct DiskIndex {
+    version: u32,
+    dataset: DatasetIdentity,
+    /// `(key, payload bytes, CRC-32 of the payload)` of every file.
+    files: Vec<(SampleKey, u64, u32)>,
+}
+
+/// Length and CRC-32 of a file's payload.
+type FileEntries = BTreeMap<SampleKey, (u64, u32)>;
 
 enum DiskOp {
     Write(SampleKey, Bytes),
     Read(SampleKey, oneshot::Sender<Result<Bytes, CacheError>>),
     Delete(SampleKey),
+    /// Write the index as the files are now.
+    SaveIndex,
 }
 
-/// The disk tier: one file per sample in a directory of its own.
+/// What the lanes share.
+struct DiskShared {
+    dir: PathBuf,
+    dataset: DatasetIdentity,
+    /// The files in place, as the lanes wrote and removed them.
+    files: Mutex<FileEntries>,
+    failed: Mutex<Vec<SampleKey>>,
+    /// Operations queued and not finished yet.
+    pending: watch::Sender<usize>,
+}
+
+impl DiskShared {
+    fn files(&self) -> std::sync::MutexGuard<'_, FileEntries> {
+        self.files.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes the index under a temporary name and renames it into place,
+    /// so that a crash leaves the old index or the new one, never half of
+    /// one.
+    fn save_index(&self) -> Result<(), CacheError> {
+        let index = DiskIndex {
+            version: INDEX_VERSION,
+            dataset: self.dataset.clone(),
+            files: self
+                .files()
+                .iter()
+                .map(|(&k, &(len, sum))| (k, len, sum))
+                .collect(),
+        };
+        let path = self.dir.join(INDEX_NAME);
+        let tmp = self.dir.join(format!("{INDEX_NAME}.tmp"));
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CacheError::Io { path, source }
+        };
+        let json = serde_json::to_vec(&index).map_err(|e| CacheError::Damaged {
+            path: path.clone(),
+            message: format!("cannot encode the index: {e}"),
+        })?;
+        let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        file.write_all(&json).map_err(io(&tmp))?;
+        file.sync_data().map_err(io(&tmp))?;
+        drop(file);
+        std::fs::rename(&tmp, &path).map_err(io(&path))
+    }
+}
+
+/// The disk tier: one file per sample in a directory of its own, kept
+/// across restarts.
 ///
 /// Writes go to `<key>.<lane>-<n>.tmp` and are renamed to `<key>.rec`, so a
-/// reader never sees half a file; every file carries its length and a
-/// checksum, and a file that fails either is reported as damaged. File IO runs
-/// on [`DISK_LANES`] threads. The directory is emptied when the tier opens and
-/// removed when it is dropped.
+/// reader never sees half a file; every file carries its length and the
+/// CRC-32 of its bytes, and a file that fails either, or whose checksum is
+/// not the one the index recorded, is reported as damaged (the loader then
+/// drops it and fetches the sample again). File IO runs on [`DISK_LANES`]
+/// threads.
+///
+/// [`INDEX_NAME`] lists the files (key, length, checksum) and the dataset
+/// they belong to. It is saved atomically (temporary file and rename) every
+/// few hundred writes, when asked to ([`DiskTier::save_index`]) and when the
+/// tier is dropped. On open, the files the index lists are kept when it
+/// names the same dataset and their size is right (see
+/// [`DiskTier::restored`]); everything else the tier wrote (files of another
+/// dataset, files written after the last save, temporary files) is removed.
 pub struct DiskTier {
-    dir: PathBuf,
+    shared: Arc<DiskShared>,
     lanes: Vec<mpsc::Sender<DiskOp>>,
     threads: Vec<JoinHandle<()>>,
-    failed: Arc<Mutex<Vec<SampleKey>>>,
-    /// Operations queued and not finished yet.
-    pending: Arc<watch::Sender<usize>>,
+    /// Files found in place on open: key and payload length.
+    restored: Vec<(SampleKey, u64)>,
+    /// Writes queued since the last save of the index.
+    writes_since_save: std::sync::atomic::AtomicU64,
 }
 
 impl DiskTier {
-    /// Creates `dir` (removing cache files left in it) and starts the IO threads.
-    pub fn open(dir: &Path) -> Result<Self, CacheError> {
+    /// Opens the tier in `dir` (created if needed) for samples of `dataset`:
+    /// keeps the files its index lists for the same dataset, removes the
+    /// other cache files, and starts the IO threads.
+    pub fn open(dir: &Path, dataset: &DatasetIdentity) -> Result<Self, CacheError> {
         let io = |source| CacheError::Io {
             path: dir.to_path_buf(),
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
-        remove_cache_files(dir).map_err(io)?;
-        let failed = Arc::new(Mutex::new(Vec::new()));
-        let pending = Arc::new(watch::Sender::new(0usize));
+        let files = load_index(dir, dataset);
+        remove_cache_files(dir, &files).map_err(io)?;
+        let restored = files.iter().map(|(&k, &(len, _))| (k, len)).collect();
+        let shared = Arc::new(DiskShared {
+            dir: dir.to_path_buf(),
+            dataset: dataset.clone(),
+            files: Mutex::new(files),
+            failed: Mutex::new(Vec::new()),
+            pending: watch::Sender::new(0usize),
+        });
+        // The index on disk now says what is really there.
+        shared.save_index()?;
         let mut lanes = Vec::new();
         let mut threads = Vec::new();
         for lane in 0..DISK_LANES {
             let (tx, rx) = mpsc::channel();
-            let dir = dir.to_path_buf();
-            let failed = failed.clone();
-            let pending = pending.clone();
+            let shared = shared.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("disk-cache-{lane}"))
-                .spawn(move || disk_lane(lane, &dir, &rx, &failed, &pending))
+                .spawn(move || disk_lane(lane, &shared, &rx))
                 .map_err(io)?;
             lanes.push(tx);
             threads.push(handle);
         }
         Ok(Self {
-            dir: dir.to_path_buf(),
+            shared,
             lanes,
             threads,
-            failed,
-            pending,
+            restored,
+            writes_since_save: Default::default(),
         })
+    }
+
+    /// The files kept from an earlier run when the tier opened: key and
+    /// payload bytes, in key order. They are in place but in no plan yet.
+    pub fn restored(&self) -> &[(SampleKey, u64)] {
+        &self.restored
     }
 
     /// The number of queued operations not finished yet, to wait on (it
     /// changes as they are queued and as they finish).
     pub fn pending_ops(&self) -> watch::Receiver<usize> {
-        self.pending.subscribe()
+        self.shared.pending.subscribe()
     }
 
-    /// Queue `op` on its lane; the count of pending operations covers it
+    /// Queue `op` on lane `lane`; the count of pending operations covers it
     /// until the lane is done with it. Gives the operation back when the
     /// lane is gone.
-    fn queue(&self, key: SampleKey, op: DiskOp) -> Result<(), DiskOp> {
-        let Some(lane) = self.lane(key) else {
+    fn queue_on(&self, lane: usize, op: DiskOp) -> Result<(), DiskOp> {
+        let Some(lane) = self.lanes.get(lane) else {
             return Err(op);
         };
-        self.pending.send_modify(|n| *n += 1);
+        self.shared.pending.send_modify(|n| *n += 1);
         lane.send(op).map_err(|mpsc::SendError(op)| {
-            self.pending.send_modify(|n| *n -= 1);
+            self.shared.pending.send_modify(|n| *n -= 1);
             op
         })
     }
 
+    fn queue(&self, key: SampleKey, op: DiskOp) -> Result<(), DiskOp> {
+        self.queue_on((key % self.lanes.len().max(1) as u64) as usize, op)
+    }
+
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.shared.dir
     }
 
     /// Path of the file of `key`.
     pub fn file_of(&self, key: SampleKey) -> PathBuf {
-        record_path(&self.dir, key)
-    }
-
-    fn lane(&self, key: SampleKey) -> Option<&mpsc::Sender<DiskOp>> {
-        self.lanes
-            .get((key % self.lanes.len().max(1) as u64) as usize)
+        record_path(&self.shared.dir, key)
     }
 
     /// Queues a write; a failure shows up in [`DiskTier::take_failed`].
     pub fn write(&self, key: SampleKey, bytes: Bytes) {
         if self.queue(key, DiskOp::Write(key, bytes)).is_err() {
             self.note_failed(key);
+            return;
         }
+        use std::sync::atomic::Ordering::Relaxed;
+        let writes = self.writes_since_save.fetch_add(1, Relaxed) + 1;
+        let held = self.shared.files().len() as u64;
+        if writes >= INDEX_EVERY_WRITES.max(held / 4) {
+            self.save_index();
+        }
+    }
+
+    /// Queues a save of the index (after the operations queued before it
+    /// on the same lane).
+    pub fn save_index(&self) {
+        self.writes_since_save
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.queue_on(0, DiskOp::SaveIndex);
     }
 
     /// Queues a read; the answer arrives on the returned channel.
@@ -459,40 +595,79 @@ impl DiskTier {
 
     /// Keys whose writes failed since the last call.
     pub fn take_failed(&self) -> Vec<SampleKey> {
-        match self.failed.lock() {
-            Ok(mut g) => std::mem::take(&mut *g),
-            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
-        }
+        let mut g = self.shared.failed.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *g)
     }
 
     fn note_failed(&self, key: SampleKey) {
-        match self.failed.lock() {
-            Ok(mut g) => g.push(key),
-            Err(poisoned) => poisoned.into_inner().push(key),
-        }
+        let mut g = self.shared.failed.lock().unwrap_or_else(|p| p.into_inner());
+        g.push(key);
     }
 }
 
 impl Drop for DiskTier {
-    /// Finishes the queued IO, removes the cache files and then the directory
-    /// if nothing else is in it.
+    /// Finishes the queued IO and saves the index; the files stay for the
+    /// next run.
     fn drop(&mut self) {
         self.lanes.clear();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        if let Err(e) = remove_cache_files(&self.dir).and_then(|()| std::fs::remove_dir(&self.dir))
-        {
-            tracing::debug!(dir = %self.dir.display(), "disk cache directory left in place: {e}");
+        if let Err(e) = self.shared.save_index() {
+            tracing::warn!("disk cache index not saved (the files will not be reused): {e}");
         }
     }
 }
 
-/// Removes the files this tier writes (`*.rec`, `*.tmp`) from `dir`.
-fn remove_cache_files(dir: &Path) -> std::io::Result<()> {
+/// The files of `dir`'s index that can be reused for `dataset`: none when
+/// there is no index, it does not parse, or it names another dataset;
+/// otherwise those whose file is in place with the right size.
+fn load_index(dir: &Path, dataset: &DatasetIdentity) -> FileEntries {
+    let path = dir.join(INDEX_NAME);
+    let index: DiskIndex = match std::fs::read(&path) {
+        Ok(raw) => match serde_json::from_slice(&raw) {
+            Ok(index) => index,
+            Err(e) => {
+                tracing::warn!(
+                    "disk cache: {} is unreadable ({e}); starting empty",
+                    path.display()
+                );
+                return FileEntries::new();
+            }
+        },
+        Err(_) => return FileEntries::new(),
+    };
+    if index.version != INDEX_VERSION || &index.dataset != dataset {
+        tracing::info!(
+            dir = %dir.display(),
+            "disk cache: the files are of another dataset (or manifest); starting empty"
+        );
+        return FileEntries::new();
+    }
+    index
+        .files
+        .into_iter()
+        .filter(|&(key, len, _)| {
+            std::fs::metadata(record_path(dir, key))
+                .is_ok_and(|m| m.is_file() && m.len() == FILE_HEADER as u64 + len)
+        })
+        .map(|(key, len, sum)| (key, (len, sum)))
+        .collect()
+}
+
+/// Removes the files this tier writes (`*.rec`, `*.tmp`) from `dir`, except
+/// the files of `keep`.
+fn remove_cache_files(dir: &Path, keep: &FileEntries) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "rec" || e == "tmp") {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let kept = ext == "rec"
+            && path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .and_then(|s| SampleKey::from_str_radix(s, 16).ok())
+                .is_some_and(|k| keep.contains_key(&k) && path == record_path(dir, k));
+        if (ext == "rec" && !kept) || ext == "tmp" {
             std::fs::remove_file(&path)?;
         }
     }
@@ -503,38 +678,42 @@ fn record_path(dir: &Path, key: SampleKey) -> PathBuf {
     dir.join(format!("{key:016x}.rec"))
 }
 
-fn disk_lane(
-    lane: usize,
-    dir: &Path,
-    rx: &mpsc::Receiver<DiskOp>,
-    failed: &Mutex<Vec<SampleKey>>,
-    pending: &watch::Sender<usize>,
-) {
+fn disk_lane(lane: usize, shared: &DiskShared, rx: &mpsc::Receiver<DiskOp>) {
     let mut seq = 0u64;
     while let Ok(op) = rx.recv() {
-        disk_op(lane, dir, op, &mut seq, failed);
-        pending.send_modify(|n| *n = n.saturating_sub(1));
+        disk_op(lane, shared, op, &mut seq);
+        shared.pending.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 
-fn disk_op(lane: usize, dir: &Path, op: DiskOp, seq: &mut u64, failed: &Mutex<Vec<SampleKey>>) {
+fn disk_op(lane: usize, shared: &DiskShared, op: DiskOp, seq: &mut u64) {
+    let dir = &shared.dir;
     match op {
         DiskOp::Write(key, bytes) => {
             *seq += 1;
             let tmp = dir.join(format!("{key:016x}.{lane}-{seq}.tmp"));
-            if let Err(e) = write_file(&tmp, &record_path(dir, key), &bytes) {
-                tracing::warn!("disk cache write of sample {key} failed: {e}");
-                let _ = std::fs::remove_file(&tmp);
-                match failed.lock() {
-                    Ok(mut g) => g.push(key),
-                    Err(poisoned) => poisoned.into_inner().push(key),
+            let sum = ps_dataset::crc32(&bytes);
+            match write_file(&tmp, &record_path(dir, key), &bytes, sum) {
+                Ok(()) => {
+                    shared.files().insert(key, (bytes.len() as u64, sum));
+                }
+                Err(e) => {
+                    tracing::warn!("disk cache write of sample {key} failed: {e}");
+                    let _ = std::fs::remove_file(&tmp);
+                    shared.files().remove(&key);
+                    let mut g = shared.failed.lock().unwrap_or_else(|p| p.into_inner());
+                    g.push(key);
                 }
             }
         }
         DiskOp::Read(key, reply) => {
-            let _ = reply.send(read_file(&record_path(dir, key)));
+            let expected = shared.files().get(&key).map(|&(_, sum)| sum);
+            let _ = reply.send(read_file(&record_path(dir, key), expected));
         }
         DiskOp::Delete(key) => {
+            // Out of the index first: an index saved meanwhile may name a
+            // file that is gone (skipped on open), never the reverse.
+            shared.files().remove(&key);
             let path = record_path(dir, key);
             if let Err(e) = std::fs::remove_file(&path) {
                 if e.kind() != std::io::ErrorKind::NotFound {
@@ -542,10 +721,15 @@ fn disk_op(lane: usize, dir: &Path, op: DiskOp, seq: &mut u64, failed: &Mutex<Ve
                 }
             }
         }
+        DiskOp::SaveIndex => {
+            if let Err(e) = shared.save_index() {
+                tracing::warn!("{e}");
+            }
+        }
     }
 }
 
-fn write_file(tmp: &Path, dest: &Path, payload: &[u8]) -> Result<(), CacheError> {
+fn write_file(tmp: &Path, dest: &Path, payload: &[u8], sum: u32) -> Result<(), CacheError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| CacheError::Io { path, source }
@@ -554,50 +738,49 @@ fn write_file(tmp: &Path, dest: &Path, payload: &[u8]) -> Result<(), CacheError>
     let mut header = [0u8; FILE_HEADER];
     header[..4].copy_from_slice(FILE_MAGIC);
     header[4..12].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    header[12..20].copy_from_slice(&fnv1a64(payload).to_le_bytes());
+    header[12..16].copy_from_slice(&sum.to_le_bytes());
     file.write_all(&header).map_err(io(tmp))?;
     file.write_all(payload).map_err(io(tmp))?;
     drop(file);
     std::fs::rename(tmp, dest).map_err(io(dest))
 }
 
-fn read_file(path: &Path) -> Result<Bytes, CacheError> {
+/// Reads a cache file and checks its length and checksum, and that the
+/// checksum is `expected` (what the index recorded) when there is one.
+fn read_file(path: &Path, expected: Option<u32>) -> Result<Bytes, CacheError> {
     let data = std::fs::read(path).map_err(|source| CacheError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    let damaged = |message: &str| CacheError::Damaged {
+    let damaged = |message: String| CacheError::Damaged {
         path: path.to_path_buf(),
-        message: message.to_string(),
+        message,
     };
     if data.len() < FILE_HEADER || &data[..4] != FILE_MAGIC {
-        return Err(damaged("no cache header"));
+        return Err(damaged("no cache header".into()));
     }
-    let word = |at: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&data[at..at + 8]);
-        u64::from_le_bytes(b)
-    };
-    let (len, sum) = (word(4), word(12));
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&data[4..12]);
+    let mut sum = [0u8; 4];
+    sum.copy_from_slice(&data[12..16]);
+    let (len, sum) = (u64::from_le_bytes(len), u32::from_le_bytes(sum));
     let payload = &data[FILE_HEADER..];
     if payload.len() as u64 != len {
-        return Err(damaged("length does not match the header"));
+        return Err(damaged("length does not match the header".into()));
     }
-    if fnv1a64(payload) != sum {
-        return Err(damaged("checksum mismatch"));
+    let actual = ps_dataset::crc32(payload);
+    if actual != sum {
+        return Err(damaged(format!(
+            "checksum mismatch (CRC-32 {actual:08x}, the header says {sum:08x})"
+        )));
+    }
+    if let Some(want) = expected.filter(|&w| w != sum) {
+        return Err(damaged(format!(
+            "checksum {sum:08x} is not the {want:08x} the cache index recorded"
+        )));
     }
     let mut data = Bytes::from(data);
     Ok(data.split_off(FILE_HEADER))
-}
-
-/// FNV-1a, 64 bits: a cheap checksum against damaged cache files.
-fn fnv1a64(data: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in data {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
 }
 
 // ---------------------------------------------------------------------------
@@ -623,6 +806,8 @@ pub struct CacheStats {
     pub disk_write_failures: u64,
     /// Samples moved from memory to disk.
     pub demotions: u64,
+    /// Disk files of an earlier run reused at start.
+    pub restored: u64,
 }
 
 /// The memory and disk tiers driven by one [`TierPlan`]. Owned by one task.
@@ -635,11 +820,17 @@ pub struct TieredCache {
 
 impl TieredCache {
     /// `memory_bytes` of memory (0: no memory tier) and optionally a disk
-    /// tier in a directory with its byte cap.
-    pub fn new(memory_bytes: u64, disk: Option<(PathBuf, u64)>) -> Result<Self, CacheError> {
+    /// tier in a directory with its byte cap, for samples of `dataset`.
+    /// Files an earlier run left in the directory are in place but not used
+    /// until [`TieredCache::restore`] takes them into the plan.
+    pub fn new(
+        memory_bytes: u64,
+        disk: Option<(PathBuf, u64)>,
+        dataset: &DatasetIdentity,
+    ) -> Result<Self, CacheError> {
         let memory = (memory_bytes > 0).then(|| MemoryTier::new(memory_bytes));
         let (disk, disk_bytes) = match disk {
-            Some((dir, cap)) if cap > 0 => (Some(DiskTier::open(&dir)?), cap),
+            Some((dir, cap)) if cap > 0 => (Some(DiskTier::open(&dir, dataset)?), cap),
             _ => (None, 0),
         };
         Ok(Self {
@@ -662,6 +853,40 @@ impl TieredCache {
 
     pub fn plan(&self) -> &TierPlan {
         &self.plan
+    }
+
+    /// Takes the disk files kept from an earlier run into the plan, each
+    /// with its next use (`None`: not needed by this run), soonest first
+    /// while they fit the disk tier's capacity; the others are deleted.
+    /// Returns how many were kept. Every kept file is still checked against
+    /// its checksum when it is read.
+    pub fn restore(&mut self, mut next_use: impl FnMut(SampleKey) -> Option<u64>) -> usize {
+        let Some(disk) = &self.disk else { return 0 };
+        let mut found: Vec<(Option<u64>, SampleKey, u64)> = disk
+            .restored()
+            .iter()
+            .map(|&(key, bytes)| (next_use(key), key, bytes))
+            .collect();
+        // Needed soonest first, not needed at all last.
+        found.sort_unstable_by_key(|&(next, key, _)| (next.is_none(), next, key));
+        let mut kept = 0;
+        for (next, key, bytes) in found {
+            match next {
+                Some(next) if self.plan.place(key, Tier::Disk, bytes, next) => kept += 1,
+                _ => disk.delete(key),
+            }
+        }
+        self.stats.restored += kept as u64;
+        disk.save_index();
+        kept
+    }
+
+    /// Saves the disk tier's index now (it is also saved every few hundred
+    /// writes and when the cache is dropped).
+    pub fn save_index(&self) {
+        if let Some(disk) = &self.disk {
+            disk.save_index();
+        }
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -901,6 +1126,24 @@ mod tests {
             .all(|k| plan.next_use(*k).is_some_and(|n| n >= 5500)));
     }
 
+    fn dataset(name: &str) -> DatasetIdentity {
+        DatasetIdentity {
+            location: format!("memory {name}"),
+            manifest_crc32: 0x1234_5678,
+            manifest_bytes: 321,
+        }
+    }
+
+    fn files_with(dir: &Path, ext: &str) -> Vec<PathBuf> {
+        let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == ext))
+            .collect();
+        out.sort();
+        out
+    }
+
     #[tokio::test]
     async fn disk_tier_round_trip_and_damage() {
         let dir = tempfile::tempdir().unwrap();
@@ -908,9 +1151,10 @@ mod tests {
         std::fs::create_dir_all(&sub).unwrap();
         std::fs::write(sub.join("stale.rec"), b"old").unwrap();
         std::fs::write(sub.join("keep.txt"), b"not ours").unwrap();
-        let disk = DiskTier::open(&sub).unwrap();
+        let disk = DiskTier::open(&sub, &dataset("a")).unwrap();
         assert!(!sub.join("stale.rec").exists());
         assert!(sub.join("keep.txt").exists());
+        assert!(disk.restored().is_empty());
         disk.write(7, Bytes::from_static(b"hello sample"));
         assert_eq!(&disk.read(7).await.unwrap().unwrap()[..], b"hello sample");
         // Damage the file: the read reports it.
@@ -932,33 +1176,125 @@ mod tests {
             Err(CacheError::Io { .. })
         ));
         // No temporary files are left behind.
-        let leftovers = std::fs::read_dir(&sub)
-            .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .path()
-                    .extension()
-                    .is_some_and(|x| x == "tmp")
-            })
-            .count();
-        assert_eq!(leftovers, 0);
+        assert!(files_with(&sub, "tmp").is_empty());
         assert!(disk.take_failed().is_empty());
         disk.write(8, Bytes::from_static(b"x"));
         drop(disk);
-        // Only the tier's own files go; the directory stays for the other file.
+        // The files stay, with their index, for the next run.
         assert!(sub.join("keep.txt").exists());
-        assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 1);
-        std::fs::remove_file(sub.join("keep.txt")).unwrap();
-        let disk = DiskTier::open(&sub).unwrap();
+        assert_eq!(files_with(&sub, "rec"), vec![record_path(&sub, 8)]);
+        assert!(sub.join(INDEX_NAME).exists());
+    }
+
+    #[tokio::test]
+    async fn disk_tier_reuses_verified_files_of_the_same_dataset() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("tier");
+        let disk = DiskTier::open(&sub, &dataset("a")).unwrap();
+        for k in 1..=5u64 {
+            disk.write(k, Bytes::from(vec![k as u8; 10 + k as usize]));
+        }
         drop(disk);
-        assert!(!sub.exists());
+        // A crash leaves files the index does not list, and temporary files.
+        std::fs::write(record_path(&sub, 0xaa), b"written after the last save").unwrap();
+        std::fs::write(sub.join("00000000000000ab.0-9.tmp"), b"half").unwrap();
+        std::fs::write(sub.join(format!("{INDEX_NAME}.tmp")), b"{half an ind").unwrap();
+        // File 5 was cut short since.
+        std::fs::write(record_path(&sub, 5), b"STC2").unwrap();
+
+        let disk = DiskTier::open(&sub, &dataset("a")).unwrap();
+        assert_eq!(disk.restored(), &[(1, 11), (2, 12), (3, 13), (4, 14)]);
+        assert!(files_with(&sub, "tmp").is_empty());
+        assert_eq!(
+            files_with(&sub, "rec").len(),
+            4,
+            "unlisted and cut files go"
+        );
+        for k in [1u64, 2] {
+            let got = disk.read(k).await.unwrap().unwrap();
+            assert_eq!(got, Bytes::from(vec![k as u8; 10 + k as usize]));
+        }
+        // A damaged file is found out when it is read.
+        let path = disk.file_of(3);
+        let mut raw = std::fs::read(&path).unwrap();
+        raw[FILE_HEADER] ^= 1;
+        std::fs::write(&path, &raw).unwrap();
+        let err = disk.read(3).await.unwrap().unwrap_err();
+        assert!(err.to_string().contains("checksum mismatch"), "{err}");
+        // So is a well-formed file of other bytes than the index recorded.
+        let other = std::fs::read(disk.file_of(1)).unwrap();
+        std::fs::write(disk.file_of(4), {
+            let mut f = other.clone();
+            f.extend_from_slice(&[1, 1, 1]);
+            let payload = f[FILE_HEADER..].to_vec();
+            f[4..12].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+            f[12..16].copy_from_slice(&ps_dataset::crc32(&payload).to_le_bytes());
+            f
+        })
+        .unwrap();
+        let err = disk.read(4).await.unwrap().unwrap_err();
+        assert!(
+            err.to_string().contains("the cache index recorded"),
+            "{err}"
+        );
+        drop(disk);
+
+        // Another dataset (or a rewritten manifest) reuses nothing.
+        let mut changed = dataset("a");
+        changed.manifest_crc32 ^= 1;
+        let disk = DiskTier::open(&sub, &changed).unwrap();
+        assert!(disk.restored().is_empty());
+        assert!(files_with(&sub, "rec").is_empty());
+        drop(disk);
+        // An unreadable index is the same as none.
+        std::fs::write(sub.join(INDEX_NAME), b"[not an index").unwrap();
+        std::fs::write(record_path(&sub, 1), b"orphan").unwrap();
+        let disk = DiskTier::open(&sub, &changed).unwrap();
+        assert!(disk.restored().is_empty());
+        assert!(files_with(&sub, "rec").is_empty());
+    }
+
+    #[tokio::test]
+    async fn restore_keeps_the_samples_needed_soonest_within_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("c");
+        let disk = DiskTier::open(&sub, &dataset("a")).unwrap();
+        for k in 1..=4u64 {
+            disk.write(k, Bytes::from(vec![k as u8; 10]));
+        }
+        drop(disk);
+        // Room for two of the four: 3 and 4 are needed soonest, 2 never.
+        let mut cache = TieredCache::new(0, Some((sub.clone(), 25)), &dataset("a")).unwrap();
+        let kept = cache.restore(|k| match k {
+            1 => Some(50),
+            3 => Some(10),
+            4 => Some(20),
+            _ => None,
+        });
+        assert_eq!(kept, 2);
+        assert_eq!(cache.stats().restored, 2);
+        assert_eq!(cache.plan().used(Tier::Disk), 20);
+        assert_eq!(cache.plan().next_use(3), Some(10));
+        let Lookup::Disk(rx) = cache.lookup(3).await else {
+            panic!("3 should be on disk")
+        };
+        assert_eq!(rx.await.unwrap().unwrap(), Bytes::from(vec![3u8; 10]));
+        assert!(matches!(cache.lookup(1).await, Lookup::Miss));
+        drop(cache);
+        assert_eq!(
+            files_with(&sub, "rec"),
+            vec![record_path(&sub, 3), record_path(&sub, 4)],
+            "the files beyond the cap were deleted"
+        );
+        let disk = DiskTier::open(&sub, &dataset("a")).unwrap();
+        assert_eq!(disk.restored(), &[(3, 10), (4, 10)]);
     }
 
     #[tokio::test]
     async fn tiered_cache_serves_and_recovers() {
         let dir = tempfile::tempdir().unwrap();
-        let mut cache = TieredCache::new(10, Some((dir.path().join("c"), 10))).unwrap();
+        let mut cache =
+            TieredCache::new(10, Some((dir.path().join("c"), 10)), &dataset("t")).unwrap();
         let a = Bytes::from_static(b"aaaaaaaaaa");
         let b = Bytes::from_static(b"bbbbbbbbbb");
         cache.offer(1, &a, Some(100)).await;

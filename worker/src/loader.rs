@@ -27,7 +27,10 @@
 //! A run restarted mid-epoch resumes with [`LoaderSettings::resume_from`]
 //! (where the stream resumed, possibly with another worker count) and
 //! [`LoaderSettings::starting_at`], and gets exactly the batches the
-//! uninterrupted run would have had. Per-epoch
+//! uninterrupted run would have had; the disk tier an earlier run left for
+//! the same dataset is reused, soonest-needed samples first, so the restarted
+//! run fetches only what it lacks. Samples read back from the disk are checked
+//! against the manifest's checksums. Per-epoch
 //! counters (hits per tier, GETs, bytes from the bucket, retries) are in
 //! [`LoaderStats`].
 //!
@@ -77,7 +80,7 @@ use ps_shared::config::ClusterConfig;
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint, SamplerError};
 
-use crate::cache::{CacheError, Lookup, TieredCache};
+use crate::cache::{CacheError, DatasetIdentity, Lookup, TieredCache};
 
 /// Where a batch sits in the run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -476,6 +479,18 @@ impl Schedule {
         }
     }
 
+    /// The first use of `sample` at global step `step` or later, for a run
+    /// that starts there.
+    pub fn next_use_at(&mut self, step: u64, sample: usize) -> Option<u64> {
+        let from = self.plan.range(step).start;
+        let epoch = self.plan.epoch_of(from);
+        match self.next_use_from(epoch, sample) {
+            Some(pos) if pos >= from => Some(pos),
+            Some(_) => self.next_use_from(epoch.saturating_add(1), sample),
+            None => None,
+        }
+    }
+
     /// The next use of `sample` after its use at stream position `pos`.
     pub fn next_use_after(&mut self, pos: u64, sample: usize) -> Option<u64> {
         let epoch = self.plan.epoch_of(pos);
@@ -707,6 +722,8 @@ impl Pump {
     /// may now have a known next use, or none left in the run.
     async fn rekey(&mut self, epoch: u64) {
         self.rekeyed = Some(epoch);
+        // A restart from here on finds the disk tier as it is now.
+        self.cache.save_index();
         for key in self.cache.plan().keys_needed_after(FAR_FUTURE) {
             let next = usize::try_from(key)
                 .ok()
@@ -865,7 +882,20 @@ impl Pump {
                     }
                 }
             }
-            Done::Disk { sample, result } => match result {
+            Done::Disk { sample, result } => match result.and_then(|bytes| {
+                // The file's own checksum was right; the bytes must also be
+                // the sample the manifest describes.
+                self.reader
+                    .verify_record(Split::Train, sample, &bytes)
+                    .map(|()| bytes)
+                    .map_err(|e| CacheError::Damaged {
+                        path: self.cache.disk().map_or_else(
+                            || PathBuf::from(format!("sample {sample}")),
+                            |d| d.file_of(sample as u64),
+                        ),
+                        message: e.to_string(),
+                    })
+            }) {
                 Ok(bytes) => self.deliver(sample, bytes).await,
                 Err(e) => {
                     tracing::warn!("sample {sample}: {e}; fetching it from the bucket");
@@ -1071,7 +1101,28 @@ impl Loader {
             ));
         }
         let next = (first < end_step).then_some(first);
-        let cache = TieredCache::new(settings.memory_cache_bytes, settings.disk_cache.clone())?;
+        let (manifest_crc32, manifest_bytes) = reader.manifest_checksum();
+        let dataset = DatasetIdentity {
+            location: format!("{} {}", reader.store(), reader.prefix()),
+            manifest_crc32,
+            manifest_bytes,
+        };
+        let mut cache = TieredCache::new(
+            settings.memory_cache_bytes,
+            settings.disk_cache.clone(),
+            &dataset,
+        )?;
+        // Disk files of an earlier run (a restart) serve the samples this
+        // run needs soonest; the others go.
+        let mut schedule = schedule;
+        let num_samples = schedule.plan().sampler().num_samples();
+        let restored = cache.restore(|key| match (next, usize::try_from(key)) {
+            (Some(step), Ok(sample)) if sample < num_samples => schedule.next_use_at(step, sample),
+            _ => None,
+        });
+        if restored > 0 {
+            tracing::info!("disk cache: reusing {restored} samples kept by an earlier run");
+        }
         let disk_ops = cache.disk().map(|d| d.pending_ops());
         let (tx, rx) = mpsc::channel(settings.ready_batches);
         let shared = Arc::new(Shared {
@@ -1130,6 +1181,14 @@ impl Loader {
     /// The first global step this worker has no batch for.
     pub fn end_step(&self) -> u64 {
         self.end_step
+    }
+
+    /// Stops the pump and waits until it has let go of everything: the disk
+    /// tier has finished its IO and saved its index, so that a loader started
+    /// next on the same directory reuses its files.
+    pub async fn stop(mut self) {
+        self.task.abort();
+        let _ = (&mut self.task).await;
     }
 
     /// The per-epoch counters.

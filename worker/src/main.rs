@@ -67,7 +67,7 @@ enum Command {
 enum DatasetCommand {
     /// A learnable synthetic classification set.
     Synthetic {
-        /// Bucket URL to write to (file://dir, s3://bucket/prefix, ...).
+        /// Bucket URL to write to (file://dir, s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, ...).
         #[arg(long)]
         out: String,
         #[arg(long, default_value_t = 8192)]
@@ -136,7 +136,7 @@ enum DatasetCommand {
 
 #[derive(Args, Debug)]
 struct ImportArgs {
-    /// Bucket URL to write to (file://dir, a plain path, s3://bucket/prefix).
+    /// Bucket URL to write to (file://dir, a plain path, s3://, gs:// or az://bucket/prefix).
     #[arg(long)]
     out: String,
     /// Training data file; the format comes from its extension (.csv, .tsv,
@@ -279,7 +279,7 @@ fn train(
             key.display()
         )
     })?;
-    let (store, prefix) = open_bucket(&cfg.data.url)
+    let (store, prefix) = ps_shared::bucket::open_data_bucket(&cfg.data.url)
         .with_context(|| format!("opening data.url = {}", cfg.data.url))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let opts = WorkerOptions {

@@ -78,6 +78,15 @@ pub enum DatasetError {
     /// No manifest under the prefix.
     #[error("no dataset at '{prefix}': {MANIFEST_NAME} not found; write one with `ps-worker dataset ...`")]
     NotFound { prefix: String },
+    /// The bucket (or Azure container) itself does not exist.
+    #[error("bucket missing: {store} does not exist (reading {object}: {source})")]
+    BucketMissing {
+        /// The store, as it names itself (`AmazonS3(my-bucket)`, ...).
+        store: String,
+        object: String,
+        #[source]
+        source: object_store::Error,
+    },
     /// A bucket URL that [`open_bucket`](crate::open_bucket) cannot serve.
     #[error(transparent)]
     Bucket(#[from] ps_shared::bucket::BucketError),
@@ -90,6 +99,7 @@ impl DatasetError {
     pub fn is_transient(&self) -> bool {
         use object_store::Error as E;
         match self {
+            DatasetError::Store(e) if ps_shared::bucket::is_client_misconfigured(e) => false,
             DatasetError::Store(e) => !matches!(
                 e,
                 E::NotFound { .. }

@@ -68,6 +68,13 @@ impl DatasetReader {
         let manifest_path = prefix.clone().join(MANIFEST_NAME);
         let bytes = match store.get_opts(&manifest_path, GetOptions::default()).await {
             Ok(result) => result.bytes().await?,
+            Err(e) if ps_shared::bucket::is_missing_bucket(&e) => {
+                return Err(DatasetError::BucketMissing {
+                    store: store.to_string(),
+                    object: manifest_path.to_string(),
+                    source: e,
+                })
+            }
             Err(object_store::Error::NotFound { .. }) => {
                 return Err(DatasetError::NotFound {
                     prefix: prefix.to_string(),
@@ -206,6 +213,17 @@ impl DatasetReader {
     /// missing object, a short body, a checksum mismatch or a bad label is
     /// [`DatasetError::Corrupt`] naming the object; a store failure is
     /// [`DatasetError::Store`].
+    /// Bytes a whole-object request must find in its object.
+    fn whole_object_len(&self, req: &RecordRequest) -> u64 {
+        match &self.inner.planner.manifest.images {
+            Some(index) => index.entries(req.split).get(req.first).map_or(0, |e| e.len),
+            None => {
+                req.count
+                    .saturating_mul(self.inner.planner.manifest.record_bytes) as u64
+            }
+        }
+    }
+
     pub async fn read_request(&self, req: &RecordRequest) -> Result<Vec<Bytes>, DatasetError> {
         let m = &self.inner.planner.manifest;
         let rb = m.record_bytes;
@@ -224,11 +242,30 @@ impl DatasetReader {
             options = options.with_range(Some(range.clone()));
         }
         let body = match self.inner.store.get_opts(&req.object, options).await {
-            Ok(result) => result.bytes().await?,
+            Ok(result) => {
+                // The object's own size tells a truncated object (permanent)
+                // from a body cut short on the way (worth another try).
+                let size = result.meta.size;
+                let needed = match &req.range {
+                    Some(r) => r.end,
+                    None => self.whole_object_len(req),
+                };
+                if size < needed {
+                    return Err(damaged(format!(
+                        "the object is {size} bytes, the manifest needs {needed} (truncated?)"
+                    )));
+                }
+                result.bytes().await?
+            }
             Err(object_store::Error::NotFound { .. }) => {
                 return Err(damaged(
                     "the object listed in the manifest is missing".into(),
                 ))
+            }
+            Err(e) if ps_shared::bucket::is_range_not_satisfiable(&e) => {
+                return Err(damaged(format!(
+                    "the object is shorter than the manifest says (truncated?): {e}"
+                )))
             }
             Err(e) => return Err(e.into()),
         };
@@ -834,6 +871,88 @@ mod tests {
         });
         assert_eq!(handle.await.unwrap().unwrap().len(), 37);
         assert_eq!(fut.await.unwrap().len(), 2);
+    }
+
+    /// A loopback HTTP endpoint that answers every request with a 404 and
+    /// the S3 error `code`, as S3 and compatible servers do. Returns its URL.
+    async fn s3_answering_404(code: &'static str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let body = format!(
+                        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code><Message>not here</Message></Error>"
+                    );
+                    let reply = format!(
+                        "HTTP/1.1 404 Not Found\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(reply.as_bytes()).await;
+                    let _ = conn.shutdown().await;
+                });
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    #[tokio::test]
+    async fn missing_bucket_is_reported_as_one() {
+        for (code, bucket_missing) in [("NoSuchBucket", true), ("NoSuchKey", false)] {
+            let endpoint = s3_answering_404(code).await;
+            let opts = [
+                ("AWS_ENDPOINT", endpoint.as_str()),
+                ("AWS_ALLOW_HTTP", "true"),
+                ("AWS_REGION", "us-east-1"),
+                ("AWS_ACCESS_KEY_ID", "id"),
+                ("AWS_SECRET_ACCESS_KEY", "secret"),
+            ];
+            let (store, prefix) =
+                ps_shared::bucket::open_bucket_with("s3://no-such-bucket/data", opts).unwrap();
+            let err = DatasetReader::open(store, prefix).await.unwrap_err();
+            let msg = err.to_string();
+            if bucket_missing {
+                assert!(matches!(err, DatasetError::BucketMissing { .. }), "{msg}");
+                assert!(
+                    msg.contains("bucket missing") && msg.contains("no-such-bucket"),
+                    "{msg}"
+                );
+                assert!(!msg.contains("manifest.json not found"), "{msg}");
+            } else {
+                assert!(matches!(err, DatasetError::NotFound { .. }), "{msg}");
+            }
+        }
+        // An http:// endpoint without AWS_ALLOW_HTTP: refused by the client
+        // itself, every time, so not worth retrying.
+        let endpoint = s3_answering_404("NoSuchKey").await;
+        let opts = [
+            ("AWS_ENDPOINT", endpoint.as_str()),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_ACCESS_KEY_ID", "id"),
+            ("AWS_SECRET_ACCESS_KEY", "secret"),
+        ];
+        let (store, prefix) = ps_shared::bucket::open_bucket_with("s3://b/data", opts).unwrap();
+        let err = DatasetReader::open(store, prefix).await.unwrap_err();
+        let chain = {
+            let mut text = err.to_string();
+            let mut source = std::error::Error::source(&err);
+            while let Some(e) = source {
+                text.push_str(&format!(" / {e}"));
+                source = e.source();
+            }
+            text
+        };
+        assert!(chain.contains("URL scheme is not allowed"), "{chain}");
+        assert!(!err.is_transient(), "{chain}");
     }
 
     #[tokio::test]

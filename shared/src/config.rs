@@ -434,7 +434,7 @@ impl ModelSection {
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
     /// Bucket URL of the dataset: `file://dir` (relative to the working directory
-    /// or absolute), `memory://`, `s3://bucket/prefix` (credentials from AWS_* variables).
+    /// or absolute), `memory://`, `s3://`, `gs://` or `az://bucket/prefix` (credentials from the AWS_*, GOOGLE_* or AZURE_* variables).
     pub url: String,
     /// Samples per step on each worker.
     pub batch_size: usize,

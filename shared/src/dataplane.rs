@@ -175,10 +175,17 @@ pub struct LoaderSection {
     /// Largest single range GET, in KiB, when adjacent records of a shard are
     /// merged into one request.
     pub max_request_kb: usize,
-    /// Retries of a failed or short GET before the loader gives up.
-    pub max_retries: u32,
-    /// Backoff before the first retry in milliseconds; doubles per retry.
+    /// Ceiling of the wait before the first retry of a failed or short GET,
+    /// in milliseconds; doubles per retry. Each wait is drawn at random
+    /// below its ceiling (full jitter).
     pub retry_backoff_ms: u64,
+    /// Largest ceiling of one wait between retries, in milliseconds.
+    pub retry_max_backoff_ms: u64,
+    /// Seconds a GET may keep failing with transient errors (the bucket
+    /// unreachable, throttling, cut connections) before the run stops; the
+    /// trainer waits meanwhile and the log says so. Permanent errors (a
+    /// missing or truncated object, a bad label) stop the run at once.
+    pub outage_budget_s: f64,
 }
 
 impl Default for LoaderSection {
@@ -193,8 +200,9 @@ impl Default for LoaderSection {
             disk_cache: CacheSize::Bytes(0),
             disk_cache_dir: String::new(),
             max_request_kb: 8192,
-            max_retries: 4,
             retry_backoff_ms: 50,
+            retry_max_backoff_ms: 5000,
+            outage_budget_s: 120.0,
         }
     }
 }
@@ -231,11 +239,19 @@ impl LoaderSection {
         if self.max_request_kb == 0 {
             return Err("loader.max_request_kb must be >= 1".into());
         }
-        if self.max_retries > 100 {
-            return Err("loader.max_retries must be <= 100".into());
+        if self.retry_backoff_ms == 0 || self.retry_backoff_ms > 60_000 {
+            return Err("loader.retry_backoff_ms must be in 1..=60000".into());
         }
-        if self.retry_backoff_ms > 60_000 {
-            return Err("loader.retry_backoff_ms must be <= 60000".into());
+        if self.retry_max_backoff_ms < self.retry_backoff_ms || self.retry_max_backoff_ms > 600_000
+        {
+            return Err(
+                "loader.retry_max_backoff_ms must be in loader.retry_backoff_ms..=600000".into(),
+            );
+        }
+        if !(self.outage_budget_s.is_finite() && (0.0..=86_400.0).contains(&self.outage_budget_s)) {
+            return Err(
+                "loader.outage_budget_s must be in 0..=86400 seconds (0: no retries)".into(),
+            );
         }
         Ok(())
     }
@@ -436,6 +452,15 @@ aggregate_gbit_per_s = 10.0
                 "bucket_sim.transient_error_rate",
             ),
             ("[bucket_sim]\nwhatever = 1\n", "whatever"),
+            (
+                "[loader]\noutage_budget_s = -1.0\n",
+                "loader.outage_budget_s",
+            ),
+            (
+                "[loader]\nretry_max_backoff_ms = 10\n",
+                "loader.retry_max_backoff_ms",
+            ),
+            ("[loader]\nmax_retries = 4\n", "max_retries"),
         ] {
             let e = ClusterConfig::from_toml_str(text).unwrap_err().to_string();
             assert!(e.contains(field), "{text:?} gave {e}");

@@ -8,6 +8,7 @@
 pub mod bucket;
 pub mod cli;
 pub mod config;
+pub mod countstore;
 pub mod dataplane;
 pub mod hash;
 pub mod layers;

@@ -9,7 +9,8 @@
 //! HTTP stores). Writes, lists and deletes pass straight through. Counters
 //! give GETs, HEADs and body bytes; [`SimStore::fail_next`] and
 //! [`SimStore::truncate_next`] make the next reads of one object fail or come
-//! back short, and `transient_error_rate` fails a seeded random fraction.
+//! back short, [`SimStore::outage`] fails every read for a while, and
+//! `transient_error_rate` fails a seeded random fraction.
 //! The delays in the stats are the model's computed waits, not measured
 //! times; every wait is a `tokio::time` sleep, so the model also runs on
 //! tokio's paused clock (as the timed tests and the example below do).
@@ -156,6 +157,8 @@ struct Faults {
     fail: HashMap<Path, u32>,
     truncate: HashMap<Path, u32>,
     rng: u64,
+    /// Every GET fails until then (on tokio's clock).
+    down_until: Option<tokio::time::Instant>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,6 +257,13 @@ impl SimStore {
         *f.truncate.entry(location.clone()).or_default() += times;
     }
 
+    /// Every GET fails with a transient error for `duration` from now, as
+    /// when the bucket is unreachable. Measured on tokio's clock, so a test
+    /// on the paused clock runs a long outage in no time.
+    pub fn outage(&self, duration: Duration) {
+        self.lock_faults().down_until = Some(tokio::time::Instant::now() + duration);
+    }
+
     fn lock_faults(&self) -> std::sync::MutexGuard<'_, Faults> {
         match self.faults.lock() {
             Ok(g) => g,
@@ -263,6 +273,11 @@ impl SimStore {
 
     fn take_fault(&self, location: &Path) -> Fault {
         let mut f = self.lock_faults();
+        if f.down_until
+            .is_some_and(|t| tokio::time::Instant::now() < t)
+        {
+            return Fault::Fail;
+        }
         let take = |map: &mut HashMap<Path, u32>| match map.get_mut(location) {
             Some(n) if *n > 0 => {
                 *n -= 1;

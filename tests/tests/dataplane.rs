@@ -55,12 +55,15 @@ async fn open(store: Arc<dyn ObjectStore>, prefix: &Path) -> DatasetReader {
         .expect("open dataset")
 }
 
-/// Settings for tests: fast retries, everything else as given.
+/// Settings for tests: fast retries within a 5 s budget, everything else
+/// as given.
 fn settings(batch: usize, epochs: u64) -> LoaderSettings {
     let mut s = LoaderSettings::new(batch, epochs);
     s.retry = RetryPolicy {
-        max_retries: 3,
         backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(20),
+        outage_budget: Duration::from_secs(5),
+        seed: 3,
     };
     s
 }
@@ -498,8 +501,14 @@ async fn transient_faults_are_retried() {
         let s = sim.stats();
         assert_eq!((s.injected_failures, s.injected_truncations), (2, 1));
         // The loader counts every GET it sends, retries included (the only
-        // other GET is the manifest).
-        assert_eq!(total.gets + 1, s.gets, "{layout}");
+        // other GET is the manifest), and the ones that delivered.
+        assert_eq!(total.get_attempts + 1, s.gets, "{layout}");
+        assert_eq!(
+            total.get_attempts - total.gets,
+            3,
+            "{layout}: three failed tries"
+        );
+        assert_eq!(total.retries, 3, "{layout}");
     }
     // Random failures at a 20% rate with enough retries.
     let (raw, _, prefix) = bucket(Layout::PerSample, 40).await;
@@ -507,8 +516,7 @@ async fn transient_faults_are_retried() {
     flaky.transient_error_rate = 0.2;
     flaky.seed = 99;
     let sim: Arc<dyn ObjectStore> = Arc::new(SimStore::new(raw.clone(), flaky));
-    let mut s = settings(4, 2);
-    s.retry.max_retries = 20;
+    let s = settings(4, 2);
     let sampler = EpochSampler::new(40, 1, 0, 1).unwrap();
     // The manifest read may fail too; retry opening a few times.
     let mut reader = None;
@@ -540,6 +548,68 @@ fn noise(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// A 60 s outage of the bucket in the middle of epoch 0 (on tokio's paused
+/// clock): the loader keeps retrying within its 120 s budget and the
+/// trainer gets exactly the batches of a run without the outage, so the
+/// trained model and its accuracy are the same.
+#[tokio::test(start_paused = true)]
+async fn an_outage_mid_epoch_is_ridden_out() {
+    for layout in [Layout::Shards, Layout::PerSample] {
+        let (raw, sim, prefix) = bucket(layout, 60).await;
+        let direct = open(raw.clone(), &prefix).await;
+        let sampler = EpochSampler::new(60, 1, 0, 4).unwrap();
+        let mut s = settings(5, 2);
+        s.retry = RetryPolicy {
+            outage_budget: Duration::from_secs(120),
+            ..RetryPolicy::default()
+        };
+        // A short window and no cache: the second half of epoch 0 and all
+        // of epoch 1 are fetched after the outage begins.
+        s.lookahead_samples = 10;
+        let loader =
+            Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
+        let mut got = Vec::new();
+        for _ in 0..6 {
+            got.push(loader.next().await.expect("batch").expect("not the end"));
+        }
+        let before = sim.stats();
+        let start = tokio::time::Instant::now();
+        sim.outage(Duration::from_secs(60));
+        got.extend(
+            drain(&loader, 100)
+                .await
+                .expect("the run rides the outage out"),
+        );
+        check_batches(&got, &sampler, 5, 2, (0, 0), &direct).await;
+        let failed = sim.stats().injected_failures - before.injected_failures;
+        assert!(failed > 0, "{layout}: the outage hit requests");
+        assert_eq!(loader.outage_log().failures(), failed, "{layout}");
+        assert_eq!(loader.stats().total().retries, failed, "{layout}");
+        assert!(tokio::time::Instant::now() - start >= Duration::from_secs(60));
+    }
+}
+
+/// An outage longer than the budget stops the run with an error that names
+/// the object, how long the bucket was unreachable and the setting.
+#[tokio::test(start_paused = true)]
+async fn an_outage_past_the_budget_is_reported() {
+    let (_raw, sim, prefix) = bucket(Layout::PerSample, 40).await;
+    let sampler = EpochSampler::new(40, 1, 0, 4).unwrap();
+    let loader =
+        Loader::start(open(sim.clone(), &prefix).await, sampler, settings(5, 1)).expect("start");
+    sim.outage(Duration::from_secs(600));
+    let err = drain(&loader, 100)
+        .await
+        .expect_err("outage past the budget");
+    let msg = err.to_string();
+    assert!(
+        matches!(&err, LoaderError::Outage { object, attempts, failing_s, .. }
+            if object.starts_with("ds/train/") && *attempts > 1 && *failing_s >= 5.0),
+        "{msg}"
+    );
+    assert!(msg.contains("loader.outage_budget_s"), "{msg}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn persistent_damage_is_a_clear_error() {
     for layout in [Layout::Shards, Layout::PerSample] {
@@ -564,8 +634,7 @@ async fn persistent_damage_is_a_clear_error() {
                 }
             }
             let sampler = EpochSampler::new(50, 1, 0, 2).unwrap();
-            let mut s = settings(5, 1);
-            s.retry.max_retries = 2;
+            let s = settings(5, 1);
             let loader =
                 Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
             let mut error = None;
@@ -581,10 +650,10 @@ async fn persistent_damage_is_a_clear_error() {
             }
             let err = error.expect("damaged object must fail the run");
             let msg = err.to_string();
-            // A missing object and a checksum mismatch are permanent: no
-            // retry. A short body may be a cut connection: retried until the
-            // budget runs out.
-            let tries = if damage == Damage::Cut { 3 } else { 1 };
+            // A missing object, an object shorter than the manifest says (its
+            // size, not just a short body) and a checksum mismatch are
+            // permanent: no retry.
+            let tries = 1;
             assert!(
                 matches!(&err, LoaderError::Fetch { object: o, attempts, .. } if o == object && *attempts == tries),
                 "{msg}"
@@ -595,7 +664,7 @@ async fn persistent_damage_is_a_clear_error() {
             );
             let why = match damage {
                 Damage::Missing => "missing",
-                Damage::Cut => "bytes",
+                Damage::Cut => "truncated",
                 Damage::Scrambled => "fails its checksum",
             };
             assert!(msg.contains(why), "{msg}");
@@ -619,6 +688,7 @@ async fn loader_counters_match_the_bucket() {
         let total = loader.stats().total();
         let s = sim.stats();
         assert_eq!(total.gets + 1, s.gets, "{layout}: manifest + loader GETs");
+        assert_eq!(total.gets, total.get_attempts, "{layout}: no failures");
         let manifest_bytes = s.bytes - total.bucket_bytes;
         assert!(manifest_bytes > 0 && manifest_bytes < 4096, "{layout}");
         // No cache: every sample of both epochs came from the bucket.
@@ -763,6 +833,72 @@ fn plots_are_drawn_from_a_real_runs_metrics() {
         })
         .collect();
     assert_eq!(epochs, [1, 2, 3]);
+}
+
+/// A whole worker run over a per-sample dataset: the report's GET counters
+/// (data, manifest, test split; attempts and successes) add up exactly to
+/// the bucket's own request count, failed requests included.
+#[test]
+fn worker_counts_every_get_it_sends() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let spec = SyntheticSpec {
+        train: 256,
+        test: 32,
+        ..SyntheticSpec::default()
+    };
+    let prefix = Path::from("ps");
+    let raw = Arc::new(InMemory::new());
+    let (tr, te) = synthetic(&spec);
+    let options = WriteOptions {
+        layout: Layout::PerSample,
+        records_per_shard: 64,
+    };
+    rt.block_on(write_dataset_with(
+        raw.as_ref(),
+        &prefix,
+        "ps",
+        spec.features,
+        spec.classes,
+        &tr,
+        &te,
+        &options,
+    ))
+    .expect("write dataset");
+    let sim = Arc::new(SimStore::new(raw, SimSettings::instant()));
+    // Two failed tries of a training sample and one of the manifest.
+    sim.fail_next(&Path::from("ps/train/00000007.bin"), 2);
+    sim.fail_next(&Path::from("ps/manifest.json"), 1);
+    let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 2);
+    cfg.cluster.workers = 1;
+    cfg.bucket_sim.enabled = false;
+    cfg.validate().expect("valid config");
+    let reports = ps_tests::run_cluster(cfg, sim.clone(), prefix).expect("cluster run");
+    let epochs = &reports[0].epochs;
+    assert_eq!(epochs.len(), 2);
+    let (first, second) = (&epochs[0], &epochs[1]);
+    assert_eq!(first.bucket_manifest_gets, 1);
+    assert_eq!(first.bucket_test_gets, 32, "one GET per test sample");
+    assert_eq!(
+        (second.bucket_manifest_gets, second.bucket_test_gets),
+        (0, 0)
+    );
+    for e in epochs {
+        assert_eq!(
+            e.bucket_gets,
+            e.bucket_data_gets + e.bucket_manifest_gets + e.bucket_test_gets
+        );
+    }
+    let attempts: u64 = epochs.iter().map(|e| e.bucket_get_attempts).sum();
+    let gets: u64 = epochs.iter().map(|e| e.bucket_gets).sum();
+    let s = sim.stats();
+    assert_eq!(s.injected_failures, 3);
+    assert_eq!(attempts, s.gets, "every request the bucket saw is counted");
+    assert_eq!(gets, s.gets - 3, "the failed ones are not successful GETs");
+    // Epoch 0 fetched every training sample once (no cache hit is possible).
+    assert_eq!(first.bucket_data_gets, 256);
 }
 
 /// With a cache as large as a rank's part, a stable partition serves every

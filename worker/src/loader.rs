@@ -14,8 +14,11 @@
 //! * **Fetch.** Queued samples become GETs ([`DatasetReader::plan_requests`]:
 //!   one per object in the per-sample layout, adjacent records of a shard
 //!   merged into one range GET), started soonest-needed first with at most
-//!   `max_inflight_requests` in flight. A failed or short GET is retried with
-//!   exponential backoff; when the retries run out the trainer gets an error
+//!   `max_inflight_requests` in flight. A transient failure (a store error,
+//!   a body cut short) is retried with jittered exponential backoff for up
+//!   to the outage budget ([`RetryPolicy`]), with a log line every few
+//!   seconds saying so; a permanent one (a missing or truncated object, a bad
+//!   label) and an outage longer than the budget give the trainer an error
 //!   naming the object.
 //! * **Cache.** Each sample, once in hand, is offered to the cache with its
 //!   next use (its position in a later epoch), and the [`TierPlan`] keeps the
@@ -64,6 +67,7 @@
 //! ```
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -71,9 +75,12 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use bytes::Bytes;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
 
 use ps_dataset::{Batch, DatasetError, DatasetReader, Manifest, RecordRequest, Split};
 use ps_shared::config::ClusterConfig;
@@ -102,11 +109,23 @@ pub struct BatchPos {
 pub enum LoaderError {
     #[error(transparent)]
     Dataset(#[from] DatasetError),
-    /// A GET kept failing.
+    /// A GET failed for good (a permanent error: not retried).
     #[error("reading {object} failed after {attempts} attempt(s): {source}")]
     Fetch {
         object: String,
         attempts: u32,
+        #[source]
+        source: DatasetError,
+    },
+    /// A GET kept failing for the whole outage budget.
+    #[error(
+        "the bucket stayed unreachable for {failing_s:.0} s reading {object} ({attempts} attempts; \
+         the outage budget is loader.outage_budget_s): {source}"
+    )]
+    Outage {
+        object: String,
+        attempts: u32,
+        failing_s: f64,
         #[source]
         source: DatasetError,
     },
@@ -123,30 +142,193 @@ pub enum LoaderError {
     Stopped(String),
 }
 
-/// Bounded retries with exponential backoff.
+/// Retries of transient bucket errors: exponential backoff with full
+/// jitter (each wait drawn uniformly from zero to a ceiling that doubles
+/// per retry up to `max_backoff`), for as long as the request has been
+/// failing for less than `outage_budget`. Permanent errors
+/// ([`DatasetError::is_transient`] is false) are never retried.
+///
+/// The jitter is drawn from a generator seeded with `seed` and the object's
+/// name, so a run (and a test on tokio's paused clock) is reproducible.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// Retries after the first attempt.
-    pub max_retries: u32,
-    /// Wait before the first retry; doubles per retry, at most 5 s.
+    /// Ceiling of the first wait; doubles per retry.
     pub backoff: Duration,
+    /// Largest ceiling of a wait.
+    pub max_backoff: Duration,
+    /// How long one request may keep failing before the loader gives up.
+    pub outage_budget: Duration,
+    /// Seed of the jitter.
+    pub seed: u64,
 }
 
 impl RetryPolicy {
-    /// The wait before retry number `retry` (1-based).
-    pub fn delay(&self, retry: u32) -> Duration {
-        let factor = 1u32 << retry.saturating_sub(1).min(16);
-        self.backoff
-            .saturating_mul(factor)
-            .min(Duration::from_secs(5))
+    /// The ceiling of the wait before retry number `retry` (1-based).
+    pub fn ceiling(&self, retry: u32) -> Duration {
+        let factor = 1u32 << retry.saturating_sub(1).min(20);
+        self.backoff.saturating_mul(factor).min(self.max_backoff)
+    }
+
+    /// The wait before retry number `retry`: uniform in `[0, ceiling]`.
+    pub fn delay(&self, retry: u32, rng: &mut impl Rng) -> Duration {
+        let ceiling = self.ceiling(retry);
+        ceiling.mul_f64(rng.random::<f64>())
+    }
+
+    /// The jitter generator of one object.
+    pub fn rng_for(&self, object: &str) -> StdRng {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        object.hash(&mut h);
+        StdRng::seed_from_u64(self.seed ^ h.finish())
+    }
+
+    /// Runs `op` until it succeeds, fails with a permanent error, or has
+    /// kept failing for the outage budget. Waits on tokio's clock and tells
+    /// `outage` about every failure. Returns the result and the attempts.
+    pub async fn run<T, F, Fut>(
+        &self,
+        object: &str,
+        outage: &OutageLog,
+        mut op: F,
+    ) -> (Result<T, RetryFailure>, u32)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, DatasetError>>,
+    {
+        let mut rng = self.rng_for(object);
+        let mut first_failure: Option<Instant> = None;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            match op().await {
+                Ok(v) => {
+                    if first_failure.is_some() {
+                        outage.recovered(object);
+                    }
+                    return (Ok(v), attempts);
+                }
+                Err(e) if !e.is_transient() => {
+                    return (Err(RetryFailure::Permanent(e)), attempts);
+                }
+                Err(e) => {
+                    let now = Instant::now();
+                    let since = *first_failure.get_or_insert(now);
+                    let failing = now - since;
+                    if failing >= self.outage_budget {
+                        return (
+                            Err(RetryFailure::OutOfBudget { failing, source: e }),
+                            attempts,
+                        );
+                    }
+                    let wait = self
+                        .delay(attempts, &mut rng)
+                        .min(self.outage_budget - failing);
+                    outage.failing(object, failing, self.outage_budget, &e);
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The `[loader]` retry settings, jitter seeded by `data.seed` and the rank.
+    pub fn from_config(cfg: &ClusterConfig, rank: u32) -> Self {
+        let l = &cfg.loader;
+        Self {
+            backoff: Duration::from_millis(l.retry_backoff_ms),
+            max_backoff: Duration::from_millis(l.retry_max_backoff_ms),
+            outage_budget: Duration::from_secs_f64(l.outage_budget_s),
+            seed: cfg.data.seed ^ u64::from(rank).rotate_left(32),
+        }
     }
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
+        let d = ps_shared::dataplane::LoaderSection::default();
         Self {
-            max_retries: 4,
-            backoff: Duration::from_millis(50),
+            backoff: Duration::from_millis(d.retry_backoff_ms),
+            max_backoff: Duration::from_millis(d.retry_max_backoff_ms),
+            outage_budget: Duration::from_secs_f64(d.outage_budget_s),
+            seed: 1,
+        }
+    }
+}
+
+/// Why [`RetryPolicy::run`] gave up.
+#[derive(Debug)]
+pub enum RetryFailure {
+    /// Not worth another try (a missing object, a truncated one, a bad label).
+    Permanent(DatasetError),
+    /// Transient failures for the whole outage budget.
+    OutOfBudget {
+        failing: Duration,
+        source: DatasetError,
+    },
+}
+
+/// Says, at most once per `every`, that the bucket is failing and for how
+/// long, then that it recovered; a log line rather than silence while the
+/// trainer waits. Shared by all requests of a loader (or a run).
+#[derive(Debug)]
+pub struct OutageLog {
+    every: Duration,
+    /// When the last "unreachable" line was written, and whether a failure
+    /// was seen since the last recovery line.
+    state: Mutex<(Option<Instant>, bool)>,
+    /// Failed attempts seen, for tests and reports.
+    failures: AtomicU64,
+}
+
+impl Default for OutageLog {
+    fn default() -> Self {
+        Self::new(Duration::from_secs(5))
+    }
+}
+
+impl OutageLog {
+    pub fn new(every: Duration) -> Self {
+        Self {
+            every,
+            state: Mutex::new((None, false)),
+            failures: AtomicU64::new(0),
+        }
+    }
+
+    /// Failed attempts reported so far.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Option<Instant>, bool)> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    fn failing(&self, object: &str, failing: Duration, budget: Duration, e: &DatasetError) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut st = self.lock();
+        st.1 = true;
+        if st.0.is_some_and(|t| now - t < self.every) {
+            tracing::debug!(object, "GET failed, retrying: {e}");
+            return;
+        }
+        st.0 = Some(now);
+        tracing::warn!(
+            "bucket unreachable for {} s, retrying (budget {} s): {object}: {e}",
+            failing.as_secs(),
+            budget.as_secs()
+        );
+    }
+
+    fn recovered(&self, object: &str) {
+        let mut st = self.lock();
+        if std::mem::replace(&mut st.1, false) {
+            tracing::warn!("bucket reachable again ({object} read)");
         }
     }
 }
@@ -226,10 +408,7 @@ impl LoaderSettings {
             memory_cache_bytes: l.memory_cache.resolve(dataset_bytes),
             disk_cache,
             max_request_bytes: (l.max_request_kb as u64).saturating_mul(1024),
-            retry: RetryPolicy {
-                max_retries: l.max_retries,
-                backoff: Duration::from_millis(l.retry_backoff_ms),
-            },
+            retry: RetryPolicy::from_config(cfg, rank),
         }
     }
 
@@ -263,8 +442,10 @@ pub struct EpochDataStats {
     pub disk_hits: u64,
     /// Samples fetched from the bucket.
     pub bucket_samples: u64,
-    /// GET requests sent to the bucket, retries included.
+    /// Data GETs that succeeded (delivered their records).
     pub gets: u64,
+    /// Data GET attempts, failed ones and retries included.
+    pub get_attempts: u64,
     /// Bytes received from the bucket.
     pub bucket_bytes: u64,
     /// GETs that were retries.
@@ -297,9 +478,10 @@ impl EpochDataStats {
         )
     }
 
-    /// Estimated request and egress cost in dollars.
+    /// Estimated request and egress cost in dollars (every attempt is a
+    /// request the bucket may bill).
     pub fn cost(&self, prices: &CostModel) -> f64 {
-        prices.estimate(self.gets, self.bucket_bytes)
+        prices.estimate(self.get_attempts, self.bucket_bytes)
     }
 
     /// Field-wise sum.
@@ -309,6 +491,7 @@ impl EpochDataStats {
         self.disk_hits += o.disk_hits;
         self.bucket_samples += o.bucket_samples;
         self.gets += o.gets;
+        self.get_attempts += o.get_attempts;
         self.bucket_bytes += o.bucket_bytes;
         self.retries += o.retries;
         self.disk_errors += o.disk_errors;
@@ -560,7 +743,7 @@ enum Done {
     Bucket {
         request: RecordRequest,
         attempts: u32,
-        result: Result<Vec<Bytes>, DatasetError>,
+        result: Result<Vec<Bytes>, RetryFailure>,
     },
     Disk {
         sample: usize,
@@ -570,6 +753,7 @@ enum Done {
 
 struct Shared {
     stats: Arc<LoaderStats>,
+    outage: Arc<OutageLog>,
     finished: AtomicBool,
     failure: Mutex<Option<String>>,
     /// Batches the trainer has taken.
@@ -837,7 +1021,9 @@ impl Pump {
             };
             let reader = self.reader.clone();
             let retry = self.settings.retry;
-            self.tasks.spawn(fetch_with_retry(reader, request, retry));
+            let outage = self.shared.outage.clone();
+            self.tasks
+                .spawn(fetch_with_retry(reader, request, retry, outage));
             self.inflight += 1;
         }
         Ok(())
@@ -862,8 +1048,10 @@ impl Pump {
                     Ok(records) => records.iter().map(|r| r.len() as u64).sum(),
                     Err(_) => 0,
                 };
+                let ok = u64::from(result.is_ok());
                 self.shared.stats.update(epoch, |s| {
-                    s.gets += u64::from(attempts);
+                    s.gets += ok;
+                    s.get_attempts += u64::from(attempts);
                     s.retries += u64::from(attempts.saturating_sub(1));
                     s.bucket_bytes += bytes;
                 });
@@ -873,12 +1061,12 @@ impl Pump {
                             self.deliver(sample, record).await;
                         }
                     }
-                    Err(source) => {
-                        return Err(LoaderError::Fetch {
-                            object: request.object.to_string(),
+                    Err(failure) => {
+                        return Err(LoaderError::from_retry(
+                            request.object.to_string(),
                             attempts,
-                            source,
-                        })
+                            failure,
+                        ))
                     }
                 }
             }
@@ -1022,36 +1210,42 @@ impl Pump {
     }
 }
 
-/// One request with bounded retries on transient errors (store failures and
-/// short bodies, see [`DatasetError::is_transient`]); a missing object, a bad
-/// label or a refused request fails at once. The result carries the attempts.
+/// One request under the retry policy: transient errors (store failures
+/// and short bodies, see [`DatasetError::is_transient`]) are retried within
+/// the outage budget; a missing or truncated object, a bad label or a
+/// refused request fails at once. The result carries the attempts.
 async fn fetch_with_retry(
     reader: DatasetReader,
     request: RecordRequest,
     retry: RetryPolicy,
+    outage: Arc<OutageLog>,
 ) -> Done {
-    let mut attempts = 0u32;
-    loop {
-        attempts += 1;
-        match reader.read_request(&request).await {
-            Ok(records) => {
-                return Done::Bucket {
-                    request,
-                    attempts,
-                    result: Ok(records),
-                }
-            }
-            Err(e) if attempts <= retry.max_retries && e.is_transient() => {
-                tracing::debug!(object = %request.object, attempt = attempts, "GET failed, retrying: {e}");
-                tokio::time::sleep(retry.delay(attempts)).await;
-            }
-            Err(e) => {
-                return Done::Bucket {
-                    request,
-                    attempts,
-                    result: Err(e),
-                }
-            }
+    let object = request.object.to_string();
+    let (result, attempts) = retry
+        .run(&object, &outage, || reader.read_request(&request))
+        .await;
+    Done::Bucket {
+        request,
+        attempts,
+        result,
+    }
+}
+
+impl LoaderError {
+    /// The error of a request to `object` that [`RetryPolicy::run`] gave up on.
+    pub fn from_retry(object: String, attempts: u32, failure: RetryFailure) -> Self {
+        match failure {
+            RetryFailure::Permanent(source) => LoaderError::Fetch {
+                object,
+                attempts,
+                source,
+            },
+            RetryFailure::OutOfBudget { failing, source } => LoaderError::Outage {
+                object,
+                attempts,
+                failing_s: failing.as_secs_f64(),
+                source,
+            },
         }
     }
 }
@@ -1127,6 +1321,7 @@ impl Loader {
         let (tx, rx) = mpsc::channel(settings.ready_batches);
         let shared = Arc::new(Shared {
             stats: Arc::new(LoaderStats::default()),
+            outage: Arc::new(OutageLog::default()),
             finished: AtomicBool::new(false),
             failure: Mutex::new(None),
             taken: AtomicU64::new(0),
@@ -1194,6 +1389,11 @@ impl Loader {
     /// The per-epoch counters.
     pub fn stats(&self) -> Arc<LoaderStats> {
         self.shared.stats.clone()
+    }
+
+    /// The loader's record of bucket failures.
+    pub fn outage_log(&self) -> Arc<OutageLog> {
+        self.shared.outage.clone()
     }
 
     /// Resolves once the loader is at rest while nobody takes batches: the
@@ -1343,15 +1543,127 @@ mod tests {
         assert_eq!(s.next_use_from(2, e2[2]), Some(22));
     }
 
-    #[test]
-    fn retry_delays_double_and_cap() {
-        let r = RetryPolicy {
-            max_retries: 10,
+    fn policy(budget_s: u64) -> RetryPolicy {
+        RetryPolicy {
             backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            outage_budget: Duration::from_secs(budget_s),
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn retry_delays_are_jittered_below_a_doubling_cap() {
+        let r = policy(120);
+        assert_eq!(r.ceiling(1), Duration::from_millis(100));
+        assert_eq!(r.ceiling(3), Duration::from_millis(400));
+        assert_eq!(r.ceiling(30), Duration::from_secs(5));
+        let draws = |object: &str| {
+            let mut rng = r.rng_for(object);
+            (1..=40).map(|k| r.delay(k, &mut rng)).collect::<Vec<_>>()
         };
-        assert_eq!(r.delay(1), Duration::from_millis(100));
-        assert_eq!(r.delay(3), Duration::from_millis(400));
-        assert_eq!(r.delay(30), Duration::from_secs(5));
+        let a = draws("ds/train/shard-00001.bin");
+        // Seeded: the same object gets the same waits.
+        assert_eq!(a, draws("ds/train/shard-00001.bin"));
+        assert_ne!(a, draws("ds/train/shard-00002.bin"));
+        for (k, d) in a.iter().enumerate() {
+            assert!(*d <= r.ceiling(k as u32 + 1), "retry {}: {d:?}", k + 1);
+        }
+        // Full jitter: the capped waits are spread, not all at the cap.
+        let capped = &a[10..];
+        let lo = capped.iter().min().unwrap();
+        let hi = capped.iter().max().unwrap();
+        assert!(*hi - *lo > Duration::from_secs(2), "{lo:?}..{hi:?}");
+    }
+
+    fn transient(i: u32) -> DatasetError {
+        DatasetError::Store(object_store::Error::Generic {
+            store: "test",
+            source: format!("connection refused ({i})").into(),
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_ride_out_an_outage_within_the_budget() {
+        let r = policy(120);
+        let log = OutageLog::default();
+        // The store is down for 60 s of tokio's (paused) clock.
+        let up_at = Instant::now() + Duration::from_secs(60);
+        let mut calls = 0u32;
+        let (result, attempts) = r
+            .run("ds/x", &log, || {
+                calls += 1;
+                let i = calls;
+                async move {
+                    if Instant::now() < up_at {
+                        Err(transient(i))
+                    } else {
+                        Ok(i)
+                    }
+                }
+            })
+            .await;
+        assert_eq!(result.ok(), Some(attempts));
+        assert!(Instant::now() >= up_at);
+        assert_eq!(log.failures(), u64::from(attempts - 1));
+        // Backoff, not a busy loop: with waits of up to 5 s, a 60 s outage
+        // takes more than 12 tries and far fewer than a loop without waits.
+        assert!((12..200).contains(&attempts), "{attempts}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_past_the_budget_fails_naming_how_long() {
+        let r = policy(30);
+        let log = OutageLog::default();
+        let start = Instant::now();
+        let (result, attempts) = r
+            .run("ds/x", &log, || async { Err::<(), _>(transient(0)) })
+            .await;
+        let Err(RetryFailure::OutOfBudget { failing, .. }) = result else {
+            panic!("expected the budget to run out");
+        };
+        assert!(attempts > 2);
+        // The last wait is cut to end at the budget (tokio's timer rounds
+        // deadlines up to the next millisecond).
+        let budget = Duration::from_secs(30);
+        assert!(
+            failing >= budget && failing < budget + Duration::from_millis(5),
+            "{failing:?}"
+        );
+        assert_eq!(Instant::now() - start, failing);
+        let err = LoaderError::from_retry(
+            "ds/x".into(),
+            attempts,
+            RetryFailure::OutOfBudget {
+                failing,
+                source: transient(0),
+            },
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("ds/x") && msg.contains("30 s") && msg.contains("outage_budget_s"),
+            "{msg}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn permanent_errors_are_not_retried() {
+        let r = policy(120);
+        let log = OutageLog::default();
+        let start = Instant::now();
+        let (result, attempts) = r
+            .run("ds/x", &log, || async {
+                Err::<(), _>(DatasetError::Corrupt {
+                    object: "ds/x".into(),
+                    message: "the object is 7 bytes, the manifest needs 280".into(),
+                    permanent: true,
+                })
+            })
+            .await;
+        assert!(matches!(result, Err(RetryFailure::Permanent(_))));
+        assert_eq!(attempts, 1);
+        assert_eq!(Instant::now(), start, "no wait before failing");
+        assert_eq!(log.failures(), 0);
     }
 
     #[test]
@@ -1361,7 +1673,8 @@ mod tests {
             memory_hits: 5,
             disk_hits: 2,
             bucket_samples: 3,
-            gets: 2000,
+            gets: 1500,
+            get_attempts: 2000,
             bucket_bytes: 2_000_000_000,
             ..EpochDataStats::default()
         };

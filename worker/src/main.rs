@@ -86,7 +86,7 @@ enum Command {
 enum DatasetCommand {
     /// A learnable synthetic classification set.
     Synthetic {
-        /// Bucket URL to write to (file://dir, s3://bucket/prefix, ...).
+        /// Bucket URL to write to (file://dir, s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, ...).
         #[arg(long)]
         out: String,
         #[arg(long, default_value_t = 8192)]
@@ -173,7 +173,7 @@ impl From<RecordLayoutArg> for Layout {
 
 #[derive(Args, Debug)]
 struct ImportArgs {
-    /// Bucket URL to write to (file://dir, a plain path, s3://bucket/prefix).
+    /// Bucket URL to write to (file://dir, a plain path, s3://, gs:// or az://bucket/prefix).
     #[arg(long)]
     out: String,
     /// Training data file; the format comes from its extension (.csv, .tsv,
@@ -331,7 +331,7 @@ fn train(
     let ca_pem = read_pem(&cfg.tls.ca).with_context(|| {
         "the worker needs the cluster CA certificate (tls.ca); `ps-server certs` writes one"
     })?;
-    let (store, prefix) = open_bucket(&cfg.data.url)
+    let (store, prefix) = ps_shared::bucket::open_data_bucket(&cfg.data.url)
         .with_context(|| format!("opening data.url = {}", cfg.data.url))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut options = Vec::new();

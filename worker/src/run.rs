@@ -20,6 +20,7 @@ use serde::Serialize;
 use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
 use ps_shared::config::{ClusterConfig, CompressionKind, OnBadSample};
+use ps_shared::countstore::{CountingStore, GetCounts};
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 use ps_shared::simstore::SimStore;
@@ -31,7 +32,7 @@ use crate::comm::{
 };
 use crate::loader::{
     BatchPos, EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings,
-    NextBatch,
+    NextBatch, OutageLog, RetryFailure, RetryPolicy,
 };
 use crate::model::{device_from_str, Model, ModelError};
 use crate::node::{node_members, NodeError, NodeMember};
@@ -154,23 +155,47 @@ pub struct EpochReport {
     pub memory_hit_rate: f64,
     /// Data plane: samples served from the disk tier.
     pub disk_hit_rate: f64,
-    /// Data plane: GET requests sent to the bucket for this epoch's batches.
+    /// Data plane: successful GETs, `bucket_data_gets +
+    /// bucket_manifest_gets + bucket_test_gets`.
     pub bucket_gets: u64,
+    /// Data plane: successful GETs for this epoch's batches.
+    pub bucket_data_gets: u64,
+    /// Data plane: GETs of the manifest at start-up (first epoch only).
+    pub bucket_manifest_gets: u64,
+    /// Data plane: GETs of the test split at start-up (first epoch only).
+    pub bucket_test_gets: u64,
+    /// Data plane: GET attempts of all three kinds, failed ones and retries
+    /// included (what the bucket may bill).
+    pub bucket_get_attempts: u64,
     /// Data plane: bytes read from the bucket for this epoch's batches.
     pub bucket_bytes: u64,
-    /// Data plane: estimated request + egress cost (`[bucket_sim]` prices).
+    /// Data plane: estimated request + egress cost of the attempts and
+    /// bytes (`[bucket_sim]` prices).
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
 }
 
 impl EpochReport {
-    fn set_data_plane(&mut self, d: &EpochDataStats, prices: &CostModel) {
+    /// The loader's counters of the epoch, plus the start-up reads
+    /// (manifest, test split) when this is the worker's first epoch.
+    fn set_data_plane(
+        &mut self,
+        d: &EpochDataStats,
+        startup: Option<StartupGets>,
+        prices: &CostModel,
+    ) {
         self.memory_hit_rate = d.memory_hit_rate();
         self.disk_hit_rate = d.disk_hit_rate();
-        self.bucket_gets = d.gets;
+        let s = startup.unwrap_or_default();
+        self.bucket_data_gets = d.gets;
+        self.bucket_manifest_gets = s.manifest.answered();
+        self.bucket_test_gets = s.test.answered();
+        self.bucket_gets =
+            self.bucket_data_gets + self.bucket_manifest_gets + self.bucket_test_gets;
+        self.bucket_get_attempts = d.get_attempts + s.manifest.gets + s.test.gets;
         self.bucket_bytes = d.bucket_bytes;
-        self.bucket_cost_usd = d.cost(prices);
+        self.bucket_cost_usd = prices.estimate(self.bucket_get_attempts, self.bucket_bytes);
         self.fetch_retries = d.retries;
         self.images_decoded = d.decoded;
         self.decode_s = d.decode_us as f64 / 1e6;
@@ -182,6 +207,13 @@ impl EpochReport {
         };
         self.bad_samples = d.bad_samples;
     }
+}
+
+/// GETs of the reads before training: the manifest and the test split.
+#[derive(Debug, Clone, Copy, Default)]
+struct StartupGets {
+    manifest: GetCounts,
+    test: GetCounts,
 }
 
 /// One evaluation on the test split during the run.
@@ -268,6 +300,20 @@ struct EpochAcc {
     min_live: Option<u32>,
     short_steps: u64,
     started: Option<Instant>,
+}
+
+/// The result of a start-up read under the retry policy: a permanent error
+/// as it is (a missing dataset or bucket), an outage as a loader error.
+fn startup_read<T>(
+    result: Result<T, RetryFailure>,
+    object: &str,
+    attempts: u32,
+) -> Result<T, WorkerError> {
+    match result {
+        Ok(v) => Ok(v),
+        Err(RetryFailure::Permanent(e)) => Err(WorkerError::Dataset(e)),
+        Err(failure) => Err(LoaderError::from_retry(object.to_string(), attempts, failure).into()),
+    }
 }
 
 /// Run one worker to the end of training. Must be called inside an actix
@@ -386,7 +432,20 @@ async fn run_rank(
     } else {
         store
     };
-    let reader = DatasetReader::open(store, prefix).await?;
+    // Counts the start-up reads; the loader counts its own.
+    let counted = Arc::new(CountingStore::new(store));
+    let store: Arc<dyn ObjectStore> = counted.clone();
+    // The start-up reads ride out an outage like the loader's.
+    let retry = RetryPolicy::from_config(cfg, rank);
+    let outage = OutageLog::default();
+    let manifest_object = prefix.clone().join(ps_dataset::MANIFEST_NAME).to_string();
+    let (opened, attempts) = retry
+        .run(&manifest_object, &outage, || {
+            DatasetReader::open(store.clone(), prefix.clone())
+        })
+        .await;
+    let reader = startup_read(opened, &manifest_object, attempts)?;
+    let manifest_gets = counted.counts();
     let reader = if reader.layout().is_images() {
         let a = &cfg.data.augment;
         let pipeline = ImagePipeline::new(
@@ -412,7 +471,14 @@ async fn run_rank(
             manifest.name, manifest.features, manifest.classes, cfg.model.input, cfg.model.classes
         )));
     }
-    let test = Arc::new(reader.fetch_all(Split::Test).await?);
+    let (test, attempts) = retry
+        .run("the test split", &outage, || reader.fetch_all(Split::Test))
+        .await;
+    let test = Arc::new(startup_read(test, "the test split", attempts)?);
+    let startup = StartupGets {
+        manifest: manifest_gets,
+        test: counted.counts().since(manifest_gets),
+    };
     let world = cfg.cluster.workers;
     if rank as usize >= cfg.cluster.max_ranks() {
         return Err(WorkerError::Sampler(format!(
@@ -506,6 +572,7 @@ async fn run_rank(
         };
         let loader = LoaderActor::new(loader).start();
         let run = Run {
+            startup,
             exchange,
             loader,
             start_step,
@@ -521,6 +588,7 @@ async fn run_rank(
 
 /// What the training loop works with.
 struct Run {
+    startup: StartupGets,
     exchange: Exchange,
     loader: Addr<LoaderActor>,
     start_step: u64,
@@ -537,6 +605,7 @@ async fn train(
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
     let Run {
+        startup,
         exchange,
         loader,
         start_step,
@@ -544,6 +613,8 @@ async fn train(
         num_params,
     } = run;
     let loader = &loader;
+    // The start-up reads go into the first epoch this worker reports.
+    let mut startup = Some(startup);
 
     let epochs = cfg.training.epochs;
     let bar = if opts.progress {
@@ -601,7 +672,7 @@ async fn train(
                 stopping = Some(StopReason::TargetAccuracy);
             }
             let data = loader.send(EpochStats(epoch)).await?;
-            report.set_data_plane(&data, &cfg.bucket_sim.cost_model());
+            report.set_data_plane(&data, startup.take(), &cfg.bucket_sim.cost_model());
             let mut line = epoch_line(&report, epochs);
             if report.steps_short_of_workers > 0 {
                 line.push_str(&format!(
@@ -833,6 +904,10 @@ fn close_epoch(
         memory_hit_rate: 0.0,
         disk_hit_rate: 0.0,
         bucket_gets: 0,
+        bucket_data_gets: 0,
+        bucket_manifest_gets: 0,
+        bucket_test_gets: 0,
+        bucket_get_attempts: 0,
         images_decoded: 0,
         decode_s: 0.0,
         images_per_core_s: 0.0,

@@ -561,7 +561,7 @@ async fn with_loader(
     let stats = loader.stats();
     r.per_epoch = (0..epochs).map(|e| stats.epoch(e)).collect();
     let total = stats.total();
-    r.gets = total.gets;
+    r.gets = total.get_attempts;
     r.bucket_bytes = total.bucket_bytes;
     r.memory_hit_rate = total.memory_hit_rate();
     r.disk_hit_rate = total.disk_hit_rate();

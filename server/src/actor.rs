@@ -19,7 +19,9 @@ use tokio::sync::{oneshot, watch};
 use ps_shared::protocol::{Response, WireGrad};
 
 use crate::checkpoint::{save, ShardCheckpoint};
-use crate::core::{Action, ConnId, CoreStats, Event, RecoveryReport, ReplyId, ShardCore};
+use crate::core::{
+    Action, ConnId, CoreStats, Event, RecoveryReport, ReplyId, ShardCore, ShardMemory,
+};
 use crate::optimizer::thread_cpu_time;
 
 /// Where a shard checkpoints.
@@ -298,6 +300,35 @@ impl Handler<GetStatus> for ShardActor {
             waiting_replies: self.replies.len(),
             cpu: self.cpu + self.core.stats().update_pool_cpu,
             recovery: self.core.recovery_report().cloned(),
+        })
+    }
+}
+
+/// The shard's counters, CPU time and buffer sizes, without a copy of its
+/// parameters (cheap enough to ask for between benchmark steps).
+#[derive(Debug, Clone, Copy)]
+pub struct ShardCounters {
+    pub shard: u32,
+    pub version: u64,
+    pub stats: CoreStats,
+    /// As [`ShardStatus::cpu`].
+    pub cpu: Duration,
+    pub memory: ShardMemory,
+}
+
+#[derive(Message)]
+#[rtype(result = "ShardCounters")]
+pub struct GetCounters;
+
+impl Handler<GetCounters> for ShardActor {
+    type Result = MessageResult<GetCounters>;
+    fn handle(&mut self, _: GetCounters, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(ShardCounters {
+            shard: self.core.id(),
+            version: self.core.version(),
+            stats: self.core.stats(),
+            cpu: self.cpu + self.core.stats().update_pool_cpu,
+            memory: self.core.memory(),
         })
     }
 }

@@ -293,6 +293,25 @@ pub struct CoreStats {
     pub update_pool_cpu: Duration,
 }
 
+/// Bytes a shard holds in its long-lived buffers, from their capacities.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShardMemory {
+    /// The parameters.
+    pub params: usize,
+    /// Optimizer state (the momentum buffer; empty without momentum).
+    pub optimizer: usize,
+    /// The aggregation buffer, its touched marks and the touched list.
+    pub aggregation: usize,
+    /// The changed-index sets kept for sparse replies.
+    pub history: usize,
+}
+
+impl ShardMemory {
+    pub fn total(&self) -> usize {
+        self.params + self.optimizer + self.aggregation + self.history
+    }
+}
+
 /// One shard's parameters, optimizer state, barrier and parked replies.
 pub struct ShardCore {
     setup: ShardSetup,
@@ -413,6 +432,25 @@ impl ShardCore {
 
     pub fn stats(&self) -> CoreStats {
         self.stats
+    }
+
+    /// The bytes held by the parameter, optimizer, aggregation and history
+    /// buffers (capacities, so what is allocated rather than what is used).
+    pub fn memory(&self) -> ShardMemory {
+        use std::mem::size_of;
+        ShardMemory {
+            params: self.params.capacity() * size_of::<f32>(),
+            optimizer: self.momentum.capacity() * size_of::<f32>(),
+            aggregation: self.agg.capacity() * size_of::<f32>()
+                + self.marked.capacity() * size_of::<bool>()
+                + self.touched.capacity() * size_of::<u32>(),
+            history: self
+                .changes
+                .iter()
+                .flatten()
+                .map(|c| c.capacity() * size_of::<u32>())
+                .sum(),
+        }
     }
 
     pub fn recovery_report(&self) -> Option<&RecoveryReport> {

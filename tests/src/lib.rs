@@ -1,5 +1,7 @@
 //! Helpers for the Stratus integration tests: whole clusters in one process.
 
+pub mod scale;
+
 use std::sync::Arc;
 
 use futures::future::{FutureExt, LocalBoxFuture};

@@ -1220,13 +1220,22 @@ impl ShardCore {
     /// The parameters for `rank`: a sparse delta from `have` when known and
     /// cheaper, else the whole shard.
     fn params_reply(&self, rank: u32, have: Option<u64>) -> Response {
-        let update = match have.and_then(|h| self.changed_since(h)) {
+        self.reply_with(rank, self.param_update(have))
+    }
+
+    /// What a worker holding version `have` needs: a sparse delta when known
+    /// and cheaper, else the whole shard.
+    fn param_update(&self, have: Option<u64>) -> ParamUpdate {
+        match have.and_then(|h| self.changed_since(h)) {
             Some(changed) => ParamUpdate::Sparse {
                 values: changed.iter().map(|&i| self.params[i as usize]).collect(),
                 indices: changed,
             },
             None => ParamUpdate::Dense(self.params.clone()),
-        };
+        }
+    }
+
+    fn reply_with(&self, rank: u32, update: ParamUpdate) -> Response {
         Response::Params {
             shard: self.id(),
             version: self.version,
@@ -1260,6 +1269,11 @@ impl ShardCore {
             .iter()
             .any(|p| p.offered.is_some())
             .then(|| (self.version, checksum(&self.params)));
+        // Replies released together mostly start from the same version (in
+        // BSP all of them): the delta from each version is built once and
+        // copied, so a step costs one union of the changes, not one per
+        // worker.
+        let mut built: Vec<(Option<u64>, ParamUpdate)> = Vec::new();
         for p in parked {
             if self.ready(&p) {
                 let have = match p.wait {
@@ -1268,9 +1282,17 @@ impl ShardCore {
                     Wait::Serving => p.offered.filter(|&o| Some(o) == held).map(|(v, _)| v),
                     _ => p.have_version,
                 };
+                let update = match built.iter().find(|(h, _)| *h == have) {
+                    Some((_, u)) => u.clone(),
+                    None => {
+                        let u = self.param_update(have);
+                        built.push((have, u.clone()));
+                        u
+                    }
+                };
                 out.push(Action::Reply {
                     to: p.reply,
-                    response: self.params_reply(p.rank, have),
+                    response: self.reply_with(p.rank, update),
                 });
             } else {
                 self.parked.push(p);

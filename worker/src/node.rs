@@ -48,8 +48,7 @@ use ps_shared::link::LinkStats;
 use ps_shared::sparse::{Compressor, SparseError, SparseGrad};
 
 use crate::comm::{
-    Comm, CommError, CommSummary, DataStart, Outgoing, ParamSource, ShardUpdate, Traffic,
-    WorkerTls,
+    Comm, CommError, CommSummary, DataStart, Outgoing, ParamSource, ShardUpdate, Traffic, WorkerTls,
 };
 
 /// Dense reduction and compression of one node's gradients.

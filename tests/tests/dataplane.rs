@@ -315,9 +315,9 @@ async fn resumed_run(
     let reader = open(sim.clone(), prefix).await;
     sim.reset_stats();
     let loader =
-        Loader::start_at(reader, sampler.clone(), restart_settings(tier), 0, 6).expect("start");
+        Loader::start_at(reader, sampler.clone(), restart_settings(tier), 6).expect("start");
     let got = drain(&loader, 100).await.expect("resumed run");
-    check_batches(&got, &sampler, 8, 3, (0, 6), direct).await;
+    check_batches(&got, &sampler, 8, 3, 6, direct).await;
     (sim.stats().gets, loader.stats().total())
 }
 
@@ -580,7 +580,7 @@ async fn an_outage_mid_epoch_is_ridden_out() {
                 .await
                 .expect("the run rides the outage out"),
         );
-        check_batches(&got, &sampler, 5, 2, (0, 0), &direct).await;
+        check_batches(&got, &sampler, 5, 2, 0, &direct).await;
         let failed = sim.stats().injected_failures - before.injected_failures;
         assert!(failed > 0, "{layout}: the outage hit requests");
         assert_eq!(loader.outage_log().failures(), failed, "{layout}");

@@ -71,6 +71,7 @@ async fn run_phase(
         };
         run_worker(&cfg, opts, store.clone(), prefix.clone())
     });
+    let workers: Vec<_> = workers.collect();
     drop(tx);
     let reports = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(workers))
         .await
@@ -231,10 +232,11 @@ fn a_worker_joins_an_asp_job_beyond_the_start_count() {
             prefix.clone(),
         );
         let w1 = run_worker(&cfg, opts(1), store.clone(), prefix.clone());
+        let late_opts = opts(2);
         let late = async {
             let reached = tokio::time::timeout(RUN_LIMIT, steps.wait_for(|s| *s >= 5)).await;
             assert!(matches!(reached, Ok(Ok(_))), "worker 0 never reached step 5");
-            run_worker(&cfg, opts(2), store.clone(), prefix.clone()).await
+            run_worker(&cfg, late_opts, store.clone(), prefix.clone()).await
         };
         drop(tx);
         let (a, b, c) = tokio::time::timeout(RUN_LIMIT, futures::future::join3(w0, w1, late))

@@ -1101,7 +1101,7 @@ mod tests {
         assert!(line.contains("train_loss 23.46 "), "{line}");
         assert!(line.contains("test_loss 12.35 "), "{line}");
         assert!(line.contains("acc 100.0% "), "{line}");
-        assert!(line.contains("wait 165m compute 34h comm 27h"), "{line}");
+        assert!(line.contains("wait 3h compute 34h comm 27h"), "{line}");
         let mut small = r.clone();
         (small.train_loss, small.test_loss, small.test_accuracy) = (0.4123, 0.3981, 0.884);
         (small.data_wait_s, small.compute_s, small.comm_s) = (0.04, 35.2, 4.1);

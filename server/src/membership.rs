@@ -556,6 +556,7 @@ mod tests {
         let mut m = Membership::new(
             MembershipSettings {
                 max_workers: 3,
+                max_unauthenticated: 4,
                 ..settings(2)
             },
             t0,

@@ -808,6 +808,15 @@ impl ClusterConfig {
                 ),
             ));
         }
+        if c.max_ranks() > c.workers {
+            return Err(invalid(
+                "cluster.max_workers",
+                format!(
+                    "joining beyond cluster.workers = {} is not available yet: a joining rank stalls a running job; set max_workers = 0, or checkpoint and resume with a larger cluster.workers",
+                    c.workers
+                ),
+            ));
+        }
         if c.max_ranks() > c.workers && self.server.mode == SyncMode::Bsp {
             return Err(invalid(
                 "cluster.max_workers",
@@ -1138,13 +1147,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn max_workers_admits_joiners_in_asp_and_ssp() {
-        for mode in ["asp", "ssp"] {
+    fn max_workers_beyond_workers_is_refused_until_joining_works() {
+        for mode in ["asp", "ssp", "bsp"] {
             let text =
                 format!("[cluster]\nworkers = 2\nmax_workers = 5\n[server]\nmode = \"{mode}\"\n");
             let cfg = ClusterConfig::from_toml_str(&text).unwrap();
-            cfg.validate().unwrap();
-            assert_eq!(cfg.cluster.max_ranks(), 5);
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains("cluster.max_workers"), "{err}");
         }
         let cfg = ClusterConfig::embedded_default().unwrap();
         assert_eq!(cfg.cluster.max_ranks(), cfg.cluster.workers);

@@ -182,6 +182,7 @@ fn a_run_checkpointed_with_2_workers_resumes_with_3() {
 }
 
 #[test]
+#[ignore = "a rank joining a running asp job beyond cluster.workers stalls the job; config validation refuses cluster.max_workers until it is fixed"]
 fn a_worker_joins_an_asp_job_beyond_the_start_count() {
     let pki = TestPki::new(3);
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -191,7 +192,8 @@ fn a_worker_joins_an_asp_job_beyond_the_start_count() {
     let mut cfg = config(2, 3);
     cfg.server.mode = SyncMode::Asp;
     cfg.cluster.max_workers = 3;
-    cfg.validate().expect("max_workers with asp");
+    // Config validation refuses max_workers for now; the servers and
+    // workers below are given the setting directly.
     let mut closed = cfg.clone();
     closed.cluster.max_workers = 0;
     let system = actix::System::new();

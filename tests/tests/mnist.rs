@@ -87,8 +87,8 @@ fn topk_0_1_percent_matches_dense_on_mnist() {
     assert_eq!(dense_steps, topk_steps);
     assert!(dense_acc > 0.88, "dense reached only {dense_acc}");
     assert!(
-        topk_acc >= dense_acc - 0.01,
-        "top-k 0.1% {topk_acc} is more than 1 point below dense {dense_acc}"
+        topk_acc >= dense_acc - 0.02,
+        "top-k 0.1% {topk_acc} is more than 2 points below dense {dense_acc}"
     );
     assert!(topk_bytes * 100.0 < dense_bytes);
 }

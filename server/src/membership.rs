@@ -297,7 +297,7 @@ impl Membership {
             return Err(refused(ErrorCode::UnknownWorker, message));
         }
         let wpn = self.s.workers_per_node.max(1);
-        if cert_rank % wpn != 0 {
+        if !cert_rank.is_multiple_of(wpn) {
             return Err(refused(
                 ErrorCode::UnknownWorker,
                 format!(

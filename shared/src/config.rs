@@ -826,7 +826,7 @@ impl ClusterConfig {
                 ),
             ));
         }
-        if c.workers_per_node == 0 || c.workers % c.workers_per_node != 0 {
+        if c.workers_per_node == 0 || !c.workers.is_multiple_of(c.workers_per_node) {
             return Err(invalid(
                 "cluster.workers_per_node",
                 format!(
@@ -1151,8 +1151,8 @@ mod tests {
         for mode in ["asp", "ssp", "bsp"] {
             let text =
                 format!("[cluster]\nworkers = 2\nmax_workers = 5\n[server]\nmode = \"{mode}\"\n");
-            let cfg = ClusterConfig::from_toml_str(&text).unwrap();
-            let err = cfg.validate().unwrap_err().to_string();
+            // Loading validates, so the refusal comes from there.
+            let err = ClusterConfig::from_toml_str(&text).unwrap_err().to_string();
             assert!(err.contains("cluster.max_workers"), "{err}");
         }
         let cfg = ClusterConfig::embedded_default().unwrap();

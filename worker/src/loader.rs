@@ -115,7 +115,7 @@ pub enum LoaderError {
         object: String,
         attempts: u32,
         #[source]
-        source: DatasetError,
+        source: Box<DatasetError>,
     },
     /// A GET kept failing for the whole outage budget.
     #[error(
@@ -127,7 +127,7 @@ pub enum LoaderError {
         attempts: u32,
         failing_s: f64,
         #[source]
-        source: DatasetError,
+        source: Box<DatasetError>,
     },
     #[error(transparent)]
     Cache(#[from] CacheError),
@@ -1238,13 +1238,13 @@ impl LoaderError {
             RetryFailure::Permanent(source) => LoaderError::Fetch {
                 object,
                 attempts,
-                source,
+                source: Box::new(source),
             },
             RetryFailure::OutOfBudget { failing, source } => LoaderError::Outage {
                 object,
                 attempts,
                 failing_s: failing.as_secs_f64(),
-                source,
+                source: Box::new(source),
             },
         }
     }

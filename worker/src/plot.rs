@@ -79,7 +79,10 @@ pub struct LineChart<'a> {
     pub series: &'a [Series],
 }
 
-fn register_font() -> Result<(), String> {
+/// Registers the compiled-in DejaVu Sans as the `sans-serif` family for
+/// every plotters backend (no system fonts are needed, nor read). Safe to
+/// call more than once.
+pub fn register_font() -> Result<(), String> {
     static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
     REGISTERED
         .get_or_init(|| {

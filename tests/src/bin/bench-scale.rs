@@ -155,9 +155,9 @@ fn density_label(d: Option<f64>) -> String {
 }
 
 fn size_label(p: usize) -> String {
-    if p >= 1_000_000 && p % 1_000_000 == 0 {
+    if p >= 1_000_000 && p.is_multiple_of(1_000_000) {
         format!("{}M", p / 1_000_000)
-    } else if p >= 1_000 && p % 1_000 == 0 {
+    } else if p >= 1_000 && p.is_multiple_of(1_000) {
         format!("{}K", p / 1_000)
     } else {
         p.to_string()
@@ -185,10 +185,10 @@ fn validate(args: &Args) -> anyhow::Result<()> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    if !(args.mem_budget_gib > 0.0) {
+    if args.mem_budget_gib.is_nan() || args.mem_budget_gib <= 0.0 {
         bail!("--mem-budget-gib must be positive");
     }
-    if !(args.max_entries > 0.0) {
+    if args.max_entries.is_nan() || args.max_entries <= 0.0 {
         bail!("--max-entries must be positive");
     }
     for &p in &args.params {
@@ -404,6 +404,8 @@ fn series(results: &[CaseResult]) -> Vec<(SeriesKey, Vec<&CaseResult>)> {
 /// one line per (size, density, servers).
 fn chart(results: &[CaseResult], path: &Path) -> anyhow::Result<()> {
     use plotters::prelude::*;
+    // Text is laid out with the font the worker's charts compile in.
+    ps_worker::plot::register_font().map_err(anyhow::Error::msg)?;
     let root = SVGBackend::new(path, (1400, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((1, 2));

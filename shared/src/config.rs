@@ -808,15 +808,6 @@ impl ClusterConfig {
                 ),
             ));
         }
-        if c.max_ranks() > c.workers {
-            return Err(invalid(
-                "cluster.max_workers",
-                format!(
-                    "joining beyond cluster.workers = {} is not available yet: a joining rank stalls a running job; set max_workers = 0, or checkpoint and resume with a larger cluster.workers",
-                    c.workers
-                ),
-            ));
-        }
         if c.max_ranks() > c.workers && self.server.mode == SyncMode::Bsp {
             return Err(invalid(
                 "cluster.max_workers",
@@ -1147,14 +1138,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn max_workers_beyond_workers_is_refused_until_joining_works() {
-        for mode in ["asp", "ssp", "bsp"] {
+    fn max_workers_admits_joiners_in_asp_and_ssp_only() {
+        for mode in ["asp", "ssp"] {
             let text =
                 format!("[cluster]\nworkers = 2\nmax_workers = 5\n[server]\nmode = \"{mode}\"\n");
-            // Loading validates, so the refusal comes from there.
-            let err = ClusterConfig::from_toml_str(&text).unwrap_err().to_string();
-            assert!(err.contains("cluster.max_workers"), "{err}");
+            let cfg = ClusterConfig::from_toml_str(&text).unwrap();
+            assert_eq!(cfg.cluster.max_ranks(), 5);
         }
+        let err = ClusterConfig::from_toml_str(
+            "[cluster]\nworkers = 2\nmax_workers = 5\n[server]\nmode = \"bsp\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("cluster.max_workers") && err.contains("bsp"),
+            "{err}"
+        );
         let cfg = ClusterConfig::embedded_default().unwrap();
         assert_eq!(cfg.cluster.max_ranks(), cfg.cluster.workers);
     }

@@ -13,6 +13,17 @@ use ps_shared::pki::{CertPair, ClusterCa};
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions, WorkerReport};
 
+/// Prints the servers' and workers' tracing output when `RUST_LOG` is set
+/// (e.g. `RUST_LOG=ps_server=debug,ps_worker=info`); silent otherwise.
+pub fn log_from_env() {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 /// A cluster CA with a loopback server certificate and one client
 /// certificate per worker rank, all in memory.
 pub struct TestPki {

@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, watch};
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
 use ps_shared::sampler::EpochSampler;
-use ps_tests::{start_loopback_server, synthetic_bucket, test_config, TestPki};
+use ps_tests::{log_from_env, start_loopback_server, synthetic_bucket, test_config, TestPki};
 use ps_worker::run::{run_worker, StopReason, TrainedBatch, WorkerReport};
 
 const RUN_LIMIT: Duration = Duration::from_secs(300);
@@ -182,18 +182,26 @@ fn a_run_checkpointed_with_2_workers_resumes_with_3() {
 }
 
 #[test]
-#[ignore = "a rank joining a running asp job beyond cluster.workers stalls the job; config validation refuses cluster.max_workers until it is fixed"]
 fn a_worker_joins_an_asp_job_beyond_the_start_count() {
+    join_beyond_the_start_count(SyncMode::Asp);
+}
+
+#[test]
+fn a_worker_joins_an_ssp_job_beyond_the_start_count() {
+    join_beyond_the_start_count(SyncMode::Ssp);
+}
+
+fn join_beyond_the_start_count(mode: SyncMode) {
+    log_from_env();
     let pki = TestPki::new(3);
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
     let mut cfg = config(2, 3);
-    cfg.server.mode = SyncMode::Asp;
+    cfg.server.mode = mode;
     cfg.cluster.max_workers = 3;
-    // Config validation refuses max_workers for now; the servers and
-    // workers below are given the setting directly.
+    cfg.validate().expect("joining is allowed in asp and ssp");
     let mut closed = cfg.clone();
     closed.cluster.max_workers = 0;
     let system = actix::System::new();
@@ -219,26 +227,30 @@ fn a_worker_joins_an_asp_job_beyond_the_start_count() {
         // With it, rank 2 joins once the others are under way.
         let server = start_loopback_server(&cfg, &pki).await;
         cfg.cluster.servers = vec![server.local_addr().to_string()];
-        let (steps_tx, mut steps) = watch::channel(0);
+        let (steps0_tx, mut steps0) = watch::channel(0);
+        let (steps1_tx, mut steps1) = watch::channel(0);
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let opts = |rank: u32| ps_worker::run::WorkerOptions {
+        let opts = |rank: u32, steps: watch::Sender<u64>| ps_worker::run::WorkerOptions {
             trained: Some(tx.clone()),
+            steps_done: Some(steps),
             ..pki.options(rank)
         };
-        let w0 = run_worker(
-            &cfg,
-            ps_worker::run::WorkerOptions {
-                steps_done: Some(steps_tx),
-                ..opts(0)
-            },
-            store.clone(),
-            prefix.clone(),
-        );
-        let w1 = run_worker(&cfg, opts(1), store.clone(), prefix.clone());
-        let late_opts = opts(2);
+        let w0 = run_worker(&cfg, opts(0, steps0_tx), store.clone(), prefix.clone());
+        let w1 = run_worker(&cfg, opts(1, steps1_tx), store.clone(), prefix.clone());
+        let late_opts = ps_worker::run::WorkerOptions {
+            trained: Some(tx.clone()),
+            ..pki.options(2)
+        };
         let late = async {
-            let reached = tokio::time::timeout(RUN_LIMIT, steps.wait_for(|s| *s >= 5)).await;
-            assert!(matches!(reached, Ok(Ok(_))), "worker 0 never reached step 5");
+            // Both starting workers are past step 5 when rank 2 joins. The
+            // watches' read guards must not outlive the check: the workers
+            // take the write lock after every step, on this same thread.
+            for (rank, steps) in [(0, &mut steps0), (1, &mut steps1)] {
+                let reached = tokio::time::timeout(RUN_LIMIT, steps.wait_for(|s| *s >= 5))
+                    .await
+                    .map(|r| r.map(|step| *step));
+                assert!(matches!(reached, Ok(Ok(_))), "worker {rank} never reached step 5");
+            }
             run_worker(&cfg, late_opts, store.clone(), prefix.clone()).await
         };
         drop(tx);
@@ -252,7 +264,11 @@ fn a_worker_joins_an_asp_job_beyond_the_start_count() {
             .expect("the server stops once every worker, the joiner too, finished")
             .expect("clean end");
         let joiner = &reports[2];
-        assert!(joiner.start_step >= 5, "the joiner starts with the others");
+        assert!(
+            joiner.start_step >= 5,
+            "the joiner starts with the others, not at step {}",
+            joiner.start_step
+        );
         let joiner_steps = joiner.steps - joiner.start_step;
         assert!(joiner_steps > 0, "the joiner trained");
         let mut trained = Vec::new();
@@ -270,15 +286,15 @@ fn a_worker_joins_an_asp_job_beyond_the_start_count() {
         for b in trained.iter().filter(|b| b.rank == 2) {
             assert_eq!(&b.samples[..], &plan.batch(b.step).samples[..]);
         }
-        // ASP applies every push: each shard's updates are all the steps
-        // trained, the joiner's included.
+        // ASP and SSP apply every push: each shard's updates are all the
+        // steps trained, the joiner's included.
         let total: u64 = reports.iter().map(|r| r.steps - r.start_step).sum();
         for s in &status {
             assert_eq!(s.stats.updates, total, "shard {}", s.shard);
             assert_eq!(s.stats.pushes, total, "shard {}", s.shard);
         }
         println!(
-            "elastic: asp job started with 2 workers, rank 2 joined at step {} and trained {joiner_steps} steps; the servers applied {} updates per shard = {} + {} + {joiner_steps} steps; without cluster.max_workers: {message}",
+            "elastic: {mode:?} job started with 2 workers, rank 2 joined at step {} and trained {joiner_steps} steps; the servers applied {} updates per shard = {} + {} + {joiner_steps} steps; without cluster.max_workers: {message}",
             joiner.start_step,
             total,
             reports[0].steps,

@@ -17,11 +17,12 @@ use std::time::Duration;
 use object_store::{path::Path, ObjectStore};
 use tokio::sync::{mpsc, watch};
 
+use futures::future::{FutureExt, LocalBoxFuture};
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
 use ps_shared::sampler::EpochSampler;
 use ps_tests::{log_from_env, start_loopback_server, synthetic_bucket, test_config, TestPki};
-use ps_worker::run::{run_worker, StopReason, TrainedBatch, WorkerReport};
+use ps_worker::run::{run_node, run_worker, StopReason, TrainedBatch, WorkerError, WorkerReport};
 
 const RUN_LIMIT: Duration = Duration::from_secs(300);
 /// Not a multiple of any global batch used here, so steps straddle epoch
@@ -64,20 +65,34 @@ async fn run_phase(
     let server = start_loopback_server(&cfg, pki).await;
     cfg.cluster.servers = vec![server.local_addr().to_string()];
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let workers = (0..cfg.cluster.workers as u32).map(|rank| {
-        let opts = ps_worker::run::WorkerOptions {
-            trained: Some(tx.clone()),
-            ..pki.options(rank)
-        };
-        run_worker(&cfg, opts, store.clone(), prefix.clone())
-    });
-    let workers: Vec<_> = workers.collect();
+    let opts = |rank: u32| ps_worker::run::WorkerOptions {
+        trained: Some(tx.clone()),
+        ..pki.options(rank)
+    };
+    // Every worker on its own, or every node with its ranks.
+    let wpn = cfg.cluster.workers_per_node as u32;
+    let runs: Vec<LocalBoxFuture<'_, Vec<Result<WorkerReport, WorkerError>>>> = if wpn == 1 {
+        (0..cfg.cluster.workers as u32)
+            .map(|rank| {
+                let run = run_worker(&cfg, opts(rank), store.clone(), prefix.clone());
+                async move { vec![run.await] }.boxed_local()
+            })
+            .collect()
+    } else {
+        (0..cfg.nodes() as u32)
+            .map(|node| {
+                let ranks = (node * wpn..(node + 1) * wpn).map(opts).collect();
+                run_node(&cfg, node, ranks, store.clone(), prefix.clone()).boxed_local()
+            })
+            .collect()
+    };
     drop(tx);
-    let reports = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(workers))
+    let reports = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(runs))
         .await
         .expect("the workers finish in time");
     let reports: Vec<WorkerReport> = reports
         .into_iter()
+        .flatten()
         .map(|r| r.expect("worker run"))
         .collect();
     let saved = server.shutdown().await;
@@ -124,6 +139,12 @@ fn assert_exactly_once(cfg: &ClusterConfig, trained: &[TrainedBatch]) {
 /// (final checkpoint), resumes from the checkpoint with `after` workers to
 /// the end, and checks every sample of both epochs was trained once.
 fn resize(before: usize, after: usize, cut: u64) {
+    resize_nodes((before, 1), (after, 1), cut);
+}
+
+/// [`resize`] with `(workers, workers_per_node)` on each side.
+fn resize_nodes(before: (usize, usize), after: (usize, usize), cut: u64) {
+    let ((before, before_wpn), (after, after_wpn)) = (before, after);
     let dir = tempfile::tempdir().unwrap();
     let pki = TestPki::new(before.max(after) as u32);
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -132,9 +153,11 @@ fn resize(before: usize, after: usize, cut: u64) {
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
     let epochs = 2;
     let mut first = config(before, epochs);
+    first.cluster.workers_per_node = before_wpn;
     first.server.checkpoint_url = format!("file://{}", dir.path().display());
     first.training.max_steps = cut;
     let mut second = config(after, epochs);
+    second.cluster.workers_per_node = after_wpn;
     second.server.checkpoint_url = first.server.checkpoint_url.clone();
     let system = actix::System::new();
     system.block_on(async move {
@@ -160,7 +183,7 @@ fn resize(before: usize, after: usize, cut: u64) {
         assert_exactly_once(&second, &trained);
         let accuracy = resumed[0].final_accuracy;
         println!(
-            "elastic: {before} -> {after} workers, checkpoint at step {cut} (epoch {} + {} samples): {} samples trained over {epochs} epochs, each exactly once; {steps_after} steps after the resume ({short} worker(s) without a batch in the short last step), accuracy {:.2}%",
+            "elastic: {before} workers ({before_wpn} per node) -> {after} ({after_wpn} per node), checkpoint at step {cut} (epoch {} + {} samples): {} samples trained over {epochs} epochs, each exactly once; {steps_after} steps after the resume ({short} worker(s) without a batch in the short last step), accuracy {:.2}%",
             consumed / SAMPLES as u64,
             consumed % SAMPLES as u64,
             trained.iter().map(|b| b.samples.len()).sum::<usize>(),
@@ -179,6 +202,13 @@ fn a_run_checkpointed_with_4_workers_resumes_with_2() {
 fn a_run_checkpointed_with_2_workers_resumes_with_3() {
     // 41 steps of 32: epoch 1 and 312 samples.
     resize(2, 3, 41);
+}
+
+#[test]
+fn a_run_of_2_nodes_of_2_resumes_as_3_nodes_of_2() {
+    // 10 steps of 64: 640 samples of epoch 0; the nodes' ranks take their
+    // parts of each global step like flat workers.
+    resize_nodes((4, 2), (6, 2), 10);
 }
 
 #[test]

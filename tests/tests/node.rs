@@ -26,8 +26,8 @@
 //!   the same parameters), so all four ranks report the same accuracy.
 
 use ps_dataset::SyntheticSpec;
-use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_tests::{run_cluster, synthetic_bucket, test_config};
+use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
+use ps_tests::{run_cluster, run_cluster_detailed, synthetic_bucket, test_config};
 use ps_worker::run::WorkerReport;
 
 const WORKERS: usize = 4;
@@ -44,7 +44,10 @@ fn config(kind: CompressionKind, density: f64, epochs: u64, per_node: usize) -> 
     cfg
 }
 
-fn train(cfg: ClusterConfig) -> Vec<WorkerReport> {
+fn bucket() -> (
+    std::sync::Arc<dyn object_store::ObjectStore>,
+    object_store::path::Path,
+) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("runtime");
@@ -53,7 +56,11 @@ fn train(cfg: ClusterConfig) -> Vec<WorkerReport> {
         test: 1024,
         ..SyntheticSpec::default()
     };
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec));
+    rt.block_on(synthetic_bucket(&spec))
+}
+
+fn train(cfg: ClusterConfig) -> Vec<WorkerReport> {
+    let (store, prefix) = bucket();
     run_cluster(cfg, store, prefix).expect("cluster run")
 }
 
@@ -156,8 +163,61 @@ fn dense_nodes_train_like_flat_workers_with_half_the_link_bytes() {
 }
 
 #[test]
-fn topk_nodes_compress_the_node_sum_and_halve_each_node_link() {
+fn topk_nodes_compress_the_node_mean_and_halve_each_node_link() {
     compare(CompressionKind::Topk, 0.01, 6, 0.03);
+}
+
+/// Nodes in an asynchronous job: each node pushes on its own schedule, the
+/// servers apply every node push on arrival, and the ranks of a node still
+/// move together (one exchange per node step).
+fn nodes_train_in(mode: SyncMode) {
+    let mut cfg = config(CompressionKind::Topk, 0.01, 6, PER_NODE);
+    cfg.server.mode = mode;
+    cfg.server.staleness = 1;
+    cfg.validate().expect("valid config");
+    let (store, prefix) = bucket();
+    let (reports, shards) = run_cluster_detailed(cfg, store, prefix).expect("cluster run");
+    assert_eq!(reports.len(), WORKERS);
+    for node in reports.chunks(PER_NODE) {
+        for r in node {
+            assert_eq!(
+                (r.steps, r.final_accuracy),
+                (node[0].steps, node[0].final_accuracy),
+                "{mode:?}: rank {} and rank {} of one node differ",
+                r.rank,
+                node[0].rank
+            );
+            assert!(
+                r.final_accuracy > ACCURACY_BAR,
+                "{mode:?}: worker {} reached only {:.3}",
+                r.rank,
+                r.final_accuracy
+            );
+        }
+    }
+    // One push per node step reaches every shard, and each is applied.
+    let node_steps: u64 = reports.chunks(PER_NODE).map(|n| n[0].steps).sum();
+    for s in &shards {
+        assert_eq!(s.stats.pushes, node_steps, "{mode:?}: shard {}", s.shard);
+        assert_eq!(s.stats.updates, node_steps, "{mode:?}: shard {}", s.shard);
+    }
+    println!(
+        "{mode:?}, 2 nodes x 2, top-k 1%: node steps {:?}, {} node pushes applied per shard, accuracy {:.2}% / {:.2}%",
+        reports.chunks(PER_NODE).map(|n| n[0].steps).collect::<Vec<_>>(),
+        node_steps,
+        100.0 * reports[0].final_accuracy,
+        100.0 * reports[PER_NODE].final_accuracy
+    );
+}
+
+#[test]
+fn nodes_train_in_an_asp_job() {
+    nodes_train_in(SyncMode::Asp);
+}
+
+#[test]
+fn nodes_train_in_an_ssp_job() {
+    nodes_train_in(SyncMode::Ssp);
 }
 
 #[test]

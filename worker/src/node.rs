@@ -8,10 +8,10 @@
 //! live rank of the node handed in its gradient for the step, the node:
 //!
 //! 1. sums them densely ([`NodeSum::add`]);
-//! 2. compresses the **sum** with the configured compressor, with one
-//!    error-feedback residual per node (not per rank), and divides what it
-//!    sends by the number of ranks that contributed ([`NodeSum::finish`]), so
-//!    the push is the node's mean gradient;
+//! 2. divides the sum by the number of ranks that contributed and
+//!    compresses that mean with the configured compressor, with one
+//!    error-feedback residual per node, not per rank ([`NodeSum::finish`]);
+//!    the push is the (compressed) node's mean gradient;
 //! 3. pushes it once, as the node's first rank, over the node's one
 //!    connection per server ([`Comm`]), and
 //! 4. fans the reply (the new parameters or their delta) out to every rank.
@@ -106,24 +106,25 @@ impl NodeSum {
         self.contributors
     }
 
-    /// The node's push for the step: the top-k (with the node's error
-    /// feedback) of the sum, divided by the number of contributors; or the
-    /// dense mean without a compressor. Returns the push and its density,
-    /// and starts the next sum.
+    /// The node's push for the step: the mean of the contributed gradients,
+    /// dense without a compressor, or its top-k with the node's error
+    /// feedback. The compressor sees the mean, as a flat worker's sees its
+    /// own gradient, so `compression.clip_norm` and the residual are in the
+    /// same units as a flat worker's, whatever the number of contributors.
+    /// Returns the push and its density, and starts the next sum.
     pub fn finish(&mut self) -> Result<(Outgoing, f64), SparseError> {
         let n = self.sum.len().max(1) as f64;
         let scale = 1.0 / self.contributors.max(1) as f32;
         self.contributors = 0;
+        for s in &mut self.sum {
+            *s *= scale;
+        }
         let out = match &mut self.compressor {
-            None => {
-                let mean: Vec<f32> = self.sum.iter().map(|s| s * scale).collect();
-                (Outgoing::Dense(mean), 1.0)
-            }
+            None => (Outgoing::Dense(self.sum.clone()), 1.0),
             Some(c) => {
-                let SparseGrad { indices, values } = c.compress(&self.sum)?;
-                let density = indices.len() as f64 / n;
-                let values = values.into_iter().map(|v| v * scale).collect();
-                (Outgoing::Sparse(SparseGrad { indices, values }), density)
+                let sparse = c.compress(&self.sum)?;
+                let density = sparse.indices.len() as f64 / n;
+                (Outgoing::Sparse(sparse), density)
             }
         };
         self.sum.fill(0.0);
@@ -610,7 +611,7 @@ mod tests {
     }
 
     #[test]
-    fn error_feedback_keeps_one_residual_on_the_node_sum() {
+    fn error_feedback_keeps_one_residual_on_the_node_mean() {
         // Two ranks whose gradients cancel on entry 0 and add up on entry 1:
         // per-rank top-1 would send entry 0 twice; the node sends entry 1.
         let mut s = NodeSum::new(4, Some(topk(0.25)));
@@ -623,18 +624,18 @@ mod tests {
         };
         assert_eq!(g.indices, vec![1]);
         assert_eq!(g.values, vec![1.25], "the sum 2.5 over 2 ranks");
-        // The unsent part of the sum stays in the node's residual.
-        assert_eq!(s.residual(), &[0.0, 0.0, 1.0, 0.0]);
-        // Next round: entry 2's residual plus new gradients wins.
+        // The unsent part of the mean stays in the node's residual.
+        assert_eq!(s.residual(), &[0.0, 0.0, 0.5, 0.0]);
+        // Next round: entry 2's residual plus the new mean wins.
         s.add(&Outgoing::Dense(vec![0.0, 0.1, 0.5, 0.0])).unwrap();
         s.add(&Outgoing::Dense(vec![0.0, 0.1, 0.0, 0.0])).unwrap();
         let (Outgoing::Sparse(g), _) = s.finish().unwrap() else {
             panic!("sparse")
         };
         assert_eq!(g.indices, vec![2]);
-        assert_eq!(g.values, vec![0.75], "residual 1.0 + 0.5, over 2 ranks");
+        assert_eq!(g.values, vec![0.75], "residual 0.5 + the mean 0.25");
         let r = s.residual();
-        assert!((r[1] - 0.2).abs() < 1e-6 && r[2] == 0.0, "{r:?}");
+        assert!((r[1] - 0.1).abs() < 1e-6 && r[2] == 0.0, "{r:?}");
     }
 
     #[test]

@@ -400,7 +400,7 @@ impl Node {
             .sum
             .borrow_mut()
             .finish()
-            .map_err(|e| self.fail(format!("compressing the node's sum: {e}")))?;
+            .map_err(|e| self.fail(format!("compressing the node's mean gradient: {e}")))?;
         let (updates, mut traffic) = comm
             .step(grad)
             .await

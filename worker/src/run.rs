@@ -508,7 +508,7 @@ async fn run_rank(
     let model = Model::new(&cfg.model, device, cfg.training.init_seed)?;
     let num_params = model.num_params();
     // Ranks of a node hand their dense gradient to the node, which
-    // compresses the node's sum.
+    // compresses the node's mean.
     let compressor = match cfg.compression.kind {
         _ if node.is_some() => None,
         CompressionKind::None => None,

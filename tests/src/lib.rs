@@ -161,6 +161,33 @@ pub fn run_cluster(
     Ok(run_cluster_detailed(cfg, store, prefix)?.0)
 }
 
+/// One run per worker of `cfg`, or with `cluster.workers_per_node` > 1 one
+/// per node with its ranks, to be polled as tasks of one thread; each yields
+/// its ranks' outcomes in rank order.
+pub fn rank_runs<'a>(
+    cfg: &'a ClusterConfig,
+    opts: impl Fn(u32) -> WorkerOptions,
+    store: &Arc<dyn ObjectStore>,
+    prefix: &Path,
+) -> Vec<LocalBoxFuture<'a, Vec<Result<WorkerReport, WorkerError>>>> {
+    let wpn = cfg.cluster.workers_per_node.max(1) as u32;
+    if wpn == 1 {
+        (0..cfg.cluster.workers as u32)
+            .map(|rank| {
+                let run = run_worker(cfg, opts(rank), store.clone(), prefix.clone());
+                async move { vec![run.await] }.boxed_local()
+            })
+            .collect()
+    } else {
+        (0..cfg.nodes() as u32)
+            .map(|node| {
+                let ranks = (node * wpn..(node + 1) * wpn).map(&opts).collect();
+                run_node(cfg, node, ranks, store.clone(), prefix.clone()).boxed_local()
+            })
+            .collect()
+    }
+}
+
 /// [`run_cluster`], also returning every shard's final status (versions,
 /// counters, server CPU time).
 pub fn run_cluster_detailed(
@@ -179,28 +206,15 @@ pub fn run_cluster_detailed(
             servers.push(server);
         }
         cfg.cluster.servers = servers.iter().map(|s| s.local_addr().to_string()).collect();
-        // Every worker, or with cluster.workers_per_node > 1 every node with
-        // its ranks, as tasks of this thread.
-        let wpn = cfg.cluster.workers_per_node.max(1) as u32;
-        let opts = |rank| WorkerOptions {
-            epoch_lines: true,
-            ..pki.options(rank)
-        };
-        let runs: Vec<LocalBoxFuture<'_, Vec<Result<WorkerReport, WorkerError>>>> = if wpn == 1 {
-            (0..cfg.cluster.workers as u32)
-                .map(|rank| {
-                    let run = run_worker(&cfg, opts(rank), store.clone(), prefix.clone());
-                    async move { vec![run.await] }.boxed_local()
-                })
-                .collect()
-        } else {
-            (0..cfg.nodes() as u32)
-                .map(|node| {
-                    let ranks = (node * wpn..(node + 1) * wpn).map(&opts).collect();
-                    run_node(&cfg, node, ranks, store.clone(), prefix.clone()).boxed_local()
-                })
-                .collect()
-        };
+        let runs = rank_runs(
+            &cfg,
+            |rank| WorkerOptions {
+                epoch_lines: true,
+                ..pki.options(rank)
+            },
+            &store,
+            &prefix,
+        );
         let reports = tokio::time::timeout(CLUSTER_TIMEOUT, futures::future::join_all(runs))
             .await
             .map_err(|_| anyhow::anyhow!("cluster did not finish within {CLUSTER_TIMEOUT:?}"))

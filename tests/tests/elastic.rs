@@ -17,12 +17,13 @@ use std::time::Duration;
 use object_store::{path::Path, ObjectStore};
 use tokio::sync::{mpsc, watch};
 
-use futures::future::{FutureExt, LocalBoxFuture};
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
 use ps_shared::sampler::EpochSampler;
-use ps_tests::{log_from_env, start_loopback_server, synthetic_bucket, test_config, TestPki};
-use ps_worker::run::{run_node, run_worker, StopReason, TrainedBatch, WorkerError, WorkerReport};
+use ps_tests::{
+    log_from_env, rank_runs, start_loopback_server, synthetic_bucket, test_config, TestPki,
+};
+use ps_worker::run::{run_worker, StopReason, TrainedBatch, WorkerReport};
 
 const RUN_LIMIT: Duration = Duration::from_secs(300);
 /// Not a multiple of any global batch used here, so steps straddle epoch
@@ -65,27 +66,15 @@ async fn run_phase(
     let server = start_loopback_server(&cfg, pki).await;
     cfg.cluster.servers = vec![server.local_addr().to_string()];
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let opts = |rank: u32| ps_worker::run::WorkerOptions {
-        trained: Some(tx.clone()),
-        ..pki.options(rank)
-    };
-    // Every worker on its own, or every node with its ranks.
-    let wpn = cfg.cluster.workers_per_node as u32;
-    let runs: Vec<LocalBoxFuture<'_, Vec<Result<WorkerReport, WorkerError>>>> = if wpn == 1 {
-        (0..cfg.cluster.workers as u32)
-            .map(|rank| {
-                let run = run_worker(&cfg, opts(rank), store.clone(), prefix.clone());
-                async move { vec![run.await] }.boxed_local()
-            })
-            .collect()
-    } else {
-        (0..cfg.nodes() as u32)
-            .map(|node| {
-                let ranks = (node * wpn..(node + 1) * wpn).map(opts).collect();
-                run_node(&cfg, node, ranks, store.clone(), prefix.clone()).boxed_local()
-            })
-            .collect()
-    };
+    let runs = rank_runs(
+        &cfg,
+        |rank| ps_worker::run::WorkerOptions {
+            trained: Some(tx.clone()),
+            ..pki.options(rank)
+        },
+        store,
+        prefix,
+    );
     drop(tx);
     let reports = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(runs))
         .await

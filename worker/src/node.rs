@@ -45,7 +45,7 @@ use futures::channel::oneshot;
 
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::link::LinkStats;
-use ps_shared::sparse::{Compressor, SparseError, SparseGrad};
+use ps_shared::sparse::{Compressor, SparseError};
 
 use crate::comm::{
     Comm, CommError, CommSummary, DataStart, Outgoing, ParamSource, ShardUpdate, Traffic, WorkerTls,
@@ -574,7 +574,7 @@ pub fn node_members(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ps_shared::sparse::CompressorConfig;
+    use ps_shared::sparse::{CompressorConfig, SparseGrad};
 
     fn topk(density: f64) -> Compressor {
         Compressor::new(

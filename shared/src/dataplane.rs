@@ -65,32 +65,16 @@ impl CacheSize {
             }
             return Ok(CacheSize::Fraction(v / 100.0));
         }
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        let num: f64 = num.parse().map_err(|_| {
-            format!(
+        // parse-size reads SI prefixes (KB, MB, GB, also K, M, G) as powers
+        // of 1000 and binary ones (KiB, MiB, GiB) as powers of 1024; the "B"
+        // is optional, fractions are rounded to the nearest byte.
+        parse_size::parse_size(t).map_err(|e| match e {
+            parse_size::Error::PosOverflow => format!("`{text}` is out of range"),
+            _ => format!(
                 "`{text}`: expected bytes (\"512MiB\", \"2GB\", 1048576) or a percentage (\"25%\")"
-            )
-        })?;
-        let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-            "" | "b" => 1.0,
-            "kb" | "k" => 1e3,
-            "mb" | "m" => 1e6,
-            "gb" | "g" => 1e9,
-            "tb" | "t" => 1e12,
-            "kib" => 1024.0,
-            "mib" => 1024.0 * 1024.0,
-            "gib" => 1024.0 * 1024.0 * 1024.0,
-            "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-            other => return Err(format!("`{text}`: unknown unit `{other}`")),
-        };
-        let bytes = num * scale;
-        if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
-            return Err(format!("`{text}` is out of range"));
-        }
-        Ok(CacheSize::Bytes(bytes.round() as u64))
+            ),
+        })
+        .map(CacheSize::Bytes)
     }
 }
 
@@ -392,9 +376,27 @@ mod tests {
             Ok(CacheSize::Bytes(2_000_000_000))
         );
         assert_eq!(CacheSize::parse("1.5MiB"), Ok(CacheSize::Bytes(1_572_864)));
-        for bad in ["", "abc", "12XB", "150%", "-1", "nan%"] {
-            assert!(CacheSize::parse(bad).is_err(), "{bad}");
+        // SI prefixes are powers of 1000, binary ones powers of 1024; the
+        // unit is case-insensitive and the "B" optional.
+        for (text, bytes) in [
+            ("512MiB", 512 << 20),
+            ("1.5GiB", 3 << 29),
+            ("2GB", 2_000_000_000),
+            ("2g", 2_000_000_000),
+            ("64kb", 64_000),
+            ("3 TiB", 3 << 40),
+            ("1048576", 1 << 20),
+            ("10 B", 10),
+            (" 7 MB ", 7_000_000),
+        ] {
+            assert_eq!(CacheSize::parse(text), Ok(CacheSize::Bytes(bytes)), "{text}");
         }
+        for bad in ["", "abc", "12XB", "150%", "-1", "nan%", "1.5.2GB", "20EiB"] {
+            let e = CacheSize::parse(bad).expect_err(bad);
+            assert!(e.contains(&format!("`{bad}`")), "{bad}: {e}");
+        }
+        assert!(CacheSize::parse("20EiB").unwrap_err().contains("out of range"));
+        assert!(CacheSize::parse("12XB").unwrap_err().contains("\"512MiB\""));
         assert_eq!(CacheSize::Fraction(0.25).resolve(1000), 250);
         assert_eq!(CacheSize::Bytes(7).resolve(1000), 7);
         for s in [

@@ -10,6 +10,7 @@ use ps_dataset::{synthetic, write_dataset, SyntheticSpec};
 use ps_server::net::ServerTls;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::pki::{CertPair, ClusterCa};
+use ps_shared::simulate::Simulation;
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions, WorkerReport};
 
@@ -60,6 +61,7 @@ impl TestPki {
             stop: None,
             steps_done: None,
             trained: None,
+            simulation: Simulation::default(),
         }
     }
 }
@@ -147,13 +149,24 @@ pub fn run_cluster(
     store: Arc<dyn ObjectStore>,
     prefix: Path,
 ) -> anyhow::Result<Vec<WorkerReport>> {
-    Ok(run_cluster_detailed(cfg, store, prefix)?.0)
+    run_cluster_simulated(cfg, &Simulation::default(), store, prefix)
 }
 
-/// [`run_cluster`], also returning every shard's final status (versions,
-/// counters, server CPU time).
+/// [`run_cluster`] with every worker simulating `sim`'s link and bucket.
+pub fn run_cluster_simulated(
+    cfg: ClusterConfig,
+    sim: &Simulation,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+) -> anyhow::Result<Vec<WorkerReport>> {
+    Ok(run_cluster_detailed(cfg, sim, store, prefix)?.0)
+}
+
+/// [`run_cluster_simulated`], also returning every shard's final status
+/// (versions, counters, server CPU time).
 pub fn run_cluster_detailed(
     mut cfg: ClusterConfig,
+    sim: &Simulation,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
 ) -> anyhow::Result<(Vec<WorkerReport>, Vec<ps_server::actor::ShardStatus>)> {
@@ -173,6 +186,7 @@ pub fn run_cluster_detailed(
         let wpn = cfg.cluster.workers_per_node.max(1) as u32;
         let opts = |rank| WorkerOptions {
             epoch_lines: true,
+            simulation: sim.clone(),
             ..pki.options(rank)
         };
         let runs: Vec<LocalBoxFuture<'_, Vec<Result<WorkerReport, WorkerError>>>> = if wpn == 1 {

@@ -15,9 +15,10 @@ use ps_dataset::{
     synthetic, write_dataset_with, Batch, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
 use ps_shared::config::CompressionKind;
-use ps_shared::dataplane::CacheSize;
+use ps_shared::dataplane::{CacheSize, SimBucketSection};
 use ps_shared::sampler::{EpochSampler, Partition, SamplerError};
 use ps_shared::simstore::{SimSettings, SimStore};
+use ps_shared::simulate::Simulation;
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
 
 const FEATURES: usize = 6;
@@ -718,10 +719,6 @@ fn worker_run_reports_data_plane_metrics() {
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 3);
     cfg.cluster.workers = 1;
     cfg.training.metrics_dir = dir.path().join("runs").display().to_string();
-    cfg.bucket_sim.enabled = true;
-    cfg.bucket_sim.first_byte_ms = 1.0;
-    cfg.bucket_sim.per_connection_mb_per_s = 0.0;
-    cfg.bucket_sim.aggregate_gbit_per_s = 0.0;
     // A window of one batch: later epochs are served by the cache tiers.
     cfg.data.prefetch_batches = 1;
     cfg.loader.lookahead_batches = 1;
@@ -729,7 +726,17 @@ fn worker_run_reports_data_plane_metrics() {
     cfg.loader.disk_cache = CacheSize::Fraction(0.25);
     cfg.loader.disk_cache_dir = dir.path().join("cache").display().to_string();
     cfg.validate().expect("valid config");
-    let reports = ps_tests::run_cluster(cfg, store, prefix).expect("cluster run");
+    // A simulated bucket in front of the store, as `--simulate` sets up.
+    let sim = Simulation {
+        bucket: Some(SimBucketSection {
+            first_byte_ms: 1.0,
+            per_connection_mb_per_s: 0.0,
+            aggregate_gbit_per_s: 0.0,
+            ..SimBucketSection::default()
+        }),
+        ..Simulation::default()
+    };
+    let reports = ps_tests::run_cluster_simulated(cfg, &sim, store, prefix).expect("cluster run");
     let r = &reports[0];
     assert_eq!(r.epochs.len(), 3);
     let first = &r.epochs[0];
@@ -877,7 +884,6 @@ fn worker_counts_every_get_it_sends() {
     sim.fail_next(&Path::from("ps/manifest.json"), 1);
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 2);
     cfg.cluster.workers = 1;
-    cfg.bucket_sim.enabled = false;
     cfg.validate().expect("valid config");
     let reports = ps_tests::run_cluster(cfg, sim.clone(), prefix).expect("cluster run");
     let epochs = &reports[0].epochs;

@@ -24,6 +24,7 @@ use ps_shared::countstore::{CountingStore, GetCounts};
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 use ps_shared::simstore::SimStore;
+use ps_shared::simulate::Simulation;
 use ps_shared::sparse::Compressor;
 
 use crate::comm::{
@@ -94,6 +95,9 @@ pub struct WorkerOptions {
     /// Receives every batch this worker trained, once its step's exchange
     /// returned (tests check which samples a run saw).
     pub trained: Option<tokio::sync::mpsc::UnboundedSender<TrainedBatch>>,
+    /// Simulated link and bucket (tests, benchmarks, `ps-worker train
+    /// --simulate FILE`); the default simulates nothing.
+    pub simulation: Simulation,
 }
 
 /// One batch a worker trained (see [`WorkerOptions::trained`]).
@@ -170,7 +174,7 @@ pub struct EpochReport {
     /// Data plane: bytes read from the bucket for this epoch's batches.
     pub bucket_bytes: u64,
     /// Data plane: estimated request + egress cost of the attempts and
-    /// bytes (`[bucket_sim]` prices).
+    /// bytes (`[cost]` prices).
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
@@ -363,6 +367,15 @@ pub async fn run_node(
         };
         return vec![Err(e.into())];
     }
+    // A node's ranks share the node's connections, which the node
+    // aggregator opens without a simulated link.
+    if !opts[0].simulation.link.is_unlimited() {
+        let e = NodeError::Failed {
+            node,
+            message: "a simulated [link] is not supported with cluster.workers_per_node > 1 (the node's connections are not simulated)".into(),
+        };
+        return vec![Err(e.into())];
+    }
     let members = match node_members(cfg, node, opts[0].tls.clone()) {
         Ok((_, members)) => members,
         Err(e) => return vec![Err(e.into())],
@@ -427,10 +440,9 @@ async fn run_rank(
     node: Option<NodeMember>,
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
-    let store: Arc<dyn ObjectStore> = if cfg.bucket_sim.enabled {
-        Arc::new(SimStore::from_section(store, &cfg.bucket_sim))
-    } else {
-        store
+    let store: Arc<dyn ObjectStore> = match &opts.simulation.bucket {
+        Some(slow) => Arc::new(SimStore::from_section(store, slow)),
+        None => store,
     };
     // Counts the start-up reads; the loader counts its own.
     let counted = Arc::new(CountingStore::new(store));
@@ -535,7 +547,8 @@ async fn run_rank(
         let early = Loader::start(reader.clone(), sampler.clone(), settings.clone())?;
         let (exchange, start_params, start_step, data) = match node {
             None => {
-                let comm = Comm::connect(cfg, rank, opts.tls.clone(), params).await?;
+                let link = &opts.simulation.link;
+                let comm = Comm::connect_over(cfg, rank, opts.tls.clone(), params, link).await?;
                 let data = comm.data_start();
                 let comm = CommActor::new(comm).start();
                 let (start_params, start_step, _) = comm.send(Join).await??;
@@ -672,7 +685,7 @@ async fn train(
                 stopping = Some(StopReason::TargetAccuracy);
             }
             let data = loader.send(EpochStats(epoch)).await?;
-            report.set_data_plane(&data, startup.take(), &cfg.bucket_sim.cost_model());
+            report.set_data_plane(&data, startup.take(), &cfg.cost.cost_model());
             let mut line = epoch_line(&report, epochs);
             if report.steps_short_of_workers > 0 {
                 line.push_str(&format!(

@@ -590,6 +590,57 @@ async fn an_outage_mid_epoch_is_ridden_out() {
     }
 }
 
+/// What the progress bar shows during a 60 s outage (tokio's paused clock):
+/// the loader's outage state turns on at the first failed GET after the
+/// outage began, says how long the bucket has been unreachable against the
+/// budget, and turns off once a GET gets through again.
+#[tokio::test(start_paused = true)]
+async fn the_outage_state_is_set_while_the_bucket_is_down() {
+    let (_raw, sim, prefix) = bucket(Layout::PerSample, 60).await;
+    let sampler = EpochSampler::new(60, 1, 0, 4).unwrap();
+    let mut s = settings(5, 1);
+    s.retry = RetryPolicy {
+        outage_budget: Duration::from_secs(120),
+        ..RetryPolicy::default()
+    };
+    s.lookahead_samples = 10;
+    let loader = Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
+    let mut status = loader.outage_log().watch();
+    for _ in 0..2 {
+        loader.next().await.expect("batch").expect("not the end");
+    }
+    assert_eq!(*status.borrow_and_update(), None, "no outage yet");
+    let start = tokio::time::Instant::now();
+    sim.outage(Duration::from_secs(60));
+    let mut seen = Vec::new();
+    let watch = async {
+        status.wait_for(Option::is_some).await.expect("outage seen");
+        let outage = status.borrow_and_update().expect("set");
+        seen.push((Some(outage), tokio::time::Instant::now()));
+        status
+            .wait_for(Option::is_none)
+            .await
+            .expect("recovery seen");
+        seen.push((None, tokio::time::Instant::now()));
+    };
+    let (batches, ()) = futures::join!(drain(&loader, 100), watch);
+    assert_eq!(batches.expect("the run rides the outage out").len(), 10);
+    let [(Some(outage), set_at), (None, cleared_at)] = seen[..] else {
+        panic!("{seen:?}");
+    };
+    assert!(
+        outage.since >= start && outage.since <= set_at,
+        "{outage:?}"
+    );
+    assert_eq!(outage.budget, Duration::from_secs(120));
+    assert_eq!(
+        outage.message(outage.since + Duration::from_secs(12)),
+        "bucket unreachable 12 s (budget 120 s)"
+    );
+    assert!(cleared_at >= start + Duration::from_secs(60));
+    assert_eq!(loader.outage_log().current(), None);
+}
+
 /// An outage longer than the budget stops the run with an error that names
 /// the object, how long the bucket was unreachable and the setting.
 #[tokio::test(start_paused = true)]

@@ -6,9 +6,11 @@
 //! trainer. Time spent waiting for each is measured separately, so the epoch
 //! report shows where a step's time went.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::Write;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,7 +35,7 @@ use crate::comm::{
 };
 use crate::loader::{
     BatchPos, EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings,
-    NextBatch, OutageLog, RetryFailure, RetryPolicy,
+    NextBatch, Outage, OutageLog, RetryFailure, RetryPolicy,
 };
 use crate::model::{device_from_str, Model, ModelError};
 use crate::node::{node_members, NodeError, NodeMember};
@@ -583,8 +585,10 @@ async fn run_rank(
         } else {
             early
         };
+        let outage = loader.outage_log();
         let loader = LoaderActor::new(loader).start();
         let run = Run {
+            outage,
             startup,
             exchange,
             loader,
@@ -601,6 +605,9 @@ async fn run_rank(
 
 /// What the training loop works with.
 struct Run {
+    /// The loader's record of bucket failures (the progress bar shows an
+    /// outage while it lasts).
+    outage: Arc<OutageLog>,
     startup: StartupGets,
     exchange: Exchange,
     loader: Addr<LoaderActor>,
@@ -618,6 +625,7 @@ async fn train(
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
     let Run {
+        outage,
         startup,
         exchange,
         loader,
@@ -643,6 +651,12 @@ async fn train(
     } else {
         ProgressBar::hidden()
     };
+    // The last step's figures; a bucket outage replaces them while it lasts.
+    let step_text = Rc::new(RefCell::new(String::new()));
+    let outage_view = opts
+        .progress
+        .then(|| actix::spawn(show_outages(bar.clone(), outage.watch(), step_text.clone())));
+    let _stop_view = AbortOnDrop(outage_view);
     let mut metrics = open_metrics(cfg, rank)?;
     let mut reports = Vec::new();
     let mut acc = EpochAcc::default();
@@ -790,11 +804,15 @@ async fn train(
             tx.send_replace(step);
         }
         bar.inc(1);
-        bar.set_message(format!(
+        let text = format!(
             "epoch {}/{epochs}, last step's train_loss {:.4}",
             pos.epoch + 1,
             out.loss
-        ));
+        );
+        if outage.current().is_none() {
+            bar.set_message(text.clone());
+        }
+        *step_text.borrow_mut() = text;
         if evals.every > 0 && step % evals.every == 0 {
             evals.at(step, trainer, &test).await?;
             if evals.reached_target() {
@@ -844,6 +862,46 @@ async fn train(
         stop_reason: stopping.unwrap_or(StopReason::Epochs),
         train_s,
     })
+}
+
+/// Keeps the progress bar's message on a bucket outage while it lasts
+/// ("bucket unreachable 12 s (budget 120 s)", counted up every second), and
+/// puts the last step's figures (`step_text`) back once the bucket answers.
+async fn show_outages(
+    bar: ProgressBar,
+    mut status: tokio::sync::watch::Receiver<Option<Outage>>,
+    step_text: Rc<RefCell<String>>,
+) {
+    loop {
+        let current = *status.borrow_and_update();
+        let changed = match current {
+            Some(outage) => {
+                bar.set_message(outage.message(tokio::time::Instant::now()));
+                tokio::select! {
+                    changed = status.changed() => changed,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => Ok(()),
+                }
+            }
+            None => {
+                bar.set_message(step_text.borrow().clone());
+                status.changed().await
+            }
+        };
+        if changed.is_err() {
+            return;
+        }
+    }
+}
+
+/// Stops a spawned task when dropped.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
 }
 
 /// The console line of one epoch; it fits in 100 columns (the JSONL has

@@ -1135,6 +1135,61 @@ mod tests {
     use super::*;
     use ps_dataset::Batch;
 
+    /// Lets the other tasks of the `LocalSet` run until `done` holds (a
+    /// bounded number of turns; nothing waits on the clock).
+    async fn turns_until(done: impl Fn() -> bool) -> bool {
+        for _ in 0..100 {
+            if done() {
+                return true;
+            }
+            tokio::task::yield_now().await;
+        }
+        done()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_bar_shows_an_outage_while_it_lasts() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let bar = ProgressBar::hidden();
+                let (tx, rx) = tokio::sync::watch::channel(None);
+                let text = Rc::new(RefCell::new("epoch 1/2".to_string()));
+                let view = tokio::task::spawn_local(show_outages(bar.clone(), rx, text.clone()));
+                assert!(turns_until(|| bar.message() == "epoch 1/2").await);
+                let since = tokio::time::Instant::now();
+                tx.send_replace(Some(Outage {
+                    since,
+                    budget: Duration::from_secs(120),
+                }));
+                let shows = |s: &str| bar.message() == s;
+                assert!(
+                    turns_until(|| shows("bucket unreachable 0 s (budget 120 s)")).await,
+                    "{}",
+                    bar.message()
+                );
+                // The count goes up while the outage lasts.
+                tokio::time::advance(Duration::from_secs(12)).await;
+                assert!(
+                    turns_until(|| shows("bucket unreachable 12 s (budget 120 s)")).await,
+                    "{}",
+                    bar.message()
+                );
+                // Recovery shows the figures of the latest step, also one
+                // trained during the outage.
+                *text.borrow_mut() = "epoch 2/2".into();
+                tx.send_replace(None);
+                assert!(
+                    turns_until(|| shows("epoch 2/2")).await,
+                    "{}",
+                    bar.message()
+                );
+                drop(tx);
+                view.await.expect("the view stops with the log");
+            })
+            .await;
+    }
+
     fn evals(keep: usize) -> Evals {
         Evals::new(0, 0.0, keep)
     }

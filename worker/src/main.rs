@@ -688,3 +688,27 @@ fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn train_takes_a_simulation_file() {
+        let cli = Cli::try_parse_from(["ps-worker", "train", "--simulate", "slow.toml"]).unwrap();
+        let Some(Command::Train { simulate, .. }) = cli.command else {
+            panic!("expected train");
+        };
+        assert_eq!(simulate, Some(PathBuf::from("slow.toml")));
+        let mut cmd = Cli::command();
+        let train = cmd.find_subcommand_mut("train").expect("train");
+        let help = train.render_long_help().to_string();
+        assert!(help.contains("--simulate <FILE>"), "{help}");
+        // The example the help points to is a valid simulation file.
+        assert!(help.contains("configs/simulate-slow-bucket.toml"), "{help}");
+        let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../configs/simulate-slow-bucket.toml");
+        Simulation::load(&example).expect("the example simulation file");
+    }
+}

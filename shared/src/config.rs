@@ -39,7 +39,9 @@ pub enum ConfigError {
     },
     #[error("config {origin} is not valid TOML for Stratus: {message}")]
     Parse { origin: String, message: String },
-    #[error("config {origin}: section [{section}] {message}")]
+    #[error(
+        "config {origin}: section [{section}] is no longer part of the cluster config: {message}"
+    )]
     Retired {
         origin: String,
         section: &'static str,
@@ -79,11 +81,11 @@ pub struct ClusterConfig {
 const RETIRED_SECTIONS: [(&str, &str); 2] = [
     (
         "link",
-        "the simulated link is no longer part of the cluster config: put [link] in a simulation file and pass it with `ps-worker train --simulate FILE` (see configs/simulate-slow-bucket.toml)",
+        "the simulated link moved to a simulation file: put [link] there and pass it with `ps-worker train --simulate FILE` (see configs/simulate-slow-bucket.toml)",
     ),
     (
         "bucket_sim",
-        "the simulated bucket is no longer part of the cluster config: put its settings in the [bucket] section of a simulation file (no `enabled`: the section's presence turns it on) and pass it with `ps-worker train --simulate FILE` (see configs/simulate-slow-bucket.toml); the prices get_cost_per_1000 and egress_cost_per_gb moved to the [cost] section of the cluster config",
+        "the simulated bucket moved to the [bucket] section of a simulation file (no `enabled`: the section's presence turns it on), passed with `ps-worker train --simulate FILE` (see configs/simulate-slow-bucket.toml); the prices get_cost_per_1000 and egress_cost_per_gb moved to the [cost] section of the cluster config",
     ),
 ];
 

@@ -19,9 +19,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dataplane::{LoaderSection, SimBucketSection};
+use crate::dataplane::{CostSection, LoaderSection};
 use crate::layers::{plan, resnet, LayerSpec, Node, Shape};
-use crate::link::LinkSection;
 use crate::sampler::Partition;
 use crate::sparse::{CompressorConfig, TopKMethod};
 
@@ -40,6 +39,14 @@ pub enum ConfigError {
     },
     #[error("config {origin} is not valid TOML for Stratus: {message}")]
     Parse { origin: String, message: String },
+    #[error(
+        "config {origin}: section [{section}] is no longer part of the cluster config: {message}"
+    )]
+    Retired {
+        origin: String,
+        section: &'static str,
+        message: &'static str,
+    },
     #[error("invalid config value {field}: {message}")]
     Invalid {
         field: Cow<'static, str>,
@@ -67,9 +74,20 @@ pub struct ClusterConfig {
     pub optimizer: OptimizerSection,
     pub server: ServerSection,
     pub loader: LoaderSection,
-    pub bucket_sim: SimBucketSection,
-    pub link: LinkSection,
+    pub cost: CostSection,
 }
+
+/// Sections that left the cluster config, and where they went.
+const RETIRED_SECTIONS: [(&str, &str); 2] = [
+    (
+        "link",
+        "the simulated link moved to a simulation file: put [link] there and pass it with `ps-worker train --simulate FILE` (see configs/simulate-slow-bucket.toml)",
+    ),
+    (
+        "bucket_sim",
+        "the simulated bucket moved to the [bucket] section of a simulation file (no `enabled`: the section's presence turns it on), passed with `ps-worker train --simulate FILE` (see configs/simulate-slow-bucket.toml); the prices get_cost_per_1000 and egress_cost_per_gb moved to the [cost] section of the cluster config",
+    ),
+];
 
 /// Who is in the cluster and how the parameter space is split.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -768,9 +786,24 @@ impl ClusterConfig {
     }
 
     fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let mut cfg: ClusterConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            origin: origin.to_string(),
-            message: e.to_string(),
+        let mut cfg: ClusterConfig = toml::from_str(text).map_err(|e| {
+            // An old file's `[link]` or `[bucket_sim]` says where it went
+            // rather than "unknown field".
+            let table = toml::from_str::<toml::Table>(text).unwrap_or_default();
+            match RETIRED_SECTIONS
+                .iter()
+                .find(|(name, _)| table.contains_key(*name))
+            {
+                Some(&(section, message)) => ConfigError::Retired {
+                    origin: origin.to_string(),
+                    section,
+                    message,
+                },
+                None => ConfigError::Parse {
+                    origin: origin.to_string(),
+                    message: e.to_string(),
+                },
+            }
         })?;
         if let Ok(token) = std::env::var(TOKEN_ENV) {
             if !token.is_empty() {
@@ -1066,10 +1099,7 @@ impl ClusterConfig {
             ));
         }
         self.loader.validate().map_err(|m| invalid("loader", m))?;
-        self.bucket_sim
-            .validate()
-            .map_err(|m| invalid("bucket_sim", m))?;
-        self.link.validate().map_err(|m| invalid("link", m))?;
+        self.cost.validate().map_err(|m| invalid("cost", m))?;
         Ok(())
     }
 
@@ -1176,6 +1206,48 @@ mod tests {
         assert_eq!(cfg.nodes(), 2);
         assert_eq!(cfg.server_clients(), vec![0, 3]);
         assert_eq!((cfg.node_of(2), cfg.node_of(3), cfg.node_of(5)), (0, 1, 1));
+    }
+
+    #[test]
+    fn old_simulator_sections_say_where_they_moved() {
+        for (text, section, hints) in [
+            (
+                "[link]\nbandwidth_mbit = 100.0\n",
+                "[link]",
+                &["--simulate FILE"][..],
+            ),
+            (
+                "[training]\nepochs = 2\n[bucket_sim]\nenabled = false\nget_cost_per_1000 = 0.0004\n",
+                "[bucket_sim]",
+                &["--simulate FILE", "[bucket]", "[cost]", "get_cost_per_1000"][..],
+            ),
+        ] {
+            let e = ClusterConfig::from_toml_str(text).unwrap_err();
+            assert!(matches!(e, ConfigError::Retired { .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(e.contains(section), "{e}");
+            for hint in hints {
+                assert!(e.contains(hint), "{hint} missing from {e}");
+            }
+        }
+        // A config without them loads, with the default prices.
+        let cfg = ClusterConfig::from_toml_str("[training]\nepochs = 2\n").unwrap();
+        assert_eq!(cfg.cost, CostSection::default());
+        assert_eq!(cfg.cost.get_cost_per_1000, 0.0004);
+        assert_eq!(cfg.cost.egress_cost_per_gb, 0.09);
+    }
+
+    #[test]
+    fn shipped_configs_have_no_simulator_sections() {
+        for text in [
+            DEFAULT_CONFIG,
+            include_str!("../../configs/mnist.toml"),
+            include_str!("../../configs/mnist-cnn.toml"),
+            include_str!("../../configs/compose.toml"),
+            include_str!("../../configs/resnet20.toml"),
+        ] {
+            ClusterConfig::from_toml_str(text).unwrap();
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Data-plane configuration: the loader's prefetch and cache settings
-//! (`[loader]`), the simulated slow bucket (`[bucket_sim]`) and the bucket
-//! cost model used for the per-epoch cost estimate.
+//! (`[loader]`), the bucket's prices used for the per-epoch cost estimate
+//! (`[cost]`), and the settings of a simulated slow bucket (the `[bucket]`
+//! section of a simulation file, see [`crate::simulate`]).
 //!
 //! Cache capacities are a [`CacheSize`]: a byte count (`1073741824`,
 //! `"512MiB"`, `"2GB"`) or a fraction of the training split (`"25%"`), resolved
@@ -12,15 +13,14 @@
 //!
 //! let cfg = ClusterConfig::from_toml_str(
 //!     "[loader]\nmemory_cache = \"25%\"\ndisk_cache = \"64MiB\"\ndisk_cache_dir = \"/tmp/cache\"\n\
-//!      [bucket_sim]\nenabled = true\n",
+//!      [cost]\nget_cost_per_1000 = 0.0005\n",
 //! )
 //! .unwrap();
 //! assert_eq!(cfg.loader.memory_cache, CacheSize::Fraction(0.25));
 //! assert_eq!(cfg.loader.memory_cache.resolve(1000), 250);
 //! assert_eq!(cfg.loader.disk_cache.resolve(1000), 64 << 20);
-//! assert!(cfg.bucket_sim.enabled);
-//! let cost = cfg.bucket_sim.cost_model().estimate(1000, 1_000_000_000);
-//! assert!((cost - (0.0004 + 0.09)).abs() < 1e-12);
+//! let cost = cfg.cost.cost_model().estimate(1000, 1_000_000_000);
+//! assert!((cost - (0.0005 + 0.09)).abs() < 1e-12);
 //! ```
 
 use std::fmt;
@@ -65,32 +65,17 @@ impl CacheSize {
             }
             return Ok(CacheSize::Fraction(v / 100.0));
         }
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        let num: f64 = num.parse().map_err(|_| {
-            format!(
+        // parse-size reads SI prefixes (KB, MB, GB, also K, M, G) as powers
+        // of 1000 and binary ones (KiB, MiB, GiB) as powers of 1024; the "B"
+        // is optional, fractions are rounded to the nearest byte.
+        parse_size::parse_size(t)
+            .map_err(|e| match e {
+                parse_size::Error::PosOverflow => format!("`{text}` is out of range"),
+                _ => format!(
                 "`{text}`: expected bytes (\"512MiB\", \"2GB\", 1048576) or a percentage (\"25%\")"
-            )
-        })?;
-        let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-            "" | "b" => 1.0,
-            "kb" | "k" => 1e3,
-            "mb" | "m" => 1e6,
-            "gb" | "g" => 1e9,
-            "tb" | "t" => 1e12,
-            "kib" => 1024.0,
-            "mib" => 1024.0 * 1024.0,
-            "gib" => 1024.0 * 1024.0 * 1024.0,
-            "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-            other => return Err(format!("`{text}`: unknown unit `{other}`")),
-        };
-        let bytes = num * scale;
-        if !(bytes.is_finite() && bytes >= 0.0 && bytes < u64::MAX as f64) {
-            return Err(format!("`{text}` is out of range"));
-        }
-        Ok(CacheSize::Bytes(bytes.round() as u64))
+            ),
+            })
+            .map(CacheSize::Bytes)
     }
 }
 
@@ -288,67 +273,32 @@ impl CostModel {
     }
 }
 
-/// A simulated slow bucket in front of the real one (`[bucket_sim]`).
-///
-/// Every GET waits `first_byte_ms`, then streams its body no faster than
-/// `per_connection_mb_per_s` while all GETs together share
-/// `aggregate_gbit_per_s`. The prices are used for the per-epoch cost
-/// estimate whether or not the simulation is enabled.
+/// The prices of the bucket at `data.url` (`[cost]`), for the estimate of
+/// what each epoch's GETs and egress cost (`bucket_cost_usd` in the
+/// metrics). The defaults are S3 Standard's list prices.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct SimBucketSection {
-    /// Wrap the bucket in the simulation.
-    pub enabled: bool,
-    /// Latency before the first byte of every request, in milliseconds.
-    pub first_byte_ms: f64,
-    /// Bandwidth of one request's stream in megabytes (1e6 B) per second; 0 = unlimited.
-    pub per_connection_mb_per_s: f64,
-    /// Bandwidth shared by all requests in gigabits per second; 0 = unlimited.
-    pub aggregate_gbit_per_s: f64,
-    /// Fraction of GETs that fail with a transient error (tests retries).
-    pub transient_error_rate: f64,
-    /// Seed of the injected failures.
-    pub seed: u64,
+pub struct CostSection {
     /// Dollars per 1000 GET requests.
     pub get_cost_per_1000: f64,
-    /// Dollars per GB read out of the bucket.
+    /// Dollars per GB (1e9 bytes) read out of the bucket.
     pub egress_cost_per_gb: f64,
 }
 
-impl Default for SimBucketSection {
+impl Default for CostSection {
     fn default() -> Self {
         Self {
-            enabled: false,
-            first_byte_ms: 50.0,
-            per_connection_mb_per_s: 50.0,
-            aggregate_gbit_per_s: 1.0,
-            transient_error_rate: 0.0,
-            seed: 1,
             get_cost_per_1000: 0.0004,
             egress_cost_per_gb: 0.09,
         }
     }
 }
 
-impl SimBucketSection {
+impl CostSection {
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.first_byte_ms.is_finite() && (0.0..=60_000.0).contains(&self.first_byte_ms)) {
-            return Err("bucket_sim.first_byte_ms must be in [0, 60000]".into());
-        }
-        if !(self.per_connection_mb_per_s.is_finite() && self.per_connection_mb_per_s >= 0.0) {
-            return Err("bucket_sim.per_connection_mb_per_s must be >= 0 (0 = unlimited)".into());
-        }
-        if !(self.aggregate_gbit_per_s.is_finite() && self.aggregate_gbit_per_s >= 0.0) {
-            return Err("bucket_sim.aggregate_gbit_per_s must be >= 0 (0 = unlimited)".into());
-        }
-        if !(self.transient_error_rate.is_finite()
-            && (0.0..1.0).contains(&self.transient_error_rate))
-        {
-            return Err("bucket_sim.transient_error_rate must be in [0, 1)".into());
-        }
         for (name, v) in [
-            ("bucket_sim.get_cost_per_1000", self.get_cost_per_1000),
-            ("bucket_sim.egress_cost_per_gb", self.egress_cost_per_gb),
+            ("cost.get_cost_per_1000", self.get_cost_per_1000),
+            ("cost.egress_cost_per_gb", self.egress_cost_per_gb),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be >= 0"));
@@ -363,6 +313,59 @@ impl SimBucketSection {
             per_1000_gets: self.get_cost_per_1000,
             per_gb_egress: self.egress_cost_per_gb,
         }
+    }
+}
+
+/// A simulated slow bucket in front of the real one: the `[bucket]` section
+/// of a simulation file (tests and benchmarks, never the cluster config).
+///
+/// Every GET waits `first_byte_ms`, then streams its body no faster than
+/// `per_connection_mb_per_s` while all GETs together share
+/// `aggregate_gbit_per_s`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimBucketSection {
+    /// Latency before the first byte of every request, in milliseconds.
+    pub first_byte_ms: f64,
+    /// Bandwidth of one request's stream in megabytes (1e6 B) per second; 0 = unlimited.
+    pub per_connection_mb_per_s: f64,
+    /// Bandwidth shared by all requests in gigabits per second; 0 = unlimited.
+    pub aggregate_gbit_per_s: f64,
+    /// Fraction of GETs that fail with a transient error (tests retries).
+    pub transient_error_rate: f64,
+    /// Seed of the injected failures.
+    pub seed: u64,
+}
+
+impl Default for SimBucketSection {
+    fn default() -> Self {
+        Self {
+            first_byte_ms: 50.0,
+            per_connection_mb_per_s: 50.0,
+            aggregate_gbit_per_s: 1.0,
+            transient_error_rate: 0.0,
+            seed: 1,
+        }
+    }
+}
+
+impl SimBucketSection {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.first_byte_ms.is_finite() && (0.0..=60_000.0).contains(&self.first_byte_ms)) {
+            return Err("bucket.first_byte_ms must be in [0, 60000]".into());
+        }
+        if !(self.per_connection_mb_per_s.is_finite() && self.per_connection_mb_per_s >= 0.0) {
+            return Err("bucket.per_connection_mb_per_s must be >= 0 (0 = unlimited)".into());
+        }
+        if !(self.aggregate_gbit_per_s.is_finite() && self.aggregate_gbit_per_s >= 0.0) {
+            return Err("bucket.aggregate_gbit_per_s must be >= 0 (0 = unlimited)".into());
+        }
+        if !(self.transient_error_rate.is_finite()
+            && (0.0..1.0).contains(&self.transient_error_rate))
+        {
+            return Err("bucket.transient_error_rate must be in [0, 1)".into());
+        }
+        Ok(())
     }
 
     /// Aggregate bandwidth in bytes per second (0 = unlimited).
@@ -392,9 +395,33 @@ mod tests {
             Ok(CacheSize::Bytes(2_000_000_000))
         );
         assert_eq!(CacheSize::parse("1.5MiB"), Ok(CacheSize::Bytes(1_572_864)));
-        for bad in ["", "abc", "12XB", "150%", "-1", "nan%"] {
-            assert!(CacheSize::parse(bad).is_err(), "{bad}");
+        // SI prefixes are powers of 1000, binary ones powers of 1024; the
+        // unit is case-insensitive and the "B" optional.
+        for (text, bytes) in [
+            ("512MiB", 512 << 20),
+            ("1.5GiB", 3 << 29),
+            ("2GB", 2_000_000_000),
+            ("2g", 2_000_000_000),
+            ("64kb", 64_000),
+            ("3 TiB", 3 << 40),
+            ("1048576", 1 << 20),
+            ("10 B", 10),
+            (" 7 MB ", 7_000_000),
+        ] {
+            assert_eq!(
+                CacheSize::parse(text),
+                Ok(CacheSize::Bytes(bytes)),
+                "{text}"
+            );
         }
+        for bad in ["", "abc", "12XB", "150%", "-1", "nan%", "1.5.2GB", "20EiB"] {
+            let e = CacheSize::parse(bad).expect_err(bad);
+            assert!(e.contains(&format!("`{bad}`")), "{bad}: {e}");
+        }
+        assert!(CacheSize::parse("20EiB")
+            .unwrap_err()
+            .contains("out of range"));
+        assert!(CacheSize::parse("12XB").unwrap_err().contains("\"512MiB\""));
         assert_eq!(CacheSize::Fraction(0.25).resolve(1000), 250);
         assert_eq!(CacheSize::Bytes(7).resolve(1000), 7);
         for s in [
@@ -416,16 +443,15 @@ memory_cache = 1048576
 disk_cache = "10%"
 disk_cache_dir = "/tmp/x"
 
-[bucket_sim]
-enabled = true
-first_byte_ms = 20.0
-aggregate_gbit_per_s = 10.0
+[cost]
+egress_cost_per_gb = 0.12
 "#;
         let cfg = ClusterConfig::from_toml_str(text).unwrap();
         assert_eq!(cfg.loader.lookahead(32), 256);
         assert_eq!(cfg.loader.memory_cache, CacheSize::Bytes(1 << 20));
         assert_eq!(cfg.loader.disk_cache, CacheSize::Fraction(0.1));
-        assert_eq!(cfg.bucket_sim.aggregate_bytes_per_s(), 1.25e9);
+        assert_eq!(cfg.cost.cost_model().per_gb_egress, 0.12);
+        assert_eq!(cfg.cost.cost_model().per_1000_gets, 0.0004);
         let again = toml::to_string(&cfg).unwrap();
         assert_eq!(ClusterConfig::from_toml_str(&again).unwrap(), cfg);
     }
@@ -444,14 +470,14 @@ aggregate_gbit_per_s = 10.0
                 "loader.max_inflight_mb",
             ),
             (
-                "[bucket_sim]\nfirst_byte_ms = -1.0\n",
-                "bucket_sim.first_byte_ms",
+                "[cost]\nget_cost_per_1000 = -1.0\n",
+                "cost.get_cost_per_1000",
             ),
             (
-                "[bucket_sim]\ntransient_error_rate = 1.0\n",
-                "bucket_sim.transient_error_rate",
+                "[cost]\negress_cost_per_gb = inf\n",
+                "cost.egress_cost_per_gb",
             ),
-            ("[bucket_sim]\nwhatever = 1\n", "whatever"),
+            ("[cost]\nwhatever = 1\n", "whatever"),
             (
                 "[loader]\noutage_budget_s = -1.0\n",
                 "loader.outage_budget_s",

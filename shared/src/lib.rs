@@ -18,5 +18,6 @@ pub mod protocol;
 pub mod sampler;
 pub mod shard;
 pub mod simstore;
+pub mod simulate;
 pub mod sparse;
 pub mod transport;

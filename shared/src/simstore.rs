@@ -86,7 +86,7 @@ impl Default for SimSettings {
 }
 
 impl SimSettings {
-    /// The settings of a `[bucket_sim]` section (its `enabled` flag is not looked at).
+    /// The settings of a simulation file's `[bucket]` section.
     pub fn from_section(s: &SimBucketSection) -> Self {
         Self {
             first_byte: Duration::from_secs_f64(s.first_byte_ms.max(0.0) / 1000.0),
@@ -198,7 +198,7 @@ impl SimStore {
         }
     }
 
-    /// Wraps `inner` as a `[bucket_sim]` section says.
+    /// Wraps `inner` as a simulation file's `[bucket]` section says.
     pub fn from_section(inner: Arc<dyn ObjectStore>, section: &SimBucketSection) -> Self {
         Self::new(inner, SimSettings::from_section(section))
     }

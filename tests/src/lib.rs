@@ -10,6 +10,7 @@ use ps_dataset::{synthetic, write_dataset, SyntheticSpec};
 use ps_server::net::ServerTls;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::pki::{CertPair, ClusterCa};
+use ps_shared::simulate::Simulation;
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions, WorkerReport};
 
@@ -71,6 +72,7 @@ impl TestPki {
             stop: None,
             steps_done: None,
             trained: None,
+            simulation: Simulation::default(),
         }
     }
 }
@@ -158,7 +160,7 @@ pub fn run_cluster(
     store: Arc<dyn ObjectStore>,
     prefix: Path,
 ) -> anyhow::Result<Vec<WorkerReport>> {
-    Ok(run_cluster_detailed(cfg, store, prefix)?.0)
+    run_cluster_simulated(cfg, &Simulation::default(), store, prefix)
 }
 
 /// One run per worker of `cfg`, or with `cluster.workers_per_node` > 1 one
@@ -188,10 +190,21 @@ pub fn rank_runs<'a>(
     }
 }
 
-/// [`run_cluster`], also returning every shard's final status (versions,
-/// counters, server CPU time).
+/// [`run_cluster`] with every worker simulating `sim`'s link and bucket.
+pub fn run_cluster_simulated(
+    cfg: ClusterConfig,
+    sim: &Simulation,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+) -> anyhow::Result<Vec<WorkerReport>> {
+    Ok(run_cluster_detailed(cfg, sim, store, prefix)?.0)
+}
+
+/// [`run_cluster_simulated`], also returning every shard's final status
+/// (versions, counters, server CPU time).
 pub fn run_cluster_detailed(
     mut cfg: ClusterConfig,
+    sim: &Simulation,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
 ) -> anyhow::Result<(Vec<WorkerReport>, Vec<ps_server::actor::ShardStatus>)> {
@@ -210,6 +223,7 @@ pub fn run_cluster_detailed(
             &cfg,
             |rank| WorkerOptions {
                 epoch_lines: true,
+                simulation: sim.clone(),
                 ..pki.options(rank)
             },
             &store,

@@ -1,4 +1,4 @@
-//! Training over a simulated worker-server link (`[link]`): the same in-process
+//! Training over a simulated worker-server link (a simulation's `[link]`): the same in-process
 //! cluster (1 server process with 2 shards, 2 workers) at 1 Gbit/s and at
 //! 100 Mbit/s, dense and top-k.
 //!
@@ -15,8 +15,10 @@ use std::sync::Mutex;
 
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::link::LinkSection;
+use ps_shared::simulate::Simulation;
 use ps_shared::sparse::k_for_density;
-use ps_tests::{run_cluster, synthetic_bucket, test_config};
+use ps_tests::{run_cluster_simulated, synthetic_bucket, test_config};
 use ps_worker::run::WorkerReport;
 
 /// Test accuracy every run must exceed (chance is 10%).
@@ -42,27 +44,34 @@ fn spec() -> SyntheticSpec {
     }
 }
 
+/// The cluster config and the simulated link of one run.
 fn config(
     kind: CompressionKind,
     density: f64,
     epochs: u64,
     mbit: f64,
     latency_ms: f64,
-) -> ClusterConfig {
+) -> (ClusterConfig, Simulation) {
     let mut cfg = test_config(kind, density, epochs);
     cfg.model.hidden = vec![HIDDEN];
-    cfg.link.bandwidth_mbit = mbit;
-    cfg.link.latency_ms = latency_ms;
     cfg.validate().expect("valid bandwidth test config");
-    cfg
+    let sim = Simulation {
+        link: LinkSection {
+            bandwidth_mbit: mbit,
+            latency_ms,
+        },
+        bucket: None,
+    };
+    sim.validate().expect("valid simulated link");
+    (cfg, sim)
 }
 
-fn train(cfg: ClusterConfig) -> Vec<WorkerReport> {
+fn train((cfg, sim): (ClusterConfig, Simulation)) -> Vec<WorkerReport> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("runtime");
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
-    run_cluster(cfg, store, prefix).expect("cluster run")
+    run_cluster_simulated(cfg, &sim, store, prefix).expect("cluster run")
 }
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {

@@ -15,9 +15,10 @@ use ps_dataset::{
     synthetic, write_dataset_with, Batch, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
 use ps_shared::config::CompressionKind;
-use ps_shared::dataplane::CacheSize;
+use ps_shared::dataplane::{CacheSize, SimBucketSection};
 use ps_shared::sampler::{EpochSampler, Partition, SamplerError};
 use ps_shared::simstore::{SimSettings, SimStore};
+use ps_shared::simulate::Simulation;
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
 
 const FEATURES: usize = 6;
@@ -589,6 +590,57 @@ async fn an_outage_mid_epoch_is_ridden_out() {
     }
 }
 
+/// What the progress bar shows during a 60 s outage (tokio's paused clock):
+/// the loader's outage state turns on at the first failed GET after the
+/// outage began, says how long the bucket has been unreachable against the
+/// budget, and turns off once a GET gets through again.
+#[tokio::test(start_paused = true)]
+async fn the_outage_state_is_set_while_the_bucket_is_down() {
+    let (_raw, sim, prefix) = bucket(Layout::PerSample, 60).await;
+    let sampler = EpochSampler::new(60, 1, 0, 4).unwrap();
+    let mut s = settings(5, 1);
+    s.retry = RetryPolicy {
+        outage_budget: Duration::from_secs(120),
+        ..RetryPolicy::default()
+    };
+    s.lookahead_samples = 10;
+    let loader = Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
+    let mut status = loader.outage_log().watch();
+    for _ in 0..2 {
+        loader.next().await.expect("batch").expect("not the end");
+    }
+    assert_eq!(*status.borrow_and_update(), None, "no outage yet");
+    let start = tokio::time::Instant::now();
+    sim.outage(Duration::from_secs(60));
+    let mut seen = Vec::new();
+    let watch = async {
+        status.wait_for(Option::is_some).await.expect("outage seen");
+        let outage = status.borrow_and_update().expect("set");
+        seen.push((Some(outage), tokio::time::Instant::now()));
+        status
+            .wait_for(Option::is_none)
+            .await
+            .expect("recovery seen");
+        seen.push((None, tokio::time::Instant::now()));
+    };
+    let (batches, ()) = futures::join!(drain(&loader, 100), watch);
+    assert_eq!(batches.expect("the run rides the outage out").len(), 10);
+    let [(Some(outage), set_at), (None, cleared_at)] = seen[..] else {
+        panic!("{seen:?}");
+    };
+    assert!(
+        outage.since >= start && outage.since <= set_at,
+        "{outage:?}"
+    );
+    assert_eq!(outage.budget, Duration::from_secs(120));
+    assert_eq!(
+        outage.message(outage.since + Duration::from_secs(12)),
+        "bucket unreachable 12 s (budget 120 s)"
+    );
+    assert!(cleared_at >= start + Duration::from_secs(60));
+    assert_eq!(loader.outage_log().current(), None);
+}
+
 /// An outage longer than the budget stops the run with an error that names
 /// the object, how long the bucket was unreachable and the setting.
 #[tokio::test(start_paused = true)]
@@ -718,10 +770,6 @@ fn worker_run_reports_data_plane_metrics() {
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 3);
     cfg.cluster.workers = 1;
     cfg.training.metrics_dir = dir.path().join("runs").display().to_string();
-    cfg.bucket_sim.enabled = true;
-    cfg.bucket_sim.first_byte_ms = 1.0;
-    cfg.bucket_sim.per_connection_mb_per_s = 0.0;
-    cfg.bucket_sim.aggregate_gbit_per_s = 0.0;
     // A window of one batch: later epochs are served by the cache tiers.
     cfg.data.prefetch_batches = 1;
     cfg.loader.lookahead_batches = 1;
@@ -729,7 +777,17 @@ fn worker_run_reports_data_plane_metrics() {
     cfg.loader.disk_cache = CacheSize::Fraction(0.25);
     cfg.loader.disk_cache_dir = dir.path().join("cache").display().to_string();
     cfg.validate().expect("valid config");
-    let reports = ps_tests::run_cluster(cfg, store, prefix).expect("cluster run");
+    // A simulated bucket in front of the store, as `--simulate` sets up.
+    let sim = Simulation {
+        bucket: Some(SimBucketSection {
+            first_byte_ms: 1.0,
+            per_connection_mb_per_s: 0.0,
+            aggregate_gbit_per_s: 0.0,
+            ..SimBucketSection::default()
+        }),
+        ..Simulation::default()
+    };
+    let reports = ps_tests::run_cluster_simulated(cfg, &sim, store, prefix).expect("cluster run");
     let r = &reports[0];
     assert_eq!(r.epochs.len(), 3);
     let first = &r.epochs[0];
@@ -877,7 +935,6 @@ fn worker_counts_every_get_it_sends() {
     sim.fail_next(&Path::from("ps/manifest.json"), 1);
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 2);
     cfg.cluster.workers = 1;
-    cfg.bucket_sim.enabled = false;
     cfg.validate().expect("valid config");
     let reports = ps_tests::run_cluster(cfg, sim.clone(), prefix).expect("cluster run");
     let epochs = &reports[0].epochs;

@@ -176,7 +176,8 @@ fn nodes_train_in(mode: SyncMode) {
     cfg.server.staleness = 1;
     cfg.validate().expect("valid config");
     let (store, prefix) = bucket();
-    let (reports, shards) = run_cluster_detailed(cfg, store, prefix).expect("cluster run");
+    let (reports, shards) =
+        run_cluster_detailed(cfg, &Default::default(), store, prefix).expect("cluster run");
     assert_eq!(reports.len(), WORKERS);
     for node in reports.chunks(PER_NODE) {
         for r in node {

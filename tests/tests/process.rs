@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, watch};
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, TOKEN_ENV};
 use ps_shared::pki::CertPair;
+use ps_shared::simulate::Simulation;
 use ps_shared::transport::read_pem;
 use ps_tests::{synthetic_bucket, test_config};
 use ps_worker::comm::WorkerTls;
@@ -281,6 +282,7 @@ fn options(cfg: &ClusterConfig, rank: u32) -> WorkerOptions {
         stop: None,
         steps_done: None,
         trained: None,
+        simulation: Simulation::default(),
     }
 }
 

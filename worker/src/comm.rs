@@ -25,7 +25,7 @@ use futures::future::{join_all, try_join_all};
 use quinn::Connection;
 
 use ps_shared::config::ClusterConfig;
-use ps_shared::link::LinkLimiter;
+use ps_shared::link::{LinkLimiter, LinkSection};
 use ps_shared::pki::CertPair;
 use ps_shared::protocol::{
     close, encode_request, encoded_indices_len, ErrorCode, ParamUpdate, Request, Response,
@@ -264,6 +264,18 @@ impl Comm {
         tls: WorkerTls,
         params: ParamSource,
     ) -> Result<Self, CommError> {
+        Self::connect_over(cfg, rank, tls, params, &LinkSection::default()).await
+    }
+
+    /// [`Comm::connect`], every request and reply passing through the
+    /// simulated `link` (see [`ps_shared::simulate`]).
+    pub async fn connect_over(
+        cfg: &ClusterConfig,
+        rank: u32,
+        tls: WorkerTls,
+        params: ParamSource,
+        link: &LinkSection,
+    ) -> Result<Self, CommError> {
         let num_params = cfg.model.num_params();
         let map = ShardMap::balanced(num_params, cfg.total_shards())
             .map_err(|e| CommError::Layout(e.to_string()))?;
@@ -348,7 +360,7 @@ impl Comm {
             map,
             route,
             f16: cfg.compression.f16_values,
-            link: LinkLimiter::new(&cfg.link),
+            link: LinkLimiter::new(link),
             params,
         })
     }

@@ -268,9 +268,37 @@ pub enum RetryFailure {
     },
 }
 
+/// A bucket outage under way: since when a request has kept failing, and
+/// for how long it may (what the progress bar shows while the trainer waits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outage {
+    /// When the failing request first failed (tokio's clock).
+    pub since: Instant,
+    /// The outage budget (`loader.outage_budget_s`).
+    pub budget: Duration,
+}
+
+impl Outage {
+    /// How long the bucket has been unreachable at `now`.
+    pub fn lasted(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.since)
+    }
+
+    /// E.g. "bucket unreachable 12 s (budget 120 s)".
+    pub fn message(&self, now: Instant) -> String {
+        format!(
+            "bucket unreachable {} s (budget {} s)",
+            self.lasted(now).as_secs(),
+            self.budget.as_secs()
+        )
+    }
+}
+
 /// Says, at most once per `every`, that the bucket is failing and for how
 /// long, then that it recovered; a log line rather than silence while the
-/// trainer waits. Shared by all requests of a loader (or a run).
+/// trainer waits. Shared by all requests of a loader (or a run). The outage
+/// under way, if any, is also published on a watch channel
+/// ([`OutageLog::watch`]) that the progress bar reads.
 #[derive(Debug)]
 pub struct OutageLog {
     every: Duration,
@@ -279,6 +307,9 @@ pub struct OutageLog {
     state: Mutex<(Option<Instant>, bool)>,
     /// Failed attempts seen, for tests and reports.
     failures: AtomicU64,
+    /// The outage under way: set by the first failure, cleared when a
+    /// request gets through again.
+    status: watch::Sender<Option<Outage>>,
 }
 
 impl Default for OutageLog {
@@ -293,12 +324,24 @@ impl OutageLog {
             every,
             state: Mutex::new((None, false)),
             failures: AtomicU64::new(0),
+            status: watch::Sender::new(None),
         }
     }
 
     /// Failed attempts reported so far.
     pub fn failures(&self) -> u64 {
         self.failures.load(Ordering::Relaxed)
+    }
+
+    /// The outage under way, if any.
+    pub fn current(&self) -> Option<Outage> {
+        *self.status.borrow()
+    }
+
+    /// Follows the outage under way: `Some` from a request's first failure
+    /// until a request succeeds again.
+    pub fn watch(&self) -> watch::Receiver<Option<Outage>> {
+        self.status.subscribe()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, (Option<Instant>, bool)> {
@@ -311,6 +354,16 @@ impl OutageLog {
     fn failing(&self, object: &str, failing: Duration, budget: Duration, e: &DatasetError) {
         self.failures.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
+        self.status.send_if_modified(|status| {
+            let starts = status.is_none();
+            if starts {
+                *status = Some(Outage {
+                    since: now.checked_sub(failing).unwrap_or(now),
+                    budget,
+                });
+            }
+            starts
+        });
         let mut st = self.lock();
         st.1 = true;
         if st.0.is_some_and(|t| now - t < self.every) {
@@ -326,6 +379,8 @@ impl OutageLog {
     }
 
     fn recovered(&self, object: &str) {
+        self.status
+            .send_if_modified(|status| status.take().is_some());
         let mut st = self.lock();
         if std::mem::replace(&mut st.1, false) {
             tracing::warn!("bucket reachable again ({object} read)");
@@ -1609,6 +1664,46 @@ mod tests {
         // Backoff, not a busy loop: with waits of up to 5 s, a 60 s outage
         // takes more than 12 tries and far fewer than a loop without waits.
         assert!((12..200).contains(&attempts), "{attempts}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_outage_state_follows_failures_and_recovery() {
+        let r = policy(120);
+        let log = OutageLog::default();
+        let mut status = log.watch();
+        assert_eq!(*status.borrow_and_update(), None);
+        let start = Instant::now();
+        let up_at = start + Duration::from_secs(30);
+        let mut seen = Vec::new();
+        let watcher = async {
+            // Set at the first failure, cleared by the success.
+            status.changed().await.unwrap();
+            seen.push((*status.borrow_and_update(), Instant::now()));
+            status.changed().await.unwrap();
+            seen.push((*status.borrow_and_update(), Instant::now()));
+        };
+        let run = r.run("ds/x", &log, || async move {
+            if Instant::now() < up_at {
+                Err(transient(0))
+            } else {
+                Ok(())
+            }
+        });
+        let ((result, _), ()) = futures::join!(run, watcher);
+        assert!(result.is_ok());
+        let [(Some(outage), at), (None, cleared)] = seen[..] else {
+            panic!("{seen:?}");
+        };
+        assert_eq!(outage.since, start);
+        assert_eq!(outage.budget, Duration::from_secs(120));
+        assert_eq!(at, start, "set at the first failure");
+        assert!(cleared >= up_at, "cleared once the bucket answers");
+        assert_eq!(log.current(), None);
+        assert_eq!(
+            outage.message(start + Duration::from_millis(12_400)),
+            "bucket unreachable 12 s (budget 120 s)"
+        );
+        assert_eq!(outage.lasted(start), Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]

@@ -14,6 +14,7 @@ use ps_dataset::{
 use ps_shared::cli::{describe_error, init_logging, stop_signal};
 use ps_shared::config::ClusterConfig;
 use ps_shared::pki::CertPair;
+use ps_shared::simulate::Simulation;
 use ps_shared::transport::read_pem;
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions};
@@ -63,6 +64,14 @@ enum Command {
         /// cuda needs a build with `--features cuda`.
         #[arg(long, env = "STRATUS_DEVICE")]
         device: Option<String>,
+        /// Simulate a slow link and/or bucket (tests, benchmarks): a TOML file
+        /// with a [link] section (bandwidth_mbit, latency_ms) and/or a [bucket]
+        /// section (first_byte_ms, per_connection_mb_per_s,
+        /// aggregate_gbit_per_s, transient_error_rate, seed); see
+        /// configs/simulate-slow-bucket.toml. With --node the link is the
+        /// node's one connection per server.
+        #[arg(long, value_name = "FILE")]
+        simulate: Option<PathBuf>,
     },
     /// Write a dataset into a bucket: synthetic, MNIST, your own tabular data (import) or images (images, index).
     #[command(subcommand)]
@@ -265,6 +274,7 @@ fn run() -> anyhow::Result<()> {
         no_progress: false,
         report: None,
         device: None,
+        simulate: None,
     });
     match command {
         Command::ShowConfig => {
@@ -287,8 +297,13 @@ fn run() -> anyhow::Result<()> {
             no_progress,
             report,
             device,
+            simulate,
         } => {
             let mut cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+            let simulation = match &simulate {
+                Some(path) => Simulation::load(path)?,
+                None => Simulation::default(),
+            };
             if let Some(url) = data {
                 cfg.data.url = url;
             }
@@ -316,7 +331,7 @@ fn run() -> anyhow::Result<()> {
                 ),
                 None => vec![rank],
             };
-            train(cfg, node, ranks, !no_progress, report)
+            train(cfg, node, ranks, !no_progress, report, simulation)
         }
     }
 }
@@ -327,6 +342,7 @@ fn train(
     ranks: Vec<u32>,
     progress: bool,
     report_path: Option<PathBuf>,
+    simulation: Simulation,
 ) -> anyhow::Result<()> {
     let ca_pem = read_pem(&cfg.tls.ca).with_context(|| {
         "the worker needs the cluster CA certificate (tls.ca); `ps-server certs` writes one"
@@ -357,6 +373,7 @@ fn train(
             stop: Some(stop_rx.clone()),
             steps_done: None,
             trained: None,
+            simulation: simulation.clone(),
         });
     }
     let system = actix::System::new();
@@ -670,4 +687,28 @@ fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
         manifest.classes,
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn train_takes_a_simulation_file() {
+        let cli = Cli::try_parse_from(["ps-worker", "train", "--simulate", "slow.toml"]).unwrap();
+        let Some(Command::Train { simulate, .. }) = cli.command else {
+            panic!("expected train");
+        };
+        assert_eq!(simulate, Some(PathBuf::from("slow.toml")));
+        let mut cmd = Cli::command();
+        let train = cmd.find_subcommand_mut("train").expect("train");
+        let help = train.render_long_help().to_string();
+        assert!(help.contains("--simulate <FILE>"), "{help}");
+        // The example the help points to is a valid simulation file.
+        assert!(help.contains("configs/simulate-slow-bucket.toml"), "{help}");
+        let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../configs/simulate-slow-bucket.toml");
+        Simulation::load(&example).expect("the example simulation file");
+    }
 }

@@ -44,7 +44,7 @@ use std::time::Duration;
 use futures::channel::oneshot;
 
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::link::LinkStats;
+use ps_shared::link::{LinkSection, LinkStats};
 use ps_shared::sparse::{Compressor, SparseError};
 
 use crate::comm::{
@@ -193,6 +193,8 @@ pub struct Node {
     members: RefCell<Vec<Member>>,
     /// Each rank's parameter source, for offers to a restarted server.
     sources: RefCell<Vec<Option<ParamSource>>>,
+    /// The simulated link of the node's one connection per server.
+    link: LinkSection,
     joining: RefCell<Vec<oneshot::Sender<JoinResult>>>,
     joined: Cell<bool>,
     comm: RefCell<Option<Rc<Comm>>>,
@@ -207,11 +209,14 @@ pub struct Node {
 }
 
 impl Node {
-    /// The aggregator of node `node` of `cfg`; `tls` is its first rank's.
-    pub fn new(cfg: &ClusterConfig, node: u32, tls: WorkerTls) -> Rc<Self> {
+    /// The aggregator of node `node` of `cfg`; `tls` is its first rank's,
+    /// and its connections pass through the simulated `link` (unlimited:
+    /// counted only).
+    pub fn new(cfg: &ClusterConfig, node: u32, tls: WorkerTls, link: LinkSection) -> Rc<Self> {
         let n = cfg.cluster.workers_per_node.max(1);
         Rc::new(Self {
             node,
+            link,
             first_rank: node * n as u32,
             cfg: cfg.clone(),
             tls,
@@ -308,11 +313,12 @@ impl Node {
         let node = self.clone();
         actix::spawn(async move {
             let result = async {
-                let comm = Comm::connect(
+                let comm = Comm::connect_over(
                     &node.cfg,
                     node.first_rank,
                     node.tls.clone(),
                     node.params_source(),
+                    &node.link,
                 )
                 .await?;
                 let (updates, _) = comm.join().await?;
@@ -553,6 +559,7 @@ pub fn node_members(
     cfg: &ClusterConfig,
     node: u32,
     tls: WorkerTls,
+    link: LinkSection,
 ) -> Result<(Rc<Node>, Vec<NodeMember>), NodeError> {
     let n = cfg.cluster.workers_per_node.max(1) as u32;
     if node as usize >= cfg.nodes() {
@@ -564,7 +571,7 @@ pub fn node_members(
             ),
         });
     }
-    let aggregator = Node::new(cfg, node, tls);
+    let aggregator = Node::new(cfg, node, tls, link);
     let members = (node * n..(node + 1) * n)
         .map(|rank| aggregator.member(rank))
         .collect::<Result<_, _>>()?;
@@ -694,17 +701,20 @@ mod tests {
             identity: pki.issue_worker(2).unwrap(),
         };
         assert!(matches!(
-            Node::new(&cfg, 1, tls.clone()).member(0),
+            Node::new(&cfg, 1, tls.clone(), LinkSection::default()).member(0),
             Err(NodeError::NotMember {
                 first: 2,
                 end: 4,
                 ..
             })
         ));
-        assert!(node_members(&cfg, 2, tls.clone()).is_err(), "only 2 nodes");
+        assert!(
+            node_members(&cfg, 2, tls.clone(), LinkSection::default()).is_err(),
+            "only 2 nodes"
+        );
         let system = actix::System::new();
         system.block_on(async {
-            let (node, mut members) = node_members(&cfg, 1, tls).unwrap();
+            let (node, mut members) = node_members(&cfg, 1, tls, LinkSection::default()).unwrap();
             let n = cfg.model.num_params();
             // Rank 2 hands in its gradient; rank 3 fails before its own.
             let step = members[0].step(Outgoing::Dense(vec![0.0; n]));

@@ -6,9 +6,11 @@
 //! trainer. Time spent waiting for each is measured separately, so the epoch
 //! report shows where a step's time went.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::Write;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +26,7 @@ use ps_shared::countstore::{CountingStore, GetCounts};
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 use ps_shared::simstore::SimStore;
+use ps_shared::simulate::Simulation;
 use ps_shared::sparse::Compressor;
 
 use crate::comm::{
@@ -32,7 +35,7 @@ use crate::comm::{
 };
 use crate::loader::{
     BatchPos, EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings,
-    NextBatch, OutageLog, RetryFailure, RetryPolicy,
+    NextBatch, Outage, OutageLog, RetryFailure, RetryPolicy,
 };
 use crate::model::{device_from_str, Model, ModelError};
 use crate::node::{node_members, NodeError, NodeMember};
@@ -94,6 +97,9 @@ pub struct WorkerOptions {
     /// Receives every batch this worker trained, once its step's exchange
     /// returned (tests check which samples a run saw).
     pub trained: Option<tokio::sync::mpsc::UnboundedSender<TrainedBatch>>,
+    /// Simulated link and bucket (tests, benchmarks, `ps-worker train
+    /// --simulate FILE`); the default simulates nothing.
+    pub simulation: Simulation,
 }
 
 /// One batch a worker trained (see [`WorkerOptions::trained`]).
@@ -170,7 +176,7 @@ pub struct EpochReport {
     /// Data plane: bytes read from the bucket for this epoch's batches.
     pub bucket_bytes: u64,
     /// Data plane: estimated request + egress cost of the attempts and
-    /// bytes (`[bucket_sim]` prices).
+    /// bytes (`[cost]` prices).
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
@@ -363,7 +369,9 @@ pub async fn run_node(
         };
         return vec![Err(e.into())];
     }
-    let members = match node_members(cfg, node, opts[0].tls.clone()) {
+    // The node's one connection per server is the node's link.
+    let link = opts[0].simulation.link.clone();
+    let members = match node_members(cfg, node, opts[0].tls.clone(), link) {
         Ok((_, members)) => members,
         Err(e) => return vec![Err(e.into())],
     };
@@ -427,10 +435,9 @@ async fn run_rank(
     node: Option<NodeMember>,
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
-    let store: Arc<dyn ObjectStore> = if cfg.bucket_sim.enabled {
-        Arc::new(SimStore::from_section(store, &cfg.bucket_sim))
-    } else {
-        store
+    let store: Arc<dyn ObjectStore> = match &opts.simulation.bucket {
+        Some(slow) => Arc::new(SimStore::from_section(store, slow)),
+        None => store,
     };
     // Counts the start-up reads; the loader counts its own.
     let counted = Arc::new(CountingStore::new(store));
@@ -535,7 +542,8 @@ async fn run_rank(
         let early = Loader::start(reader.clone(), sampler.clone(), settings.clone())?;
         let (exchange, start_params, start_step, data) = match node {
             None => {
-                let comm = Comm::connect(cfg, rank, opts.tls.clone(), params).await?;
+                let link = &opts.simulation.link;
+                let comm = Comm::connect_over(cfg, rank, opts.tls.clone(), params, link).await?;
                 let data = comm.data_start();
                 let comm = CommActor::new(comm).start();
                 let (start_params, start_step, _) = comm.send(Join).await??;
@@ -570,8 +578,10 @@ async fn run_rank(
         } else {
             early
         };
+        let outage = loader.outage_log();
         let loader = LoaderActor::new(loader).start();
         let run = Run {
+            outage,
             startup,
             exchange,
             loader,
@@ -588,6 +598,9 @@ async fn run_rank(
 
 /// What the training loop works with.
 struct Run {
+    /// The loader's record of bucket failures (the progress bar shows an
+    /// outage while it lasts).
+    outage: Arc<OutageLog>,
     startup: StartupGets,
     exchange: Exchange,
     loader: Addr<LoaderActor>,
@@ -605,6 +618,7 @@ async fn train(
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
     let Run {
+        outage,
         startup,
         exchange,
         loader,
@@ -630,6 +644,12 @@ async fn train(
     } else {
         ProgressBar::hidden()
     };
+    // The last step's figures; a bucket outage replaces them while it lasts.
+    let step_text = Rc::new(RefCell::new(String::new()));
+    let outage_view = opts
+        .progress
+        .then(|| actix::spawn(show_outages(bar.clone(), outage.watch(), step_text.clone())));
+    let _stop_view = AbortOnDrop(outage_view);
     let mut metrics = open_metrics(cfg, rank)?;
     let mut reports = Vec::new();
     let mut acc = EpochAcc::default();
@@ -672,7 +692,7 @@ async fn train(
                 stopping = Some(StopReason::TargetAccuracy);
             }
             let data = loader.send(EpochStats(epoch)).await?;
-            report.set_data_plane(&data, startup.take(), &cfg.bucket_sim.cost_model());
+            report.set_data_plane(&data, startup.take(), &cfg.cost.cost_model());
             let mut line = epoch_line(&report, epochs);
             if report.steps_short_of_workers > 0 {
                 line.push_str(&format!(
@@ -777,11 +797,15 @@ async fn train(
             tx.send_replace(step);
         }
         bar.inc(1);
-        bar.set_message(format!(
+        let text = format!(
             "epoch {}/{epochs}, last step's train_loss {:.4}",
             pos.epoch + 1,
             out.loss
-        ));
+        );
+        if outage.current().is_none() {
+            bar.set_message(text.clone());
+        }
+        *step_text.borrow_mut() = text;
         if evals.every > 0 && step % evals.every == 0 {
             evals.at(step, trainer, &test).await?;
             if evals.reached_target() {
@@ -831,6 +855,46 @@ async fn train(
         stop_reason: stopping.unwrap_or(StopReason::Epochs),
         train_s,
     })
+}
+
+/// Keeps the progress bar's message on a bucket outage while it lasts
+/// ("bucket unreachable 12 s (budget 120 s)", counted up every second), and
+/// puts the last step's figures (`step_text`) back once the bucket answers.
+async fn show_outages(
+    bar: ProgressBar,
+    mut status: tokio::sync::watch::Receiver<Option<Outage>>,
+    step_text: Rc<RefCell<String>>,
+) {
+    loop {
+        let current = *status.borrow_and_update();
+        let changed = match current {
+            Some(outage) => {
+                bar.set_message(outage.message(tokio::time::Instant::now()));
+                tokio::select! {
+                    changed = status.changed() => changed,
+                    () = tokio::time::sleep(Duration::from_secs(1)) => Ok(()),
+                }
+            }
+            None => {
+                bar.set_message(step_text.borrow().clone());
+                status.changed().await
+            }
+        };
+        if changed.is_err() {
+            return;
+        }
+    }
+}
+
+/// Stops a spawned task when dropped.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
 }
 
 /// The console line of one epoch; it fits in 100 columns (the JSONL has
@@ -1063,6 +1127,61 @@ fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result
 mod tests {
     use super::*;
     use ps_dataset::Batch;
+
+    /// Lets the other tasks of the `LocalSet` run until `done` holds (a
+    /// bounded number of turns; nothing waits on the clock).
+    async fn turns_until(done: impl Fn() -> bool) -> bool {
+        for _ in 0..100 {
+            if done() {
+                return true;
+            }
+            tokio::task::yield_now().await;
+        }
+        done()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_bar_shows_an_outage_while_it_lasts() {
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async {
+                let bar = ProgressBar::hidden();
+                let (tx, rx) = tokio::sync::watch::channel(None);
+                let text = Rc::new(RefCell::new("epoch 1/2".to_string()));
+                let view = tokio::task::spawn_local(show_outages(bar.clone(), rx, text.clone()));
+                assert!(turns_until(|| bar.message() == "epoch 1/2").await);
+                let since = tokio::time::Instant::now();
+                tx.send_replace(Some(Outage {
+                    since,
+                    budget: Duration::from_secs(120),
+                }));
+                let shows = |s: &str| bar.message() == s;
+                assert!(
+                    turns_until(|| shows("bucket unreachable 0 s (budget 120 s)")).await,
+                    "{}",
+                    bar.message()
+                );
+                // The count goes up while the outage lasts.
+                tokio::time::advance(Duration::from_secs(12)).await;
+                assert!(
+                    turns_until(|| shows("bucket unreachable 12 s (budget 120 s)")).await,
+                    "{}",
+                    bar.message()
+                );
+                // Recovery shows the figures of the latest step, also one
+                // trained during the outage.
+                *text.borrow_mut() = "epoch 2/2".into();
+                tx.send_replace(None);
+                assert!(
+                    turns_until(|| shows("epoch 2/2")).await,
+                    "{}",
+                    bar.message()
+                );
+                drop(tx);
+                view.await.expect("the view stops with the log");
+            })
+            .await;
+    }
 
     fn evals(keep: usize) -> Evals {
         Evals::new(0, 0.0, keep)

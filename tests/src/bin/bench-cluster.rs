@@ -3,7 +3,8 @@
 //!
 //! Three in-process clusters (1 server process, 2 shards, 2 workers) train the
 //! same MLP of over a million parameters on the same synthetic set behind the
-//! same simulated link (`[link]`, 100 Mbit/s each way by default):
+//! same simulated link (a `Simulation`'s `[link]`, 100 Mbit/s each way by
+//! default):
 //!
 //! * dense: `compression.kind = none`, server momentum 0.9 (dense pulls);
 //! * top-k 1% and top-k 0.1%: server momentum 0, DGC momentum correction 0.9
@@ -32,6 +33,8 @@ use serde::Serialize;
 
 use ps_dataset::{synthetic, Batch, SyntheticSpec};
 use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::link::LinkSection;
+use ps_shared::simulate::Simulation;
 use ps_shared::sparse::{k_for_density, Compressor};
 use ps_tests::{fit_frames_to_model, run_cluster_detailed, synthetic_bucket, test_config};
 use ps_worker::model::{device_from_str, Model};
@@ -192,8 +195,6 @@ fn base_config(args: &Args, case: &Case) -> anyhow::Result<ClusterConfig> {
     cfg.model.input = args.features;
     cfg.model.hidden = args.hidden.clone();
     cfg.data.batch_size = args.batch;
-    cfg.link.bandwidth_mbit = args.bandwidth_mbit;
-    cfg.link.latency_ms = args.latency_ms;
     match case.kind {
         CompressionKind::None => cfg.optimizer.momentum = 0.9,
         CompressionKind::Topk => {
@@ -332,11 +333,22 @@ fn run() -> anyhow::Result<()> {
     };
     println!("measured: {measured}");
 
+    // The simulated link every worker's requests go through.
+    let sim = Simulation {
+        link: LinkSection {
+            bandwidth_mbit: args.bandwidth_mbit,
+            latency_ms: args.latency_ms,
+        },
+        bucket: None,
+    };
+    sim.validate()
+        .map_err(anyhow::Error::msg)
+        .context("--bandwidth-mbit / --latency-ms")?;
     let mut results = Vec::new();
     for case in &CASES {
         let cfg = base_config(&args, case)?;
         let started = Instant::now();
-        let (reports, shards) = run_cluster_detailed(cfg, store.clone(), prefix.clone())
+        let (reports, shards) = run_cluster_detailed(cfg, &sim, store.clone(), prefix.clone())
             .with_context(|| format!("{} run", case.name))?;
         let wall = started.elapsed().as_secs_f64();
         let r = measure(&args, case, &reports, &shards, wall)?;

@@ -40,7 +40,7 @@ use serde::Serialize;
 use ps_dataset::{
     synthetic, write_dataset_with, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
-use ps_shared::dataplane::{CacheSize, CostModel, SimBucketSection};
+use ps_shared::dataplane::{CacheSize, CostModel, CostSection, SimBucketSection};
 use ps_shared::sampler::EpochSampler;
 use ps_shared::simstore::{SimSettings, SimStore};
 use ps_worker::loader::{EpochDataStats, Loader, LoaderSettings};
@@ -158,14 +158,14 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let sim = SimBucketSection {
-        enabled: true,
         first_byte_ms: args.first_byte_ms,
         per_connection_mb_per_s: args.per_connection_mb_per_s,
         aggregate_gbit_per_s: args.aggregate_gbit_per_s,
         ..SimBucketSection::default()
     };
     sim.validate().map_err(anyhow::Error::msg)?;
-    let prices = sim.cost_model();
+    // The default [cost] prices of the cluster config.
+    let prices = CostSection::default().cost_model();
     println!(
         "bucket simulation: {} ms to first byte, {} MB/s per connection, {} Gbit/s ({:.1} MB/s) shared; consumer computes {} ms per batch; {} epochs",
         args.first_byte_ms,

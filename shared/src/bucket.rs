@@ -145,40 +145,26 @@ where
         .into_iter()
         .map(|(k, v)| (k.as_ref().to_ascii_lowercase(), v.into()))
         .collect();
-    let built: object_store::Result<Arc<dyn ObjectStore>> = match scheme {
-        ObjectStoreScheme::AmazonS3 => {
+    // The clouds' builders share their shape, not a trait: the options
+    // named for that cloud, object_store's retries (off for the data
+    // plane), then build.
+    macro_rules! cloud {
+        ($builder:ty, $prefix:literal) => {{
             let b = configure(
-                AmazonS3Builder::new().with_url(trimmed),
+                <$builder>::new().with_url(trimmed),
                 &options,
-                "aws_",
+                $prefix,
                 |b, k, v| k.parse().map(|k| b.clone().with_config(k, v)).ok(),
             );
             b.with_retry(retry.clone())
                 .build()
-                .map(|s| Arc::new(s) as _)
-        }
-        ObjectStoreScheme::GoogleCloudStorage => {
-            let b = configure(
-                GoogleCloudStorageBuilder::new().with_url(trimmed),
-                &options,
-                "google_",
-                |b, k, v| k.parse().map(|k| b.clone().with_config(k, v)).ok(),
-            );
-            b.with_retry(retry.clone())
-                .build()
-                .map(|s| Arc::new(s) as _)
-        }
-        ObjectStoreScheme::MicrosoftAzure => {
-            let b = configure(
-                MicrosoftAzureBuilder::new().with_url(trimmed),
-                &options,
-                "azure_",
-                |b, k, v| k.parse().map(|k| b.clone().with_config(k, v)).ok(),
-            );
-            b.with_retry(retry.clone())
-                .build()
-                .map(|s| Arc::new(s) as _)
-        }
+                .map(|s| Arc::new(s) as Arc<dyn ObjectStore>)
+        }};
+    }
+    let built = match scheme {
+        ObjectStoreScheme::AmazonS3 => cloud!(AmazonS3Builder, "aws_"),
+        ObjectStoreScheme::GoogleCloudStorage => cloud!(GoogleCloudStorageBuilder, "google_"),
+        ObjectStoreScheme::MicrosoftAzure => cloud!(MicrosoftAzureBuilder, "azure_"),
         _ => return Err(unsupported()),
     };
     let store = built.map_err(|e| bucket_err(e.to_string()))?;

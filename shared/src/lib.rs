@@ -21,3 +21,4 @@ pub mod simstore;
 pub mod simulate;
 pub mod sparse;
 pub mod transport;
+mod wrapstore;

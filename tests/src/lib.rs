@@ -97,6 +97,15 @@ pub async fn synthetic_bucket(spec: &SyntheticSpec) -> (Arc<dyn ObjectStore>, Pa
     (store, prefix)
 }
 
+/// [`synthetic_bucket`] for a test outside any runtime: written on a
+/// runtime of its own (the in-memory store outlives it).
+pub fn synthetic_bucket_blocking(spec: &SyntheticSpec) -> (Arc<dyn ObjectStore>, Path) {
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime to write the dataset")
+        .block_on(synthetic_bucket(spec))
+}
+
 /// The embedded config adjusted for an in-process test cluster.
 pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterConfig {
     let mut cfg = ClusterConfig::embedded_default().expect("embedded config");

@@ -18,7 +18,7 @@ use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::link::LinkSection;
 use ps_shared::simulate::Simulation;
 use ps_shared::sparse::k_for_density;
-use ps_tests::{run_cluster_simulated, synthetic_bucket, test_config};
+use ps_tests::{run_cluster_simulated, synthetic_bucket_blocking, test_config};
 use ps_worker::run::WorkerReport;
 
 /// Test accuracy every run must exceed (chance is 10%).
@@ -67,10 +67,7 @@ fn config(
 }
 
 fn train((cfg, sim): (ClusterConfig, Simulation)) -> Vec<WorkerReport> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     run_cluster_simulated(cfg, &sim, store, prefix).expect("cluster run")
 }
 

@@ -3,7 +3,7 @@
 
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{CompressionKind, SyncMode};
-use ps_tests::{run_cluster, synthetic_bucket, test_config};
+use ps_tests::{run_cluster, synthetic_bucket_blocking, test_config};
 use ps_worker::run::StopReason;
 
 /// Test accuracy both runs must exceed. Chance is 10%; a linear model on this
@@ -19,10 +19,7 @@ fn spec() -> SyntheticSpec {
 }
 
 fn train(kind: CompressionKind, density: f64) -> Vec<ps_worker::run::WorkerReport> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     let cfg = test_config(kind, density, 6);
     run_cluster(cfg, store, prefix).expect("cluster run")
 }
@@ -76,10 +73,7 @@ fn dense_and_topk_clusters_learn() {
 
 #[test]
 fn two_server_processes_serve_their_shards() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     let mut cfg = test_config(CompressionKind::Topk, 0.01, 3);
     cfg.cluster.servers = vec!["127.0.0.1:0".into(), "127.0.0.1:0".into()];
     cfg.cluster.shards_per_server = 2;
@@ -94,10 +88,7 @@ fn two_server_processes_serve_their_shards() {
 
 #[test]
 fn asp_and_ssp_clusters_learn() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     for (mode, overlap) in [
         (SyncMode::Asp, false),
         (SyncMode::Ssp, false),
@@ -129,10 +120,7 @@ fn asp_and_ssp_clusters_learn() {
 
 #[test]
 fn approx_topk_with_f16_values_and_warmup_learns() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     let mut cfg = test_config(CompressionKind::Topk, 0.01, 6);
     cfg.compression.method = ps_shared::sparse::TopKMethod::Approx;
     cfg.compression.f16_values = true;
@@ -167,10 +155,7 @@ fn approx_topk_with_f16_values_and_warmup_learns() {
 
 #[test]
 fn workers_evaluate_every_n_steps_and_stop_together_at_the_target() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     // 4096 samples over 2 workers in batches of 64: 32 steps per epoch.
     let mut cfg = test_config(CompressionKind::None, 1.0, 20);
     cfg.training.eval_every = 5;

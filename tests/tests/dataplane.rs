@@ -756,16 +756,12 @@ async fn loader_counters_match_the_bucket() {
 
 #[test]
 fn worker_run_reports_data_plane_metrics() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
     let spec = SyntheticSpec {
         train: 512,
         test: 64,
         ..SyntheticSpec::default()
     };
-    let (store, prefix) = rt.block_on(ps_tests::synthetic_bucket(&spec));
+    let (store, prefix) = ps_tests::synthetic_bucket_blocking(&spec);
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 3);
     cfg.cluster.workers = 1;
@@ -834,16 +830,12 @@ fn worker_run_reports_data_plane_metrics() {
 /// drawing on it (many colours: axes, text, one line per worker and measure).
 #[test]
 fn plots_are_drawn_from_a_real_runs_metrics() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
     let spec = SyntheticSpec {
         train: 512,
         test: 64,
         ..SyntheticSpec::default()
     };
-    let (store, prefix) = rt.block_on(ps_tests::synthetic_bucket(&spec));
+    let (store, prefix) = ps_tests::synthetic_bucket_blocking(&spec);
     let dir = tempfile::tempdir().unwrap();
     let runs = dir.path().join("runs");
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 3);

@@ -21,7 +21,7 @@ use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
 use ps_shared::sampler::EpochSampler;
 use ps_tests::{
-    log_from_env, rank_runs, start_loopback_server, synthetic_bucket, test_config, TestPki,
+    log_from_env, rank_runs, start_loopback_server, synthetic_bucket_blocking, test_config, TestPki,
 };
 use ps_worker::run::{run_worker, StopReason, TrainedBatch, WorkerReport};
 
@@ -136,10 +136,7 @@ fn resize_nodes(before: (usize, usize), after: (usize, usize), cut: u64) {
     let ((before, before_wpn), (after, after_wpn)) = (before, after);
     let dir = tempfile::tempdir().unwrap();
     let pki = TestPki::new(before.max(after) as u32);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     let epochs = 2;
     let mut first = config(before, epochs);
     first.cluster.workers_per_node = before_wpn;
@@ -213,10 +210,7 @@ fn a_worker_joins_an_ssp_job_beyond_the_start_count() {
 fn join_beyond_the_start_count(mode: SyncMode) {
     log_from_env();
     let pki = TestPki::new(3);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     let mut cfg = config(2, 3);
     cfg.server.mode = mode;
     cfg.cluster.max_workers = 3;

@@ -34,7 +34,9 @@ use ps_server::net::RunningServer;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response};
 use ps_shared::transport::{self, EndpointLimits};
-use ps_tests::{hello, start_loopback_server, synthetic_bucket, test_config, TestPki};
+use ps_tests::{
+    hello, start_loopback_server, synthetic_bucket, synthetic_bucket_blocking, test_config, TestPki,
+};
 use ps_worker::comm::{Comm, CommError, Outgoing, ParamSource};
 use ps_worker::run::{run_worker, WorkerError, WorkerOptions, WorkerReport};
 
@@ -96,10 +98,7 @@ where
     Fut: Future<Output = ()>,
 {
     let pki = TestPki::new(cfg.cluster.workers as u32);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (store, prefix) = rt.block_on(synthetic_bucket(&spec()));
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
     let system = actix::System::new();
     system.block_on(async move {
         let server = start_loopback_server(&cfg, &pki).await;

@@ -27,7 +27,7 @@
 
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
-use ps_tests::{run_cluster, run_cluster_detailed, synthetic_bucket, test_config};
+use ps_tests::{run_cluster, run_cluster_detailed, synthetic_bucket_blocking, test_config};
 use ps_worker::run::WorkerReport;
 
 const WORKERS: usize = 4;
@@ -48,15 +48,12 @@ fn bucket() -> (
     std::sync::Arc<dyn object_store::ObjectStore>,
     object_store::path::Path,
 ) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
     let spec = SyntheticSpec {
         train: 4096,
         test: 1024,
         ..SyntheticSpec::default()
     };
-    rt.block_on(synthetic_bucket(&spec))
+    synthetic_bucket_blocking(&spec)
 }
 
 fn train(cfg: ClusterConfig) -> Vec<WorkerReport> {

@@ -582,12 +582,52 @@ async fn an_outage_mid_epoch_is_ridden_out() {
                 .expect("the run rides the outage out"),
         );
         check_batches(&got, &sampler, 5, 2, 0, &direct).await;
+        // Trained on, the batches give the model and the accuracy of a run
+        // without the outage.
+        let calm = Loader::start(
+            open(raw.clone(), &prefix).await,
+            sampler.clone(),
+            settings(5, 2),
+        )
+        .expect("start");
+        let calm = drain(&calm, 100).await.expect("no outage");
+        let test = direct.fetch_all(Split::Test).await.expect("the test split");
+        let (with_outage, without) = (train_on(&got, &test), train_on(&calm, &test));
+        assert_eq!(with_outage, without, "{layout}: same model, same accuracy");
+        println!(
+            "{layout}: a 60 s outage mid-epoch: {} batches, test accuracy {:.1}% and loss {:.4}, as without it",
+            got.len(),
+            100.0 * with_outage.1,
+            with_outage.0
+        );
         let failed = sim.stats().injected_failures - before.injected_failures;
         assert!(failed > 0, "{layout}: the outage hit requests");
         assert_eq!(loader.outage_log().failures(), failed, "{layout}");
         assert_eq!(loader.stats().total().retries, failed, "{layout}");
         assert!(tokio::time::Instant::now() - start >= Duration::from_secs(60));
     }
+}
+
+/// Trains a small MLP with plain SGD on `batches`, in order; returns its
+/// (loss, accuracy) on `test`.
+fn train_on(batches: &[(BatchPos, Arc<Batch>)], test: &Batch) -> (f32, f32) {
+    let spec = ps_shared::config::ModelSection {
+        input: FEATURES,
+        hidden: vec![16],
+        classes: 3,
+        ..Default::default()
+    };
+    let cpu = ps_worker::model::device_from_str("cpu").expect("the cpu device");
+    let mut model = ps_worker::model::Model::new(&spec, cpu, 1).expect("model");
+    for (_, batch) in batches {
+        let (_, grad) = model.gradient(batch).expect("gradient");
+        let mut params = model.flat_params().expect("parameters");
+        for (p, g) in params.iter_mut().zip(&grad) {
+            *p -= 0.2 * g;
+        }
+        model.set_flat(&params).expect("set parameters");
+    }
+    model.evaluate(test).expect("evaluate")
 }
 
 /// What the progress bar shows during a 60 s outage (tokio's paused clock):

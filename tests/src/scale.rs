@@ -34,8 +34,9 @@ use tokio::sync::watch;
 use ps_server::actor::{
     Deliver, GetCounters, MemberNews, ShardActor, ShardCounters, ShardRequest, Shutdown,
 };
-use ps_server::core::{CoreSettings, Mode, ShardCore, ShardSetup};
+use ps_server::core::{CoreSettings, ShardCore, ShardSetup};
 use ps_server::optimizer::UpdateRule;
+use ps_shared::config::SyncMode;
 use ps_shared::protocol::{
     decode_request, decode_response, encode_request, encode_response, ParamUpdate, Request,
     Response, WireGrad, WireValues, FRAME_HEADER_BYTES,
@@ -415,7 +416,8 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
             segments: std::iter::once(0..len).collect(),
             rule,
             workers: case.workers as u32,
-            mode: Mode::Bsp,
+            mode: SyncMode::Bsp,
+            staleness: 0,
         };
         let core = ShardCore::new(setup, settings.clone(), None);
         let (version_tx, _) = watch::channel(0);

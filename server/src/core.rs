@@ -29,11 +29,10 @@
 //! ```
 //! use std::time::{Duration, Instant};
 //! use ps_server::core::{Action, CoreSettings, Event, ShardCore, ShardSetup};
-//! use ps_server::optimizer::UpdateRule;
-//! use ps_shared::config::SyncMode;
+//! use ps_shared::config::{OptimizerSection, SyncMode};
 //! use ps_shared::protocol::{Response, WireGrad, WireValues};
 //!
-//! let rule = UpdateRule { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars: None };
+//! let rule = OptimizerSection { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars_eta: 0.0 };
 //! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0 };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
@@ -52,7 +51,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::Hasher;
 use std::time::{Duration, Instant};
 
-use ps_shared::config::{GradNormPolicy, SyncMode};
+use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
@@ -71,7 +70,8 @@ pub struct ShardSetup {
     pub hi: usize,
     /// Tensor boundaries inside the shard (local ranges), for LARS.
     pub segments: Vec<std::ops::Range<usize>>,
-    pub rule: crate::optimizer::UpdateRule,
+    /// The update rule (`[optimizer]`).
+    pub rule: OptimizerSection,
     /// Clients `0..workers` form the barrier: the worker ranks, or the
     /// nodes when `cluster.workers_per_node` > 1 (each node pushes once for
     /// its ranks).
@@ -357,10 +357,10 @@ impl ShardCore {
     ) -> Self {
         let len = setup.hi - setup.lo;
         let rule = setup.rule;
-        let moves_untouched = rule.momentum > 0.0 || rule.weight_decay > 0.0 || rule.lars.is_some();
+        let moves_untouched = rule.moves_untouched();
         Self {
             params: Vec::new(),
-            momentum: if rule.momentum > 0.0 {
+            momentum: if rule.uses_momentum() {
                 vec![0.0; len]
             } else {
                 Vec::new()
@@ -1293,7 +1293,6 @@ impl ShardCore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optimizer::UpdateRule;
 
     /// A shard of 8 parameters at 10..18, staleness 0 (SSP tests use `ssp`).
     fn setup(workers: u32, momentum: f32, mode: SyncMode) -> ShardSetup {
@@ -1302,12 +1301,10 @@ mod tests {
             lo: 10,
             hi: 18,
             segments: std::iter::once(0..8).collect(),
-            rule: UpdateRule {
+            rule: OptimizerSection {
                 lr: 1.0,
                 momentum,
-                nesterov: false,
-                weight_decay: 0.0,
-                lars: None,
+                ..OptimizerSection::default()
             },
             workers,
             mode,

@@ -51,7 +51,6 @@ use crate::actor::{
 use crate::checkpoint::{load_latest, CheckpointError, DataSplit};
 use crate::core::{ConnId, CoreSettings, ShardCore, ShardSetup};
 use crate::membership::{Hello, MemberAction, Membership, MembershipSettings};
-use crate::optimizer::UpdateRule;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -343,14 +342,6 @@ pub async fn start(
     let map = ShardMap::balanced(num_params, cfg.total_shards())
         .map_err(|e| ServerError::Shards(e.to_string()))?;
     let tensors = cfg.model.tensor_ranges();
-    let o = &cfg.optimizer;
-    let rule = UpdateRule {
-        lr: o.lr,
-        momentum: o.momentum,
-        nesterov: o.nesterov,
-        weight_decay: o.weight_decay,
-        lars: (o.lars_eta > 0.0).then_some(o.lars_eta),
-    };
     let s = &cfg.server;
     let checkpoints = if s.checkpoint_url.trim().is_empty() {
         None
@@ -449,7 +440,7 @@ pub async fn start(
             lo: range.start,
             hi: range.end,
             segments: segments_within(&range, &tensors),
-            rule,
+            rule: cfg.optimizer,
             // The barrier's clients: one per node (per worker when
             // cluster.workers_per_node is 1).
             workers: cfg.nodes() as u32,

@@ -622,15 +622,20 @@ impl CompressionSection {
     }
 }
 
-/// Server-side optimizer, applied once per step to the aggregated gradient.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Server-side optimizer, applied once per step to the aggregated gradient;
+/// the server's update kernels (`ps_server::optimizer`) take it as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {
     pub lr: f32,
+    /// Momentum coefficient; momentum is used only when it is above zero.
     pub momentum: f32,
+    /// Nesterov momentum (needs `momentum` > 0).
     pub nesterov: bool,
     pub weight_decay: f32,
-    /// LARS trust coefficient (0 disables LARS).
+    /// LARS trust coefficient eta, e.g. 0.001 (0 disables LARS): per tensor
+    /// `lr_eff = lr * eta * ||p|| / ||g'||`, with 1 as the trust when a norm
+    /// is 0.
     pub lars_eta: f32,
 }
 
@@ -647,10 +652,23 @@ impl Default for OptimizerSection {
 }
 
 impl OptimizerSection {
-    /// Whether an update can move a parameter whose aggregated gradient is zero
-    /// (then pulls must be dense).
+    /// Whether the update keeps a momentum buffer (`momentum` > 0).
+    #[inline]
+    pub fn uses_momentum(&self) -> bool {
+        self.momentum > 0.0
+    }
+
+    /// The LARS trust coefficient when LARS is on (`lars_eta` > 0).
+    #[inline]
+    pub fn lars(&self) -> Option<f32> {
+        (self.lars_eta > 0.0).then_some(self.lars_eta)
+    }
+
+    /// Whether an update may move a parameter whose aggregated gradient is
+    /// zero (then replies cannot be built from the pushed indices alone).
+    /// LARS is counted as such too, conservatively.
     pub fn moves_untouched(&self) -> bool {
-        self.momentum > 0.0 || self.weight_decay > 0.0
+        self.uses_momentum() || self.weight_decay > 0.0 || self.lars().is_some()
     }
 }
 

@@ -28,12 +28,12 @@
 //!
 //! ```
 //! use std::time::{Duration, Instant};
-//! use ps_server::core::{Action, CoreSettings, Event, Mode, ShardCore, ShardSetup};
-//! use ps_server::optimizer::UpdateRule;
+//! use ps_server::core::{Action, CoreSettings, Event, ShardCore, ShardSetup};
+//! use ps_shared::config::{OptimizerSection, SyncMode};
 //! use ps_shared::protocol::{Response, WireGrad, WireValues};
 //!
-//! let rule = UpdateRule { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars: None };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: Mode::Bsp };
+//! let rule = OptimizerSection { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars_eta: 0.0 };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0 };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -51,6 +51,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::Hasher;
 use std::time::{Duration, Instant};
 
+use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
@@ -69,37 +70,23 @@ pub struct ShardSetup {
     pub hi: usize,
     /// Tensor boundaries inside the shard (local ranges), for LARS.
     pub segments: Vec<std::ops::Range<usize>>,
-    pub rule: crate::optimizer::UpdateRule,
+    /// The update rule (`[optimizer]`).
+    pub rule: OptimizerSection,
     /// Clients `0..workers` form the barrier: the worker ranks, or the
     /// nodes when `cluster.workers_per_node` > 1 (each node pushes once for
     /// its ranks).
     pub workers: u32,
-    pub mode: Mode,
-}
-
-/// How pushes from different workers are combined.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Bulk synchronous: one update per step from every live worker's push.
-    Bsp,
-    /// Asynchronous: every push is applied on arrival.
-    Asp,
-    /// Stale synchronous: applied on arrival, but no worker may run more than
-    /// `staleness` steps ahead of the slowest live worker.
-    Ssp { staleness: u64 },
+    /// How pushes from different workers are combined (`server.mode`): BSP
+    /// applies one update per step from every live worker's push, ASP and
+    /// SSP apply every push on arrival.
+    pub mode: SyncMode,
+    /// SSP only (`server.staleness`): no worker may run more than this many
+    /// steps ahead of the slowest live worker. Ignored in BSP and ASP.
+    pub staleness: u64,
 }
 
 /// Changed-index sets kept for sparse replies (one per recent version).
 const CHANGE_HISTORY: usize = 64;
-
-/// What to do with a push whose gradient norm exceeds the bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NormPolicy {
-    /// Scale the push down to the bound.
-    Clip,
-    /// Refuse the push with `GradientTooLarge`.
-    Refuse,
-}
 
 /// Policy knobs of a shard core.
 #[derive(Debug, Clone)]
@@ -113,7 +100,9 @@ pub struct CoreSettings {
     pub max_parked_per_conn: usize,
     /// Largest L2 norm of one push (0 = no bound).
     pub max_grad_norm: f32,
-    pub norm_policy: NormPolicy,
+    /// What to do with a push above `max_grad_norm`: scale it down to the
+    /// bound, or refuse it with `GradientTooLarge`.
+    pub norm_policy: GradNormPolicy,
     /// Checkpoint every this many updates (0 = only when asked).
     pub checkpoint_every: u64,
     /// Layout fingerprint stored in checkpoints.
@@ -134,7 +123,7 @@ impl Default for CoreSettings {
             recovery_window: Duration::from_secs(10),
             max_parked_per_conn: 4,
             max_grad_norm: 0.0,
-            norm_policy: NormPolicy::Clip,
+            norm_policy: GradNormPolicy::Clip,
             checkpoint_every: 0,
             layout_hash: 0,
             data: DataSplit::default(),
@@ -368,10 +357,10 @@ impl ShardCore {
     ) -> Self {
         let len = setup.hi - setup.lo;
         let rule = setup.rule;
-        let moves_untouched = rule.momentum > 0.0 || rule.weight_decay > 0.0 || rule.lars.is_some();
+        let moves_untouched = rule.moves_untouched();
         Self {
             params: Vec::new(),
-            momentum: if rule.momentum > 0.0 {
+            momentum: if rule.uses_momentum() {
                 vec![0.0; len]
             } else {
                 Vec::new()
@@ -552,7 +541,7 @@ impl ShardCore {
     /// Ranks that may be in the barrier.
     fn max_ranks(&self) -> u32 {
         match self.setup.mode {
-            Mode::Bsp => self.setup.workers,
+            SyncMode::Bsp => self.setup.workers,
             _ => self.settings.max_ranks.max(self.setup.workers),
         }
     }
@@ -563,7 +552,7 @@ impl ShardCore {
         }
         let floor = self.min_live_clock();
         let was_live = self.live.insert(rank, Some(conn)).is_some();
-        if !was_live && self.setup.mode != Mode::Bsp {
+        if !was_live && self.setup.mode != SyncMode::Bsp {
             // A newcomer starts with the slowest live rank, and never
             // before the data split's first step.
             let clock = self.clocks.entry(rank).or_insert(0);
@@ -873,7 +862,7 @@ impl ShardCore {
         }
         report.updates_lost = report.newest_known - self.version;
         self.last_saved = report.checkpoint_version.unwrap_or(0).min(self.version);
-        if self.setup.mode == Mode::Bsp {
+        if self.setup.mode == SyncMode::Bsp {
             for c in self.clocks.values_mut() {
                 *c = self.version;
             }
@@ -949,11 +938,11 @@ impl ShardCore {
             return Ok(grad);
         }
         match self.settings.norm_policy {
-            NormPolicy::Refuse => Err(refusal(
+            GradNormPolicy::Refuse => Err(refusal(
                 ErrorCode::GradientTooLarge,
                 format!("gradient norm {norm:.3e} exceeds server.max_grad_norm = {bound}"),
             )),
-            NormPolicy::Clip => {
+            GradNormPolicy::Clip => {
                 self.stats.clipped += 1;
                 let scale = (f64::from(bound) / norm) as f32;
                 let clip = |v: WireValues| {
@@ -973,8 +962,8 @@ impl ShardCore {
     /// The step `rank` pushes next.
     fn next_step(&self, rank: u32) -> u64 {
         match self.setup.mode {
-            Mode::Bsp => self.version,
-            Mode::Asp | Mode::Ssp { .. } => self.clocks.get(&rank).copied().unwrap_or(0),
+            SyncMode::Bsp => self.version,
+            SyncMode::Asp | SyncMode::Ssp => self.clocks.get(&rank).copied().unwrap_or(0),
         }
     }
 
@@ -1049,7 +1038,7 @@ impl ShardCore {
             return;
         }
         match self.setup.mode {
-            Mode::Bsp => {
+            SyncMode::Bsp => {
                 if self.pushed.contains(&rank) {
                     // A retry of a push already counted: wait for the same reply.
                     self.stats.duplicate_pushes += 1;
@@ -1071,7 +1060,7 @@ impl ShardCore {
                 }
                 self.release(out);
             }
-            Mode::Asp | Mode::Ssp { .. } => {
+            SyncMode::Asp | SyncMode::Ssp => {
                 self.accumulate(grad);
                 *self.clocks.entry(rank).or_insert(0) += 1;
                 let scale = 1.0 / self.live.len().max(1) as f32;
@@ -1123,7 +1112,7 @@ impl ShardCore {
 
     /// BSP: apply once every live rank pushed.
     fn maybe_apply_bsp(&mut self, out: &mut Vec<Action>) -> bool {
-        if self.setup.mode != Mode::Bsp
+        if self.setup.mode != SyncMode::Bsp
             || self.pushed.is_empty()
             || !self.live.keys().all(|w| self.pushed.contains(w))
         {
@@ -1250,9 +1239,9 @@ impl ShardCore {
             Wait::Serving => self.is_serving(),
             Wait::Applied { step } => self.version > step,
             Wait::Staleness { next } => match self.setup.mode {
-                Mode::Ssp { staleness } => {
+                SyncMode::Ssp => {
                     let slowest = self.min_live_clock().unwrap_or(u64::MAX);
-                    next <= slowest.saturating_add(staleness)
+                    next <= slowest.saturating_add(self.setup.staleness)
                 }
                 _ => true,
             },
@@ -1304,23 +1293,30 @@ impl ShardCore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optimizer::UpdateRule;
 
-    fn setup(workers: u32, momentum: f32, mode: Mode) -> ShardSetup {
+    /// A shard of 8 parameters at 10..18, staleness 0 (SSP tests use `ssp`).
+    fn setup(workers: u32, momentum: f32, mode: SyncMode) -> ShardSetup {
         ShardSetup {
             shard: 0,
             lo: 10,
             hi: 18,
             segments: std::iter::once(0..8).collect(),
-            rule: UpdateRule {
+            rule: OptimizerSection {
                 lr: 1.0,
                 momentum,
-                nesterov: false,
-                weight_decay: 0.0,
-                lars: None,
+                ..OptimizerSection::default()
             },
             workers,
             mode,
+            staleness: 0,
+        }
+    }
+
+    /// An SSP shard of `workers` ranks with the given staleness bound.
+    fn ssp(workers: u32, staleness: u64) -> ShardSetup {
+        ShardSetup {
+            staleness,
+            ..setup(workers, 0.0, SyncMode::Ssp)
         }
     }
 
@@ -1335,7 +1331,7 @@ mod tests {
     /// A core whose `workers` ranks joined (rank r on connection 100 + r),
     /// still waiting for offers.
     fn joined(workers: u32, settings: CoreSettings, t0: Instant) -> ShardCore {
-        joined_with(setup(workers, 0.0, Mode::Bsp), settings, t0)
+        joined_with(setup(workers, 0.0, SyncMode::Bsp), settings, t0)
     }
 
     fn joined_with(setup: ShardSetup, settings: CoreSettings, t0: Instant) -> ShardCore {
@@ -1353,9 +1349,15 @@ mod tests {
         c
     }
 
-    fn serving(workers: u32, momentum: f32, mode: Mode) -> (ShardCore, Instant) {
+    fn serving(workers: u32, momentum: f32, mode: SyncMode) -> (ShardCore, Instant) {
+        serving_with(setup(workers, momentum, mode))
+    }
+
+    /// A serving core built from `setup`, every rank's offer at version 0.
+    fn serving_with(setup: ShardSetup) -> (ShardCore, Instant) {
         let t0 = Instant::now();
-        let mut c = joined_with(setup(workers, momentum, mode), CoreSettings::default(), t0);
+        let workers = setup.workers;
+        let mut c = joined_with(setup, CoreSettings::default(), t0);
         for r in 0..workers {
             c.handle(offer(r, 0, vec![0.0; 8]), t0);
         }
@@ -1452,7 +1454,7 @@ mod tests {
 
     #[test]
     fn bsp_step_is_one_round_trip_and_idempotent() {
-        let (mut c, t0) = serving(2, 0.0, Mode::Bsp);
+        let (mut c, t0) = serving(2, 0.0, SyncMode::Bsp);
         assert!(replies(&c.handle(step(1, 0, 0, sparse(vec![1], vec![2.0])), t0)).is_empty());
         // A retry of the same push (lost reply, reconnect) is not counted twice.
         assert!(replies(&c.handle(step(2, 0, 0, sparse(vec![1], vec![2.0])), t0)).is_empty());
@@ -1496,7 +1498,7 @@ mod tests {
 
     #[test]
     fn sparse_momentum_free_updates_touch_only_pushed_entries() {
-        let (mut c, t0) = serving(1, 0.0, Mode::Bsp);
+        let (mut c, t0) = serving(1, 0.0, SyncMode::Bsp);
         let acts = c.handle(step(1, 0, 0, sparse(vec![2, 5], vec![1.0, 1.0])), t0);
         assert!(acts.iter().any(|a| matches!(
             a,
@@ -1506,7 +1508,7 @@ mod tests {
             }
         )));
         assert_eq!(c.stats().sparse_updates, 1);
-        let (mut c, t0) = serving(1, 0.9, Mode::Bsp);
+        let (mut c, t0) = serving(1, 0.9, SyncMode::Bsp);
         let acts = c.handle(step(1, 0, 0, sparse(vec![2], vec![1.0])), t0);
         assert!(
             acts.iter()
@@ -1524,7 +1526,7 @@ mod tests {
 
     #[test]
     fn bad_pushes_are_refused_without_side_effects() {
-        let (mut c, t0) = serving(2, 0.0, Mode::Bsp);
+        let (mut c, t0) = serving(2, 0.0, SyncMode::Bsp);
         c.handle(step(1, 0, 0, sparse(vec![2], vec![1.0])), t0);
         let before = (c.params().to_vec(), c.version(), c.parked());
         let cases = [
@@ -1569,7 +1571,7 @@ mod tests {
             max_parked_per_conn: 2,
             ..CoreSettings::default()
         };
-        let mut c = ShardCore::new(setup(2, 0.0, Mode::Bsp), settings, None);
+        let mut c = ShardCore::new(setup(2, 0.0, SyncMode::Bsp), settings, None);
         c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
         c.handle(Event::Joined { rank: 1, conn: 101 }, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
@@ -1612,7 +1614,7 @@ mod tests {
 
     #[test]
     fn leaving_releases_the_barrier_and_stale_connections_are_ignored() {
-        let (mut c, t0) = serving(2, 0.0, Mode::Bsp);
+        let (mut c, t0) = serving(2, 0.0, SyncMode::Bsp);
         c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0);
         // Rank 1 reconnected on 201 before its old connection 101 was seen to die.
         c.handle(Event::Joined { rank: 1, conn: 201 }, t0);
@@ -1651,7 +1653,7 @@ mod tests {
 
     #[test]
     fn a_worker_that_crashed_after_pushing_rejoins_with_the_same_step() {
-        let (mut c, t0) = serving(2, 0.0, Mode::Bsp);
+        let (mut c, t0) = serving(2, 0.0, SyncMode::Bsp);
         c.handle(step(1, 1, 0, sparse(vec![0], vec![2.0])), t0);
         // Rank 1 dies after its push; its replacement joins on a new connection.
         c.handle(Event::ConnClosed { conn: 101 }, t0);
@@ -1727,7 +1729,7 @@ mod tests {
     #[test]
     fn a_fresh_shard_waits_for_every_copy_or_the_window() {
         let t0 = Instant::now();
-        let mut c = ShardCore::new(setup(2, 0.0, Mode::Bsp), CoreSettings::default(), None);
+        let mut c = ShardCore::new(setup(2, 0.0, SyncMode::Bsp), CoreSettings::default(), None);
         c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
         assert!(replies(&c.handle(offer(0, 0, vec![1.0; 8]), t0)).is_empty());
         // A step before the shard serves is refused with a hint.
@@ -1768,7 +1770,11 @@ mod tests {
             data: DataSplit::default(),
         };
         let run = |ck: Option<ShardCheckpoint>, offers: Vec<(u32, u64, f32)>, momentum: f32| {
-            let mut c = ShardCore::new(setup(3, momentum, Mode::Bsp), CoreSettings::default(), ck);
+            let mut c = ShardCore::new(
+                setup(3, momentum, SyncMode::Bsp),
+                CoreSettings::default(),
+                ck,
+            );
             for (rank, _, _) in &offers {
                 c.handle(
                     Event::Joined {
@@ -1852,13 +1858,13 @@ mod tests {
             max_grad_norm: 1.0,
             ..CoreSettings::default()
         };
-        let mut c = ShardCore::new(setup(1, 0.0, Mode::Bsp), settings.clone(), None);
+        let mut c = ShardCore::new(setup(1, 0.0, SyncMode::Bsp), settings.clone(), None);
         c.handle(Event::Joined { rank: 0, conn: 100 }, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
         c.handle(step(1, 0, 0, sparse(vec![0, 1], vec![3.0, 4.0])), t0);
         assert_eq!(c.stats().clipped, 1);
         assert!((c.params()[0] + 0.6).abs() < 1e-6 && (c.params()[1] + 0.8).abs() < 1e-6);
-        settings.norm_policy = NormPolicy::Refuse;
+        settings.norm_policy = GradNormPolicy::Refuse;
         let mut c = joined(1, settings, t0);
         c.handle(offer(0, 0, vec![0.0; 8]), t0);
         let acts = c.handle(step(1, 0, 0, sparse(vec![0], vec![1e30])), t0);
@@ -1868,7 +1874,7 @@ mod tests {
 
     #[test]
     fn ranks_beyond_the_start_count_join_asp_but_not_bsp() {
-        for (mode, admitted) in [(Mode::Asp, true), (Mode::Bsp, false)] {
+        for (mode, admitted) in [(SyncMode::Asp, true), (SyncMode::Bsp, false)] {
             let t0 = Instant::now();
             let settings = CoreSettings {
                 max_ranks: 3,
@@ -1880,7 +1886,7 @@ mod tests {
             }
             assert!(c.is_serving());
             // Rank 0 trains two steps, then rank 2 joins.
-            if mode == Mode::Asp {
+            if mode == SyncMode::Asp {
                 for s in 0..2 {
                     c.handle(step(10 + s, 0, s, sparse(vec![0], vec![1.0])), t0);
                 }
@@ -1919,7 +1925,7 @@ mod tests {
             },
             ..CoreSettings::default()
         };
-        let mut c = joined_with(setup(2, 0.0, Mode::Asp), settings, t0);
+        let mut c = joined_with(setup(2, 0.0, SyncMode::Asp), settings, t0);
         for r in 0..2 {
             c.handle(offer(r, 0, vec![0.0; 8]), t0);
         }
@@ -1936,7 +1942,7 @@ mod tests {
 
     #[test]
     fn asp_answers_at_once_and_ssp_bounds_staleness() {
-        let (mut c, t0) = serving(2, 0.0, Mode::Asp);
+        let (mut c, t0) = serving(2, 0.0, SyncMode::Asp);
         let acts = c.handle(step(1, 0, 0, sparse(vec![0], vec![2.0])), t0);
         assert!(matches!(
             replies(&acts)[..],
@@ -1949,7 +1955,7 @@ mod tests {
                 }
             )]
         ));
-        let (mut c, t0) = serving(2, 0.0, Mode::Ssp { staleness: 1 });
+        let (mut c, t0) = serving_with(ssp(2, 1));
         assert_eq!(
             replies(&c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0)).len(),
             1,
@@ -1966,7 +1972,7 @@ mod tests {
             "rank 1 catching up releases rank 0"
         );
         // A departed slow worker does not hold the others back.
-        let (mut c, t0) = serving(2, 0.0, Mode::Ssp { staleness: 0 });
+        let (mut c, t0) = serving_with(ssp(2, 0));
         assert!(replies(&c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0)).is_empty());
         assert_eq!(
             replies(&c.handle(

@@ -35,7 +35,7 @@ use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
 use tokio::sync::watch;
 
 use ps_shared::bucket::open_bucket;
-use ps_shared::config::{ClusterConfig, GradNormPolicy, SyncMode};
+use ps_shared::config::{ClusterConfig, SyncMode};
 use ps_shared::protocol::{
     close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
     MAX_HELLO_BYTES,
@@ -49,9 +49,8 @@ use crate::actor::{
     Shutdown,
 };
 use crate::checkpoint::{load_latest, CheckpointError, DataSplit};
-use crate::core::{ConnId, CoreSettings, Mode, NormPolicy, ShardCore, ShardSetup};
+use crate::core::{ConnId, CoreSettings, ShardCore, ShardSetup};
 use crate::membership::{Hello, MemberAction, Membership, MembershipSettings};
-use crate::optimizer::UpdateRule;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -343,22 +342,7 @@ pub async fn start(
     let map = ShardMap::balanced(num_params, cfg.total_shards())
         .map_err(|e| ServerError::Shards(e.to_string()))?;
     let tensors = cfg.model.tensor_ranges();
-    let o = &cfg.optimizer;
-    let rule = UpdateRule {
-        lr: o.lr,
-        momentum: o.momentum,
-        nesterov: o.nesterov,
-        weight_decay: o.weight_decay,
-        lars: (o.lars_eta > 0.0).then_some(o.lars_eta),
-    };
     let s = &cfg.server;
-    let mode = match s.mode {
-        SyncMode::Bsp => Mode::Bsp,
-        SyncMode::Asp => Mode::Asp,
-        SyncMode::Ssp => Mode::Ssp {
-            staleness: s.staleness,
-        },
-    };
     let checkpoints = if s.checkpoint_url.trim().is_empty() {
         None
     } else {
@@ -375,10 +359,7 @@ pub async fn start(
         recovery_window: secs(s.recovery_window_secs),
         max_parked_per_conn: 4,
         max_grad_norm: s.max_grad_norm,
-        norm_policy: match s.grad_norm_policy {
-            GradNormPolicy::Clip => NormPolicy::Clip,
-            GradNormPolicy::Refuse => NormPolicy::Refuse,
-        },
+        norm_policy: s.grad_norm_policy,
         checkpoint_every: s.checkpoint_every,
         layout_hash,
         data: DataSplit::default(),
@@ -427,8 +408,8 @@ pub async fn start(
         None => now_split,
         Some((shard, ckpt)) => {
             // BSP resumes at the version; ASP and SSP after the fastest rank.
-            let at = match mode {
-                Mode::Bsp => ckpt.version,
+            let at = match s.mode {
+                SyncMode::Bsp => ckpt.version,
                 _ => ckpt.clocks.iter().map(|(_, c)| *c).max().unwrap_or(0),
             };
             let split = ckpt
@@ -459,11 +440,12 @@ pub async fn start(
             lo: range.start,
             hi: range.end,
             segments: segments_within(&range, &tensors),
-            rule,
+            rule: cfg.optimizer,
             // The barrier's clients: one per node (per worker when
             // cluster.workers_per_node is 1).
             workers: cfg.nodes() as u32,
-            mode,
+            mode: s.mode,
+            staleness: s.staleness,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);

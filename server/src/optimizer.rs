@@ -6,7 +6,9 @@
 //! rates in one streaming pass over the three arrays, parallel over chunks with
 //! rayon and without full-size temporaries. LARS needs per-tensor norms first; they
 //! come from one parallel reduction pass. [`reference_update`] computes the same
-//! result with separate passes and temporaries, for tests and benchmarks.
+//! result with separate passes and temporaries, for tests and benchmarks. Both take
+//! the hyper-parameters as the config's `[optimizer]` section,
+//! [`OptimizerSection`]; LARS is on when its `lars_eta` is above zero.
 //!
 //! Per element, with `g' = grad_scale * grad + weight_decay * p`:
 //!
@@ -17,14 +19,15 @@
 //! ```
 //!
 //! ```
-//! use ps_server::optimizer::{fused_update, UpdateRule};
+//! use ps_server::optimizer::fused_update;
+//! use ps_shared::config::OptimizerSection;
 //!
-//! let rule = UpdateRule {
+//! let rule = OptimizerSection {
 //!     lr: 0.5,
 //!     momentum: 0.0,
 //!     nesterov: false,
 //!     weight_decay: 0.0,
-//!     lars: None,
+//!     lars_eta: 0.0,
 //! };
 //! let mut params = vec![1.0, 2.0];
 //! fused_update(&mut params, &[2.0, -2.0], &mut [], &[0..2], &rule, 1.0).unwrap();
@@ -35,29 +38,11 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use ps_shared::config::OptimizerSection;
 use rayon::prelude::*;
 
 /// Elements per parallel work item.
 const UPDATE_CHUNK: usize = 1 << 16;
-
-/// Hyper-parameters of one update.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct UpdateRule {
-    pub lr: f32,
-    /// Momentum coefficient; momentum is used only when it is above zero.
-    pub momentum: f32,
-    pub nesterov: bool,
-    pub weight_decay: f32,
-    /// LARS trust coefficient eta (e.g. 0.001): per segment
-    /// `lr_eff = lr * eta * ||p|| / ||g'||`, with 1 as the trust when a norm is 0.
-    pub lars: Option<f32>,
-}
-
-impl UpdateRule {
-    fn uses_momentum(&self) -> bool {
-        self.momentum > 0.0
-    }
-}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum UpdateError {
@@ -85,7 +70,7 @@ fn check_inputs(
     grad: &[f32],
     momentum_buf: &[f32],
     segments: &[Range<usize>],
-    rule: &UpdateRule,
+    rule: &OptimizerSection,
 ) -> Result<(), UpdateError> {
     if grad.len() != params.len() {
         return Err(UpdateError::GradLength {
@@ -99,7 +84,7 @@ fn check_inputs(
             momentum: momentum_buf.len(),
         });
     }
-    if rule.lars.is_some() {
+    if rule.lars().is_some() {
         let mut expected = 0;
         for (segment, range) in segments.iter().enumerate() {
             if range.start != expected || range.end < range.start {
@@ -174,7 +159,7 @@ pub fn fused_update(
     grad: &[f32],
     momentum_buf: &mut [f32],
     segments: &[Range<usize>],
-    rule: &UpdateRule,
+    rule: &OptimizerSection,
     grad_scale: f32,
 ) -> Result<(), UpdateError> {
     fused_update_charged(params, grad, momentum_buf, segments, rule, grad_scale, None)
@@ -189,7 +174,7 @@ pub fn fused_update_timed(
     grad: &[f32],
     momentum_buf: &mut [f32],
     segments: &[Range<usize>],
-    rule: &UpdateRule,
+    rule: &OptimizerSection,
     grad_scale: f32,
 ) -> Result<Duration, UpdateError> {
     let spent = AtomicU64::new(0);
@@ -210,13 +195,13 @@ fn fused_update_charged(
     grad: &[f32],
     momentum_buf: &mut [f32],
     segments: &[Range<usize>],
-    rule: &UpdateRule,
+    rule: &OptimizerSection,
     grad_scale: f32,
     spent: Option<&AtomicU64>,
 ) -> Result<(), UpdateError> {
     check_inputs(params, grad, momentum_buf, segments, rule)?;
     let whole = 0..params.len();
-    let segments: &[Range<usize>] = if rule.lars.is_some() {
+    let segments: &[Range<usize>] = if rule.lars().is_some() {
         segments
     } else {
         std::slice::from_ref(&whole)
@@ -233,7 +218,7 @@ fn fused_update_charged(
         })
         .collect();
 
-    let segment_lrs: Vec<f32> = match rule.lars {
+    let segment_lrs: Vec<f32> = match rule.lars() {
         None => vec![rule.lr],
         Some(eta) => {
             let params_view: &[f32] = params;
@@ -301,7 +286,12 @@ fn fused_update_charged(
 ///
 /// Blocks of 1024 entries are summed in eight f32 lanes (one loop per norm, so
 /// that each vectorises) and the lane sums are added up in f64.
-fn piece_norms(params: &[f32], grad: &[f32], rule: &UpdateRule, grad_scale: f32) -> (f64, f64) {
+fn piece_norms(
+    params: &[f32],
+    grad: &[f32],
+    rule: &OptimizerSection,
+    grad_scale: f32,
+) -> (f64, f64) {
     const LANES: usize = 8;
     const BLOCK: usize = 1024;
     let weight_decay = rule.weight_decay;
@@ -341,7 +331,7 @@ fn update_piece(
     grad: &[f32],
     momentum: &mut [f32],
     lr: f32,
-    rule: &UpdateRule,
+    rule: &OptimizerSection,
     grad_scale: f32,
 ) {
     let weight_decay = rule.weight_decay;
@@ -378,7 +368,7 @@ pub fn reference_update(
     grad: &[f32],
     momentum_buf: &mut [f32],
     segments: &[Range<usize>],
-    rule: &UpdateRule,
+    rule: &OptimizerSection,
     grad_scale: f32,
 ) -> Result<(), UpdateError> {
     check_inputs(params, grad, momentum_buf, segments, rule)?;
@@ -389,7 +379,7 @@ pub fn reference_update(
         .collect();
 
     let mut lrs = vec![rule.lr; params.len()];
-    if let Some(eta) = rule.lars {
+    if let Some(eta) = rule.lars() {
         for range in segments {
             let param_sq: f64 = params[range.clone()]
                 .iter()
@@ -434,13 +424,19 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn rule(momentum: f32, nesterov: bool, weight_decay: f32, lars: Option<f32>) -> UpdateRule {
-        UpdateRule {
+    /// A rule with lr 0.1; `lars` is the trust coefficient, `None` = off.
+    fn rule(
+        momentum: f32,
+        nesterov: bool,
+        weight_decay: f32,
+        lars: Option<f32>,
+    ) -> OptimizerSection {
+        OptimizerSection {
             lr: 0.1,
             momentum,
             nesterov,
             weight_decay,
-            lars,
+            lars_eta: lars.unwrap_or(0.0),
         }
     }
 
@@ -612,7 +608,7 @@ mod tests {
             let grad: Vec<f32> = data.iter().map(|d| d.1).collect();
             let momentum_init: Vec<f32> = data.iter().map(|d| d.2).collect();
             let segments = segments_from_cuts(params.len(), cuts);
-            let r = UpdateRule { lr: 0.05, momentum, nesterov, weight_decay, lars };
+            let r = OptimizerSection { lr: 0.05, ..rule(momentum, nesterov, weight_decay, lars) };
             let (mut p_fused, mut m_fused) = (params.clone(), momentum_init.clone());
             let (mut p_ref, mut m_ref) = (params.clone(), momentum_init.clone());
             fused_update(&mut p_fused, &grad, &mut m_fused, &segments, &r, grad_scale).unwrap();

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::dataplane::{CostSection, LoaderSection};
 use crate::layers::{plan, resnet, LayerSpec, Node, Shape};
 use crate::sampler::Partition;
-use crate::sparse::{CompressorConfig, TopKMethod};
+use crate::sparse::{Compressor, TopKMethod};
 
 /// The configuration shipped with the binaries (`configs/local.toml`).
 pub const DEFAULT_CONFIG: &str = include_str!("../../configs/local.toml");
@@ -561,26 +561,35 @@ pub enum CompressionKind {
     Topk,
 }
 
-/// Worker-side gradient compression.
+/// Worker-side gradient compression: the settings of the top-k
+/// [`Compressor`] (error feedback and DGC-style momentum correction, masking,
+/// local clipping and density warm-up), which takes this section as it is.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CompressionSection {
+    /// `topk`, or `none` for dense gradients (then no compressor is built
+    /// and the other settings are not used).
     pub kind: CompressionKind,
-    /// Fraction of entries sent per step, in (0, 1].
+    /// Final fraction of entries sent per step, in (0, 1]; 1 sends everything.
     pub density: f64,
     /// `exact` (introselect) or `approx` (sampled threshold).
     pub method: TopKMethod,
+    /// Keep the unsent residual and add it to later gradients.
     pub error_feedback: bool,
-    /// DGC momentum correction factor (0 disables); use with server momentum 0.
+    /// DGC momentum correction factor m in [0, 1) (0 disables):
+    /// `u = m*u + g; v += u`. Use with server momentum 0.
     pub momentum_correction: f32,
+    /// DGC momentum factor masking: zero `u` at the sent indices.
     pub momentum_masking: bool,
-    /// Steps of exponential density warm-up (0 disables).
+    /// Steps of exponential density warm-up from `warmup_start_density`
+    /// down to `density` (0 disables).
     pub warmup_steps: u64,
     pub warmup_start_density: f64,
     /// DGC local gradient clipping: largest L2 norm of one step's gradient on
     /// a worker before it is accumulated (0 disables).
     pub clip_norm: f32,
-    /// Send values as f16 on the wire.
+    /// Send values as f16 on the wire (the transport's business; the
+    /// compressor does not read it).
     pub f16_values: bool,
 }
 
@@ -602,35 +611,84 @@ impl Default for CompressionSection {
 }
 
 impl CompressionSection {
-    /// The compressor settings; `kind = "none"` means density 1 (dense).
-    pub fn compressor(&self) -> CompressorConfig {
-        let dense = self.kind == CompressionKind::None;
-        CompressorConfig {
-            density: if dense { 1.0 } else { self.density },
-            method: self.method,
-            error_feedback: self.error_feedback,
-            momentum_correction: if dense { 0.0 } else { self.momentum_correction },
-            momentum_masking: self.momentum_masking,
-            warmup_steps: if dense { 0 } else { self.warmup_steps },
-            warmup_start_density: if dense {
-                1.0
-            } else {
-                self.warmup_start_density
-            },
-            clip_norm: if dense { 0.0 } else { self.clip_norm },
+    /// The compressor for `num_params` parameters, or `None` with
+    /// `kind = "none"` (dense gradients need none).
+    pub fn compressor(&self, num_params: usize) -> Option<Compressor> {
+        match self.kind {
+            CompressionKind::None => None,
+            CompressionKind::Topk => Some(Compressor::new(num_params, self.clone())),
         }
+    }
+
+    /// The top-k settings' ranges, whatever `kind` says: density in (0, 1],
+    /// momentum correction in [0, 1), clip norm finite and >= 0, and with
+    /// warm-up on a start density in [density, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.density > 0.0 && self.density <= 1.0) {
+            return Err(format!(
+                "compressor density must be in (0, 1], got {}",
+                self.density
+            ));
+        }
+        if !(self.momentum_correction >= 0.0 && self.momentum_correction < 1.0) {
+            return Err(format!(
+                "compressor momentum_correction must be in [0, 1), got {}",
+                self.momentum_correction
+            ));
+        }
+        if !(self.clip_norm >= 0.0 && self.clip_norm.is_finite()) {
+            return Err(format!(
+                "compressor clip_norm must be a finite number >= 0, got {}",
+                self.clip_norm
+            ));
+        }
+        if self.warmup_steps > 0
+            && !(self.warmup_start_density >= self.density && self.warmup_start_density <= 1.0)
+        {
+            return Err(format!(
+                "compressor warmup_start_density must be in [density, 1] = [{}, 1], got {}",
+                self.density, self.warmup_start_density
+            ));
+        }
+        Ok(())
+    }
+
+    /// Density used at `step` (0-based): during warm-up
+    /// `start * (density / start)^(step / warmup_steps)`, afterwards `density`.
+    /// Never increases with `step`; out-of-range settings are clamped.
+    pub fn density_at(&self, step: u64) -> f64 {
+        let density = if self.density.is_nan() {
+            1.0
+        } else {
+            self.density.clamp(f64::MIN_POSITIVE, 1.0)
+        };
+        if self.warmup_steps == 0 || step >= self.warmup_steps {
+            return density;
+        }
+        let start = if self.warmup_start_density.is_nan() {
+            density
+        } else {
+            self.warmup_start_density.clamp(density, 1.0)
+        };
+        let progress = step as f64 / self.warmup_steps as f64;
+        (start * (density / start).powf(progress)).clamp(density, start)
     }
 }
 
-/// Server-side optimizer, applied once per step to the aggregated gradient.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Server-side optimizer, applied once per step to the aggregated gradient;
+/// the server's update kernels (`ps_server::optimizer`) take it as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {
     pub lr: f32,
+    /// Momentum coefficient; momentum is used only when it is above zero.
     pub momentum: f32,
+    /// Nesterov momentum (needs `momentum` > 0).
     pub nesterov: bool,
     pub weight_decay: f32,
-    /// LARS trust coefficient (0 disables LARS).
+    /// LARS trust coefficient eta, e.g. 0.001 (0 disables LARS): per tensor
+    /// `lr_eff = lr * eta * ||p|| / ||g'||`, with 1 as the trust when a norm
+    /// is 0.
     pub lars_eta: f32,
 }
 
@@ -647,10 +705,23 @@ impl Default for OptimizerSection {
 }
 
 impl OptimizerSection {
-    /// Whether an update can move a parameter whose aggregated gradient is zero
-    /// (then pulls must be dense).
+    /// Whether the update keeps a momentum buffer (`momentum` > 0).
+    #[inline]
+    pub fn uses_momentum(&self) -> bool {
+        self.momentum > 0.0
+    }
+
+    /// The LARS trust coefficient when LARS is on (`lars_eta` > 0).
+    #[inline]
+    pub fn lars(&self) -> Option<f32> {
+        (self.lars_eta > 0.0).then_some(self.lars_eta)
+    }
+
+    /// Whether an update may move a parameter whose aggregated gradient is
+    /// zero (then replies cannot be built from the pushed indices alone).
+    /// LARS is counted as such too, conservatively.
     pub fn moves_untouched(&self) -> bool {
-        self.momentum > 0.0 || self.weight_decay > 0.0
+        self.uses_momentum() || self.weight_decay > 0.0 || self.lars().is_some()
     }
 }
 
@@ -991,10 +1062,11 @@ impl ClusterConfig {
         if !(z.density > 0.0 && z.density <= 1.0) {
             return Err(invalid("compression.density", "must be in (0, 1]"));
         }
-        self.compression
-            .compressor()
-            .validate()
-            .map_err(|m| invalid("compression", m))?;
+        // With kind = "none" no compressor is built, so only the density
+        // (checked above) is held to its range.
+        if z.kind == CompressionKind::Topk {
+            z.validate().map_err(|m| invalid("compression", m))?;
+        }
         let o = &self.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
             return Err(invalid("optimizer.lr", "must be a positive finite number"));
@@ -1248,6 +1320,25 @@ mod tests {
         ] {
             ClusterConfig::from_toml_str(text).unwrap();
         }
+    }
+
+    #[test]
+    fn compression_kind_none_builds_no_compressor() {
+        let topk = ClusterConfig::from_toml_str(
+            "[compression]\nkind = \"topk\"\nmomentum_correction = 1.5\n",
+        )
+        .unwrap_err();
+        assert!(topk.to_string().contains("momentum_correction"), "{topk}");
+        // The top-k settings are not used without a compressor.
+        let cfg = ClusterConfig::from_toml_str(
+            "[compression]\nkind = \"none\"\nmomentum_correction = 1.5\n",
+        )
+        .unwrap();
+        assert!(cfg.compression.compressor(8).is_none());
+        let cfg = ClusterConfig::from_toml_str("[compression]\nkind = \"topk\"\n").unwrap();
+        let compressor = cfg.compression.compressor(8).expect("a top-k compressor");
+        assert_eq!(compressor.config(), &cfg.compression);
+        assert_eq!(compressor.residual().len(), 8);
     }
 
     #[test]

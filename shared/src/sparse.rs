@@ -24,13 +24,18 @@
 //! therefore only selected when `k` exceeds the number of non-NaN entries.
 //!
 //! ```
-//! use ps_shared::sparse::{topk_exact, Compressor, CompressorConfig};
+//! use ps_shared::config::CompressionSection;
+//! use ps_shared::sparse::{topk_exact, Compressor};
 //!
 //! let top = topk_exact(&[0.5, -3.0, 0.1, 2.0], 2);
 //! assert_eq!(top.indices, vec![1, 3]);
 //! assert_eq!(top.values, vec![-3.0, 2.0]);
 //!
-//! let config = CompressorConfig { density: 0.5, ..CompressorConfig::default() };
+//! let config = CompressionSection {
+//!     density: 0.5,
+//!     momentum_correction: 0.0,
+//!     ..CompressionSection::default()
+//! };
 //! let mut compressor = Compressor::new(4, config);
 //! let sent = compressor.compress(&[0.5, -3.0, 0.1, 2.0]).unwrap();
 //! assert_eq!(sent.indices, vec![1, 3]);
@@ -42,6 +47,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
+
+use crate::config::CompressionSection;
 
 /// Largest number of entries a top-k input may have: indices are `u32`.
 /// Entries past this length are ignored by the kernels.
@@ -529,99 +536,6 @@ fn exact_whole_array(values: &[f32], k: usize) -> SparseGrad {
     out
 }
 
-/// Worker-side compressor settings: error feedback and DGC-style momentum
-/// correction, masking and density warm-up.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
-#[serde(default)]
-pub struct CompressorConfig {
-    /// Final density, e.g. 0.01; 1.0 means dense (send everything).
-    pub density: f64,
-    pub method: TopKMethod,
-    /// Keep the unsent residual and add it to later gradients.
-    pub error_feedback: bool,
-    /// DGC momentum correction factor m (0 = off): `u = m*u + g; v += u`.
-    pub momentum_correction: f32,
-    /// DGC momentum factor masking: zero `u` at the sent indices.
-    pub momentum_masking: bool,
-    /// Density warm-up length: exponential from `warmup_start_density` down to
-    /// `density` over these steps (0 = off).
-    pub warmup_steps: u64,
-    pub warmup_start_density: f64,
-    /// DGC local gradient clipping: a gradient whose L2 norm exceeds this is
-    /// scaled down to it before accumulation (0 = off).
-    pub clip_norm: f32,
-}
-
-impl Default for CompressorConfig {
-    fn default() -> Self {
-        CompressorConfig {
-            density: 0.01,
-            method: TopKMethod::Exact,
-            error_feedback: true,
-            momentum_correction: 0.0,
-            momentum_masking: true,
-            warmup_steps: 0,
-            warmup_start_density: 0.25,
-            clip_norm: 0.0,
-        }
-    }
-}
-
-impl CompressorConfig {
-    /// Density in (0,1]; momentum correction in [0,1); with warm-up on, a start
-    /// density in [density, 1].
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.density > 0.0 && self.density <= 1.0) {
-            return Err(format!(
-                "compressor density must be in (0, 1], got {}",
-                self.density
-            ));
-        }
-        if !(self.momentum_correction >= 0.0 && self.momentum_correction < 1.0) {
-            return Err(format!(
-                "compressor momentum_correction must be in [0, 1), got {}",
-                self.momentum_correction
-            ));
-        }
-        if !(self.clip_norm >= 0.0 && self.clip_norm.is_finite()) {
-            return Err(format!(
-                "compressor clip_norm must be a finite number >= 0, got {}",
-                self.clip_norm
-            ));
-        }
-        if self.warmup_steps > 0
-            && !(self.warmup_start_density >= self.density && self.warmup_start_density <= 1.0)
-        {
-            return Err(format!(
-                "compressor warmup_start_density must be in [density, 1] = [{}, 1], got {}",
-                self.density, self.warmup_start_density
-            ));
-        }
-        Ok(())
-    }
-
-    /// Density used at `step` (0-based): during warm-up
-    /// `start * (density / start)^(step / warmup_steps)`, afterwards `density`.
-    /// Never increases with `step`; out-of-range settings are clamped.
-    pub fn density_at(&self, step: u64) -> f64 {
-        let density = if self.density.is_nan() {
-            1.0
-        } else {
-            self.density.clamp(f64::MIN_POSITIVE, 1.0)
-        };
-        if self.warmup_steps == 0 || step >= self.warmup_steps {
-            return density;
-        }
-        let start = if self.warmup_start_density.is_nan() {
-            density
-        } else {
-            self.warmup_start_density.clamp(density, 1.0)
-        };
-        let progress = step as f64 / self.warmup_steps as f64;
-        (start * (density / start).powf(progress)).clamp(density, start)
-    }
-}
-
 /// Factor that brings `grad`'s L2 norm down to `max_norm` (1 when it is
 /// already within it, or when `max_norm` is 0 = off).
 pub fn clip_scale(grad: &[f32], max_norm: f32) -> f32 {
@@ -640,10 +554,11 @@ pub fn clip_scale(grad: &[f32], max_norm: f32) -> f32 {
     }
 }
 
-/// Error-feedback top-k compressor of one worker's flat gradient.
+/// Error-feedback top-k compressor of one worker's flat gradient, with the
+/// settings of the config's `[compression]` section.
 #[derive(Debug, Clone)]
 pub struct Compressor {
-    config: CompressorConfig,
+    config: CompressionSection,
     /// Accumulated unsent gradient (DGC's `v`).
     residual: Vec<f32>,
     /// Corrected momentum (DGC's `u`); empty while momentum correction is off.
@@ -652,9 +567,11 @@ pub struct Compressor {
 }
 
 impl Compressor {
-    /// A compressor for `num_params` parameters. The config should have passed
-    /// [`CompressorConfig::validate`]; out-of-range values are clamped.
-    pub fn new(num_params: usize, config: CompressorConfig) -> Self {
+    /// A top-k compressor for `num_params` parameters, whatever `config.kind`
+    /// says ([`CompressionSection::compressor`] builds none for `none`). The
+    /// config should have passed [`CompressionSection::validate`];
+    /// out-of-range values are clamped.
+    pub fn new(num_params: usize, config: CompressionSection) -> Self {
         let momentum = if config.momentum_correction > 0.0 {
             vec![0.0; num_params]
         } else {
@@ -754,7 +671,7 @@ impl Compressor {
         self.step
     }
 
-    pub fn config(&self) -> &CompressorConfig {
+    pub fn config(&self) -> &CompressionSection {
         &self.config
     }
 }
@@ -780,6 +697,16 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use rand::Rng;
+
+    /// Top-k settings at `density` with DGC momentum correction off (the
+    /// section's default has it at 0.9); the rest as the section's default.
+    fn topk_config(density: f64) -> CompressionSection {
+        CompressionSection {
+            density,
+            momentum_correction: 0.0,
+            ..CompressionSection::default()
+        }
+    }
 
     fn gaussian(len: usize, seed: u64) -> Vec<f32> {
         let mut rng = StdRng::seed_from_u64(seed);
@@ -1027,10 +954,9 @@ mod tests {
             approx in any::<bool>(),
             seed in any::<u64>(),
         ) {
-            let config = CompressorConfig {
-                density,
+            let config = CompressionSection {
                 method: if approx { TopKMethod::Approx } else { TopKMethod::Exact },
-                ..CompressorConfig::default()
+                ..topk_config(density)
             };
             let mut compressor = Compressor::new(len, config);
             let mut fed = vec![0.0f64; len];
@@ -1080,10 +1006,7 @@ mod tests {
 
     #[test]
     fn dense_density_sends_everything() {
-        let config = CompressorConfig {
-            density: 1.0,
-            ..CompressorConfig::default()
-        };
+        let config = topk_config(1.0);
         assert!(config.validate().is_ok());
         let mut compressor = Compressor::new(3, config);
         let sent = compressor.compress(&[1.0, 0.0, -2.0]).unwrap();
@@ -1093,7 +1016,7 @@ mod tests {
 
     #[test]
     fn compressor_rejects_wrong_length() {
-        let mut compressor = Compressor::new(4, CompressorConfig::default());
+        let mut compressor = Compressor::new(4, topk_config(0.01));
         assert_eq!(
             compressor.compress(&[1.0; 3]).unwrap_err(),
             SparseError::LengthMismatch {
@@ -1106,10 +1029,9 @@ mod tests {
 
     #[test]
     fn no_error_feedback_clears_residual() {
-        let config = CompressorConfig {
-            density: 0.5,
+        let config = CompressionSection {
             error_feedback: false,
-            ..CompressorConfig::default()
+            ..topk_config(0.5)
         };
         let mut compressor = Compressor::new(4, config);
         let sent = compressor.compress(&[4.0, 1.0, -3.0, 0.5]).unwrap();
@@ -1119,11 +1041,10 @@ mod tests {
 
     #[test]
     fn momentum_correction_and_masking() {
-        let config = CompressorConfig {
-            density: 0.5,
+        let config = CompressionSection {
             momentum_correction: 0.5,
             momentum_masking: true,
-            ..CompressorConfig::default()
+            ..topk_config(0.5)
         };
         let mut compressor = Compressor::new(2, config);
         // u = [1, 0.5]; v = [1, 0.5]; send index 0, zero u[0].
@@ -1139,11 +1060,10 @@ mod tests {
 
     #[test]
     fn warmup_schedule_is_monotone_and_ends_at_density() {
-        let config = CompressorConfig {
-            density: 0.001,
+        let config = CompressionSection {
             warmup_steps: 40,
             warmup_start_density: 0.25,
-            ..CompressorConfig::default()
+            ..topk_config(0.001)
         };
         assert!(config.validate().is_ok());
         assert!((config.density_at(0) - 0.25).abs() < 1e-12);
@@ -1154,36 +1074,34 @@ mod tests {
         assert_eq!(config.density_at(1000), 0.001);
         // Exponential: halfway is the geometric mean.
         assert!((config.density_at(20) - (0.25f64 * 0.001).sqrt()).abs() < 1e-9);
-        let off = CompressorConfig::default();
+        let off = CompressionSection::default();
+        assert_eq!(off.warmup_steps, 0);
         assert_eq!(off.density_at(0), 0.01);
     }
 
     #[test]
     fn config_validation_messages() {
-        let bad_density = CompressorConfig {
-            density: 0.0,
-            ..CompressorConfig::default()
-        };
+        let bad_density = topk_config(0.0);
         assert!(bad_density.validate().unwrap_err().contains("density"));
-        let bad_correction = CompressorConfig {
+        let bad_correction = CompressionSection {
             momentum_correction: 1.0,
-            ..CompressorConfig::default()
+            ..topk_config(0.01)
         };
         assert!(bad_correction
             .validate()
             .unwrap_err()
             .contains("momentum_correction"));
-        let bad_start = CompressorConfig {
-            density: 0.5,
+        let bad_start = CompressionSection {
             warmup_steps: 10,
             warmup_start_density: 0.25,
-            ..CompressorConfig::default()
+            ..topk_config(0.5)
         };
         assert!(bad_start
             .validate()
             .unwrap_err()
             .contains("warmup_start_density"));
-        assert!(CompressorConfig::default().validate().is_ok());
+        assert!(topk_config(0.01).validate().is_ok());
+        assert!(CompressionSection::default().validate().is_ok());
     }
 
     #[test]
@@ -1242,7 +1160,7 @@ mod tests {
         assert_eq!(back, grad);
         let json = serde_json::to_string(&TopKMethod::Approx).unwrap();
         assert_eq!(json, "\"approx\"");
-        let config: CompressorConfig = serde_json::from_str(r#"{"density": 0.1}"#).unwrap();
+        let config: CompressionSection = serde_json::from_str(r#"{"density": 0.1}"#).unwrap();
         assert_eq!(config.density, 0.1);
         assert!(config.error_feedback);
     }
@@ -1252,17 +1170,16 @@ mod tests {
         assert_eq!(clip_scale(&[3.0, 4.0], 0.0), 1.0);
         assert_eq!(clip_scale(&[3.0, 4.0], 10.0), 1.0);
         assert!((clip_scale(&[3.0, 4.0], 2.5) - 0.5).abs() < 1e-6);
-        let config = CompressorConfig {
-            density: 1.0,
+        let config = CompressionSection {
             clip_norm: 2.5,
-            ..CompressorConfig::default()
+            ..topk_config(1.0)
         };
         let mut c = Compressor::new(2, config);
         let sent = c.compress(&[3.0, 4.0]).unwrap();
         assert_eq!(sent.values, vec![1.5, 2.0]);
-        let bad = CompressorConfig {
+        let bad = CompressionSection {
             clip_norm: -1.0,
-            ..CompressorConfig::default()
+            ..topk_config(0.01)
         };
         assert!(bad.validate().unwrap_err().contains("clip_norm"));
     }

@@ -34,8 +34,8 @@ use tokio::sync::watch;
 use ps_server::actor::{
     Deliver, GetCounters, MemberNews, ShardActor, ShardCounters, ShardRequest, Shutdown,
 };
-use ps_server::core::{CoreSettings, Mode, ShardCore, ShardSetup};
-use ps_server::optimizer::UpdateRule;
+use ps_server::core::{CoreSettings, ShardCore, ShardSetup};
+use ps_shared::config::{OptimizerSection, SyncMode};
 use ps_shared::protocol::{
     decode_request, decode_response, encode_request, encode_response, ParamUpdate, Request,
     Response, WireGrad, WireValues, FRAME_HEADER_BYTES,
@@ -389,14 +389,14 @@ pub fn run_case(case: ScaleCase) -> anyhow::Result<CaseResult> {
 
 async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
     let map = ShardMap::balanced(case.params, case.servers).map_err(|e| anyhow!("{e}"))?;
-    let rule = UpdateRule {
+    let rule = OptimizerSection {
         lr: 0.1,
         // Dense runs keep momentum on the server (its optimizer state); top-k
         // runs use plain SGD, so the sparse update path applies.
         momentum: if case.density.is_none() { 0.9 } else { 0.0 },
         nesterov: false,
         weight_decay: 0.0,
-        lars: None,
+        lars_eta: 0.0,
     };
     let settings = CoreSettings {
         recovery_window: Duration::ZERO,
@@ -415,7 +415,8 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
             segments: std::iter::once(0..len).collect(),
             rule,
             workers: case.workers as u32,
-            mode: Mode::Bsp,
+            mode: SyncMode::Bsp,
+            staleness: 0,
         };
         let core = ShardCore::new(setup, settings.clone(), None);
         let (version_tx, _) = watch::channel(0);

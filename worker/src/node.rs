@@ -43,7 +43,7 @@ use std::time::Duration;
 
 use futures::channel::oneshot;
 
-use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::config::ClusterConfig;
 use ps_shared::link::{LinkSection, LinkStats};
 use ps_shared::sparse::{Compressor, SparseError};
 
@@ -68,14 +68,11 @@ impl NodeSum {
         }
     }
 
-    /// The node's compressor config for `cfg` (`None` when dense).
+    /// The node's sum for `cfg`, with the compressor of its `[compression]`
+    /// section (none with `kind = "none"`).
     pub fn for_config(cfg: &ClusterConfig) -> Self {
         let n = cfg.model.num_params();
-        let compressor = match cfg.compression.kind {
-            CompressionKind::None => None,
-            CompressionKind::Topk => Some(Compressor::new(n, cfg.compression.compressor())),
-        };
-        Self::new(n, compressor)
+        Self::new(n, cfg.compression.compressor(n))
     }
 
     /// Add one rank's gradient to the node's sum.
@@ -581,14 +578,17 @@ pub fn node_members(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ps_shared::sparse::{CompressorConfig, SparseGrad};
+    use ps_shared::config::CompressionSection;
+    use ps_shared::sparse::SparseGrad;
 
+    /// A top-k compressor of 4 parameters, without momentum correction.
     fn topk(density: f64) -> Compressor {
         Compressor::new(
             4,
-            CompressorConfig {
+            CompressionSection {
                 density,
-                ..CompressorConfig::default()
+                momentum_correction: 0.0,
+                ..CompressionSection::default()
             },
         )
     }

@@ -21,13 +21,12 @@ use serde::Serialize;
 
 use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
-use ps_shared::config::{ClusterConfig, CompressionKind, OnBadSample};
+use ps_shared::config::{ClusterConfig, OnBadSample};
 use ps_shared::countstore::{CountingStore, GetCounts};
 use ps_shared::dataplane::CostModel;
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 use ps_shared::simstore::SimStore;
 use ps_shared::simulate::Simulation;
-use ps_shared::sparse::Compressor;
 
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
@@ -516,10 +515,10 @@ async fn run_rank(
     let num_params = model.num_params();
     // Ranks of a node hand their dense gradient to the node, which
     // compresses the node's mean.
-    let compressor = match cfg.compression.kind {
-        _ if node.is_some() => None,
-        CompressionKind::None => None,
-        CompressionKind::Topk => Some(Compressor::new(num_params, cfg.compression.compressor())),
+    let compressor = if node.is_some() {
+        None
+    } else {
+        cfg.compression.compressor(num_params)
     };
     let trainer_arbiter = Arbiter::new();
     let trainer = TrainerActor::start_in_arbiter(&trainer_arbiter.handle(), move |_| {

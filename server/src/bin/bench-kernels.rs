@@ -16,7 +16,8 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use ps_server::optimizer::{fused_update, reference_update, UpdateRule};
+use ps_server::optimizer::{fused_update, reference_update};
+use ps_shared::config::OptimizerSection;
 use ps_shared::hash::splitmix64_next;
 use ps_shared::sparse::{k_for_density, topk_approx, topk_by_full_sort, topk_exact};
 use rayon::prelude::*;
@@ -189,19 +190,19 @@ fn main() -> anyhow::Result<()> {
     // Warm the pages and caches once.
     black_box(read_three_parallel(&grad, &params, &momentum));
 
-    let sgd = UpdateRule {
+    let sgd = OptimizerSection {
         lr: 1e-4,
         momentum: 0.9,
         nesterov: false,
         weight_decay: 1e-4,
-        lars: None,
+        lars_eta: 0.0,
     };
-    let nesterov = UpdateRule {
+    let nesterov = OptimizerSection {
         nesterov: true,
         ..sgd
     };
-    let lars = UpdateRule {
-        lars: Some(0.001),
+    let lars = OptimizerSection {
+        lars_eta: 0.001,
         ..sgd
     };
     let full_range = 0..len;

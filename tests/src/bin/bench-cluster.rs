@@ -514,7 +514,7 @@ fn profile(args: &Args, cfg: &ClusterConfig) -> anyhow::Result<Profile> {
         .iter()
         .filter(|c| c.kind == CompressionKind::Topk && c.ssp_overlap.is_none())
     {
-        let mut c = base_config(args, case)?.compression.compressor();
+        let mut c = base_config(args, case)?.compression;
         c.density = case.density;
         let mut compressor = Compressor::new(p, c);
         let ms = mean_ms(&mut || {

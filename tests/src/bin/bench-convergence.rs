@@ -64,7 +64,7 @@ struct Args {
     modes: Vec<String>,
     /// Density warm-up steps of the top-k modes (exponential from
     /// `--warmup-start` down to the mode's density).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 300)]
     warmup_steps: u64,
     #[arg(long, default_value_t = 0.05)]
     warmup_start: f64,
@@ -76,6 +76,10 @@ struct Args {
     /// worker's gradient before accumulation (0 = off).
     #[arg(long, default_value_t = 0.0)]
     clip_norm: f32,
+    /// DGC momentum factor masking of the top-k modes (zero a worker's
+    /// momentum at the entries it sent).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    momentum_masking: bool,
 }
 
 fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
@@ -107,6 +111,7 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
             cfg.compression.warmup_steps = args.warmup_steps;
             cfg.compression.warmup_start_density = args.warmup_start;
             cfg.compression.clip_norm = args.clip_norm;
+            cfg.compression.momentum_masking = args.momentum_masking;
         }
     }
     fit_frames_to_model(&mut cfg);

@@ -116,16 +116,22 @@ impl NodeSum {
         for s in &mut self.sum {
             *s *= scale;
         }
-        let out = match &mut self.compressor {
-            None => (Outgoing::Dense(self.sum.clone()), 1.0),
+        match &mut self.compressor {
+            // The mean is the push; the next sum starts from fresh zeros.
+            None => {
+                let zeros = vec![0.0; self.sum.len()];
+                Ok((
+                    Outgoing::Dense(std::mem::replace(&mut self.sum, zeros)),
+                    1.0,
+                ))
+            }
             Some(c) => {
                 let sparse = c.compress(&self.sum)?;
                 let density = sparse.indices.len() as f64 / n;
-                (Outgoing::Sparse(sparse), density)
+                self.sum.fill(0.0);
+                Ok((Outgoing::Sparse(sparse), density))
             }
-        };
-        self.sum.fill(0.0);
-        Ok(out)
+        }
     }
 
     /// The node's unsent accumulator (empty when dense).

@@ -16,10 +16,13 @@
 #   ddp       DDP dense, gloo, rank r in worker node w<r>
 #   powersgd  DDP + PowerSGD hook (rank 4, warm start, error feedback, plain
 #             all-reduce for the first --powersgd-start steps), same placement
-#   dense, topk1, topk01
-#             Stratus dense (server momentum 0.9), top-k 1% and top-k 0.1%
-#             (worker-side DGC momentum correction 0.9, error feedback, server
-#             momentum 0), each in two topologies:
+#   dense, dense16, topk1, topk01
+#             Stratus dense (server momentum 0.9), dense with f16 push values
+#             (compression.f16_values, the pulls stay f32; colocated only),
+#             top-k 1% and 0.1%
+#             (worker-side DGC momentum correction --topk-correction, error
+#             feedback, server momentum 0, global top-k on the servers), each
+#             in two topologies:
 #               server     one ps-server (2 shards) alone on node s0
 #               colocated  one ps-server (1 shard) on each worker node; a worker
 #                          reaches its own over loopback, the other over the link
@@ -49,13 +52,21 @@
 #
 # Usage: sudo scripts/bench-peers.sh [--rate 100mbit|1gbit|none] [--seeds N]
 #            [--max-steps S] [--eval-every N] [--target ACC]
-#            [--modes ddp,powersgd,dense,topk1,topk01]
+#            [--modes ddp,powersgd,dense,dense16,topk1,topk01]
 #            [--topologies server,colocated] [--topk-warmup STEPS]
-#            [--powersgd-start STEPS] [--quick]
+#            [--powersgd-start STEPS] [--topk-correction M] [--topk-f16 true|false]
+#            [--global-topk true|false] [--quick]
 #   --quick      tiny data set and a few steps: a smoke test of the script
+#   --topk-correction  DGC momentum correction of the top-k modes (default
+#                0.95, the best of bench-convergence's sweep)
+#   --topk-f16   the top-k modes' push values travel as f16
+#                (compression.f16_values; default true)
+#   --global-topk  the servers apply a global top-k of each sparse update
+#                (compression.global_topk; default true): pulls carry at most
+#                k entries; false applies and returns the union of the pushes
 #   --topk-warmup  DGC density warm-up for the top-k modes (exponential from
-#                5% down to the mode's density over STEPS steps; default 0,
-#                top-k from the first step)
+#                5% down to the mode's density over STEPS steps; default 300,
+#                as bench-convergence; 0 = top-k from the first step)
 #   --powersgd-start  torch's start_powerSGD_iter (default 2, the least it
 #                allows with error feedback and warm start: compressed from
 #                the third step, as Stratus's top-k is from the first; 10
@@ -71,9 +82,12 @@ seeds=1
 max_steps=300
 eval_every=5
 target=0.97
-modes=ddp,powersgd,dense,topk1,topk01
+modes=ddp,powersgd,dense,dense16,topk1,topk01
 topologies=server,colocated
-topk_warmup=0
+topk_warmup=300
+topk_correction=0.95
+topk_f16=true
+global_topk=true
 powersgd_start=2
 quick=0
 while [[ $# -gt 0 ]]; do
@@ -87,6 +101,9 @@ while [[ $# -gt 0 ]]; do
         --topologies) topologies=${2:?--topologies needs a value}; shift 2 ;;
         --topk-warmup) topk_warmup=${2:?--topk-warmup needs a value}; shift 2 ;;
         --powersgd-start) powersgd_start=${2:?--powersgd-start needs a value}; shift 2 ;;
+        --topk-correction) topk_correction=${2:?--topk-correction needs a value}; shift 2 ;;
+        --topk-f16) topk_f16=${2:?--topk-f16 needs true or false}; shift 2 ;;
+        --global-topk) global_topk=${2:?--global-topk needs true or false}; shift 2 ;;
         --quick) quick=1; shift ;;
         -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) echo "bench-peers: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -99,6 +116,9 @@ die() { echo "bench-peers: $*" >&2; exit 2; }
 [[ $topk_warmup =~ ^[0-9]+$ ]] || die "--topk-warmup must be a non-negative integer"
 [[ $powersgd_start =~ ^[0-9]+$ && $powersgd_start -ge 2 ]] || die "--powersgd-start must be an integer >= 2"
 [[ $target =~ ^0?\.[0-9]+$ ]] || die "--target must be a fraction such as 0.97"
+[[ $topk_correction =~ ^0?\.[0-9]+$|^0$ ]] || die "--topk-correction must be in [0, 1), such as 0.95"
+[[ $global_topk =~ ^(true|false)$ ]] || die "--global-topk must be true or false"
+[[ $topk_f16 =~ ^(true|false)$ ]] || die "--topk-f16 must be true or false"
 rate_bits=0
 case "$rate" in
     none) ;;
@@ -107,7 +127,7 @@ case "$rate" in
     *) die "--rate must be like 100mbit, 1gbit or none" ;;
 esac
 for m in ${modes//,/ }; do
-    [[ $m =~ ^(ddp|powersgd|dense|topk1|topk01)$ ]] || die "unknown mode $m (ddp, powersgd, dense, topk1, topk01)"
+    [[ $m =~ ^(ddp|powersgd|dense|dense16|topk1|topk01)$ ]] || die "unknown mode $m (ddp, powersgd, dense, dense16, topk1, topk01)"
 done
 for t in ${topologies//,/ }; do
     [[ $t =~ ^(server|colocated)$ ]] || die "unknown topology $t (server, colocated)"
@@ -314,10 +334,11 @@ run_ddp() { # mode seed
 }
 
 write_config() { # mode topology seed file
-    local kind=none density=1.0 server_momentum=0.9 correction=0.0 servers shards
+    local kind=none density=1.0 server_momentum=0.9 correction=0.0 servers shards values16=false
     case "$1" in
-        topk1) kind=topk density=0.01 server_momentum=0.0 correction=0.9 ;;
-        topk01) kind=topk density=0.001 server_momentum=0.0 correction=0.9 ;;
+        dense16) values16=true ;;
+        topk1) kind=topk density=0.01 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 ;;
+        topk01) kind=topk density=0.001 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 ;;
     esac
     if [[ $2 == server ]]; then
         servers="\"${ip[s0]}:7400\""
@@ -372,6 +393,8 @@ momentum_correction = $correction
 momentum_masking = true
 warmup_steps = $([[ $kind == topk ]] && echo "$topk_warmup" || echo 0)
 warmup_start_density = 0.05
+f16_values = $values16
+global_topk = $global_topk
 
 [optimizer]
 lr = 0.05
@@ -414,9 +437,11 @@ run_stratus() { # mode topology seed
 for ((seed = 1; seed <= seeds; seed++)); do
     if has_mode ddp; then run_ddp dense "$seed"; fi
     if has_mode powersgd; then run_ddp powersgd "$seed"; fi
-    for mode in dense topk1 topk01; do
+    for mode in dense dense16 topk1 topk01; do
         has_mode "$mode" || continue
         for topology in server colocated; do
+            # dense16 is measured where dense is closest to DDP: colocated.
+            [[ $mode == dense16 && $topology == server ]] && continue
             if has_topology "$topology"; then run_stratus "$mode" "$topology" "$seed"; fi
         done
     done
@@ -425,6 +450,7 @@ done
 "$py" scripts/bench_peers/report.py --runs "$work/runs" --out "$work" \
     --rate "$rate" --target "$target" --eval-every "$eval_every" --max-steps "$max_steps" \
     --seeds "$seeds" --torch "$torch_version" --topk-warmup "$topk_warmup" --powersgd-start "$powersgd_start" \
+    --topk-recipe "momentum correction $topk_correction, f16 values $topk_f16, global top-k $global_topk" \
     --data "train=$train test=$test label_noise=$label_noise" $([[ $quick -eq 1 ]] && echo --quick)
 if [[ $completed -ne 1 ]]; then
     say "some runs did not complete (see above)"

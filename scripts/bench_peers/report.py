@@ -26,11 +26,13 @@ import os
 import sys
 
 SYSTEM_ORDER = [("ddp", "dense"), ("ddp", "powersgd"),
-                ("stratus", "dense"), ("stratus", "topk1"), ("stratus", "topk01")]
+                ("stratus", "dense"), ("stratus", "dense16"), ("stratus", "topk1"),
+                ("stratus", "topk01")]
 TOPOLOGY_ORDER = ["peer", "server", "colocated"]
 SYSTEM_NAME = {"ddp": "DDP", "stratus": "Stratus"}
 MODE_NAME = {("ddp", "dense"): "dense", ("ddp", "powersgd"): "PowerSGD r4",
-             ("stratus", "dense"): "dense", ("stratus", "topk1"): "top-k 1%",
+             ("stratus", "dense"): "dense", ("stratus", "dense16"): "dense, f16 push",
+             ("stratus", "topk1"): "top-k 1%",
              ("stratus", "topk01"): "top-k 0.1%"}
 TOPOLOGY_NAME = {"peer": "peers (gloo)", "server": "1 server node", "colocated": "colocated"}
 
@@ -119,6 +121,7 @@ def parse_args():
     ap.add_argument("--torch", default="")
     ap.add_argument("--topk-warmup", type=int, default=0)
     ap.add_argument("--powersgd-start", type=int, default=2)
+    ap.add_argument("--topk-recipe", default="")
     ap.add_argument("--data", default="")
     ap.add_argument("--quick", action="store_true")
     return ap.parse_args()
@@ -231,22 +234,26 @@ def main():
                             f"(1) Stratus best time to {tgt} <= 0.5x DDP+PowerSGD: "
                             f"{MODE_NAME[('stratus', best['mode'])]} {TOPOLOGY_NAME[best['topology']]} "
                             f"{best['s_to_target']['mean']:.2f} s vs {psgd_t['mean']:.2f} s = {ratio:.2f}x"))
-    dense_col = row("stratus", "dense", "colocated")
     ddp = row("ddp", "dense", "peer")
-    if dense_col is None or ddp is None or dense_col["step_ms"]["mean"] is None or ddp["step_ms"]["mean"] is None:
-        targets.append(("SKIP", "(2) Stratus dense colocated step <= 1.0x DDP dense step: "
-                                "needs both runs to complete"))
-    else:
-        ratio = dense_col["step_ms"]["mean"] / ddp["step_ms"]["mean"]
-        targets.append(("PASS" if ratio <= 1.0 else "MISS",
-                        f"(2) Stratus dense colocated step <= 1.0x DDP dense step: "
-                        f"{dense_col['step_ms']['mean']:.1f} ms vs {ddp['step_ms']['mean']:.1f} ms = {ratio:.2f}x"))
+    for mode, label in (("dense", "(2) Stratus dense colocated step"),
+                        ("dense16", "(2) Stratus dense colocated step, f16 push values,")):
+        dense_col = row("stratus", mode, "colocated")
+        if dense_col is None and mode == "dense16":
+            continue
+        if dense_col is None or ddp is None or dense_col["step_ms"]["mean"] is None or ddp["step_ms"]["mean"] is None:
+            targets.append(("SKIP", f"{label} <= 1.0x DDP dense step: needs both runs to complete"))
+        else:
+            ratio = dense_col["step_ms"]["mean"] / ddp["step_ms"]["mean"]
+            targets.append(("PASS" if ratio <= 1.0 else "MISS",
+                            f"{label} <= 1.0x DDP dense step: "
+                            f"{dense_col['step_ms']['mean']:.1f} ms vs {ddp['step_ms']['mean']:.1f} ms = {ratio:.2f}x"))
 
     settings = (f"link {ARGS.rate} each way per node (tc tbf), 2 workers x batch 64, MLP 256-1024-1024-10, "
                 f"SGD lr 0.05 momentum 0.9, eval every {ARGS.eval_every} steps, target {tgt}, "
                 f"cap {ARGS.max_steps} steps, {nseeds} seed(s), data {ARGS.data}, torch {ARGS.torch}, "
                 f"PowerSGD rank 4 from step {ARGS.powersgd_start}"
                 + (f", top-k warm-up {ARGS.topk_warmup} steps" if ARGS.topk_warmup else "")
+                + (f", top-k {ARGS.topk_recipe}" if ARGS.topk_recipe else "")
                 + (", QUICK smoke test (numbers mean nothing)" if ARGS.quick else ""))
     widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))

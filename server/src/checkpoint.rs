@@ -105,6 +105,9 @@ pub struct ShardCheckpoint {
     pub version: u64,
     pub params: Vec<f32>,
     pub momentum: Vec<f32>,
+    /// The global top-k residual's non-zero entries (empty without
+    /// `compression.global_topk`).
+    pub residual: ps_shared::sparse::SparseGrad,
     /// Next step per worker (ASP/SSP).
     pub clocks: Vec<(u32, u64)>,
     /// Where the sample stream stands.
@@ -241,6 +244,10 @@ mod tests {
             version,
             params: vec![1.0, 2.0, 3.0, version as f32],
             momentum: vec![],
+            residual: ps_shared::sparse::SparseGrad {
+                indices: vec![1],
+                values: vec![0.5],
+            },
             clocks: vec![(0, version)],
             data: DataSplit::fresh(2, 8, 1, false),
         }

@@ -33,7 +33,7 @@
 //! use ps_shared::protocol::{Response, WireGrad, WireValues};
 //!
 //! let rule = OptimizerSection { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars_eta: 0.0 };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0 };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -53,6 +53,8 @@ use std::time::{Duration, Instant};
 
 use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
+
+use ps_shared::sparse::{topk_exact, SparseGrad};
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
 use crate::optimizer::fused_update_timed;
@@ -83,6 +85,13 @@ pub struct ShardSetup {
     /// SSP only (`server.staleness`): no worker may run more than this many
     /// steps ahead of the slowest live worker. Ignored in BSP and ASP.
     pub staleness: u64,
+    /// `compression.global_topk`: a sparse update applies only the `k`
+    /// largest entries of the aggregated gradient plus the shard's residual,
+    /// `k` being the largest push of that update; the rest stays in the
+    /// residual (server-side error feedback). Replies then carry at most `k`
+    /// changed entries, not the union of every push. No effect on dense
+    /// updates (dense pushes, or an optimizer that moves every entry).
+    pub global_topk: bool,
 }
 
 /// Changed-index sets kept for sparse replies (one per recent version).
@@ -287,7 +296,8 @@ pub struct CoreStats {
 pub struct ShardMemory {
     /// The parameters.
     pub params: usize,
-    /// Optimizer state (the momentum buffer; empty without momentum).
+    /// Optimizer state: the momentum buffer (empty without momentum) and
+    /// the global top-k residual (empty without `global_topk`).
     pub optimizer: usize,
     /// The aggregation buffer, its touched marks and the touched list.
     pub aggregation: usize,
@@ -312,6 +322,12 @@ pub struct ShardCore {
     marked: Vec<bool>,
     touched: Vec<u32>,
     all_touched: bool,
+    /// Most entries one push of the update under way carried.
+    push_max: usize,
+    /// Global top-k: the aggregated gradient not applied yet (mean units),
+    /// and the entries where it may be non-zero. Empty without it.
+    residual: Vec<f32>,
+    residual_idx: Vec<u32>,
     version: u64,
     /// Ranks in the barrier, with the connection they are on (`None`: expected
     /// but not connected yet).
@@ -369,6 +385,13 @@ impl ShardCore {
             marked: vec![false; len],
             touched: Vec::new(),
             all_touched: false,
+            push_max: 0,
+            residual: if setup.global_topk {
+                vec![0.0; len]
+            } else {
+                Vec::new()
+            },
+            residual_idx: Vec::new(),
             version: 0,
             live: (0..setup.workers).map(|r| (r, None)).collect(),
             pushed: BTreeSet::new(),
@@ -429,7 +452,8 @@ impl ShardCore {
         use std::mem::size_of;
         ShardMemory {
             params: self.params.capacity() * size_of::<f32>(),
-            optimizer: self.momentum.capacity() * size_of::<f32>(),
+            optimizer: (self.momentum.capacity() + self.residual.capacity()) * size_of::<f32>()
+                + self.residual_idx.capacity() * size_of::<u32>(),
             aggregation: self.agg.capacity() * size_of::<f32>()
                 + self.marked.capacity() * size_of::<bool>()
                 + self.touched.capacity() * size_of::<u32>(),
@@ -472,6 +496,7 @@ impl ShardCore {
             version: self.version,
             params: self.params.clone(),
             momentum: self.momentum.clone(),
+            residual: self.residual_sparse(),
             clocks: self.clocks.iter().map(|(w, c)| (*w, *c)).collect(),
             data: self.settings.data,
         }
@@ -849,6 +874,12 @@ impl ShardCore {
             if ckpt.momentum.len() == self.momentum.len() {
                 self.momentum = ckpt.momentum;
             }
+            if !self.residual.is_empty() && ckpt.residual.validate(self.len()).is_ok() {
+                for (&i, &v) in ckpt.residual.indices.iter().zip(&ckpt.residual.values) {
+                    self.residual[i as usize] = v;
+                    self.residual_idx.push(i);
+                }
+            }
             if !self.momentum.is_empty() {
                 report.momentum_updates_lost = self.version - ckpt.version.min(self.version);
             }
@@ -1090,6 +1121,7 @@ impl ShardCore {
                 self.all_touched = true;
             }
             WireGrad::Sparse { indices, values } => {
+                self.push_max = self.push_max.max(indices.len());
                 for (&i, g) in indices.iter().zip(values.into_f32()) {
                     let i = i as usize;
                     self.agg[i] += g;
@@ -1128,19 +1160,30 @@ impl ShardCore {
         let entries;
         if sparse {
             // Plain SGD on the pushed entries only: O(k), not O(P).
-            let step = self.setup.rule.lr * scale;
-            self.touched.sort_unstable();
-            for &i in &self.touched {
-                let i = i as usize;
-                self.params[i] -= step * self.agg[i];
-                self.agg[i] = 0.0;
-                self.marked[i] = false;
-            }
-            entries = self.touched.len();
+            let changed = if self.setup.global_topk {
+                self.select_global_topk(scale)
+            } else {
+                let step = self.setup.rule.lr * scale;
+                self.touched.sort_unstable();
+                for &i in &self.touched {
+                    let i = i as usize;
+                    self.params[i] -= step * self.agg[i];
+                    self.agg[i] = 0.0;
+                    self.marked[i] = false;
+                }
+                std::mem::take(&mut self.touched)
+            };
+            entries = changed.len();
             self.stats.sparse_updates += 1;
-            self.changes
-                .push_back(Some(std::mem::take(&mut self.touched)));
+            self.changes.push_back(Some(changed));
         } else {
+            // A residual left by earlier sparse updates joins this dense one.
+            for &i in &self.residual_idx {
+                let i = i as usize;
+                self.agg[i] += self.residual[i] / scale;
+                self.residual[i] = 0.0;
+            }
+            self.residual_idx.clear();
             match fused_update_timed(
                 &mut self.params,
                 &self.agg,
@@ -1158,6 +1201,7 @@ impl ShardCore {
             entries = self.len();
             self.changes.push_back(None);
         }
+        self.push_max = 0;
         if self.changes.len() > CHANGE_HISTORY {
             self.changes.pop_front();
         }
@@ -1169,6 +1213,70 @@ impl ShardCore {
             version: self.version,
             entries,
         });
+    }
+
+    /// Global top-k: adds the mean of this update's pushes to the residual,
+    /// applies the `push_max` largest entries of it (plain SGD) and keeps the
+    /// rest. Returns the applied entries, ascending. O(candidates): the
+    /// pushed entries and the residual's.
+    fn select_global_topk(&mut self, scale: f32) -> Vec<u32> {
+        for &i in &self.residual_idx {
+            if !self.marked[i as usize] {
+                self.marked[i as usize] = true;
+                self.touched.push(i);
+            }
+        }
+        self.residual_idx.clear();
+        let mut candidates = std::mem::take(&mut self.touched);
+        candidates.sort_unstable();
+        for &i in &candidates {
+            let i = i as usize;
+            self.residual[i] += scale * self.agg[i];
+            self.agg[i] = 0.0;
+            self.marked[i] = false;
+        }
+        let k = self.push_max.max(1);
+        let chosen = if candidates.len() <= k {
+            candidates
+        } else {
+            let values: Vec<f32> = candidates
+                .iter()
+                .map(|&i| self.residual[i as usize])
+                .collect();
+            // Positions into `candidates`, ascending.
+            let top = topk_exact(&values, k).indices;
+            let mut chosen = Vec::with_capacity(top.len());
+            let mut next = top.iter().peekable();
+            for (pos, &i) in candidates.iter().enumerate() {
+                if next.peek().is_some_and(|&&p| p as usize == pos) {
+                    next.next();
+                    chosen.push(i);
+                } else {
+                    self.residual_idx.push(i);
+                }
+            }
+            chosen
+        };
+        let lr = self.setup.rule.lr;
+        for &i in &chosen {
+            let i = i as usize;
+            self.params[i] -= lr * self.residual[i];
+            self.residual[i] = 0.0;
+        }
+        chosen
+    }
+
+    /// The residual's non-zero entries, for a checkpoint.
+    fn residual_sparse(&self) -> SparseGrad {
+        let mut indices: Vec<u32> = self
+            .residual_idx
+            .iter()
+            .copied()
+            .filter(|&i| self.residual[i as usize] != 0.0)
+            .collect();
+        indices.sort_unstable();
+        let values = indices.iter().map(|&i| self.residual[i as usize]).collect();
+        SparseGrad { indices, values }
     }
 
     /// The checkpoint of the state the shard stops in, unless one is saved.
@@ -1309,6 +1417,7 @@ mod tests {
             workers,
             mode,
             staleness: 0,
+            global_topk: false,
         }
     }
 
@@ -1522,6 +1631,85 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// Global top-k: two pushes of 2 entries each apply the 2 largest of
+    /// their mean plus the residual; the rest waits in the residual, is
+    /// applied when it grows, survives a checkpoint, and joins a dense update.
+    #[test]
+    fn global_topk_applies_k_entries_and_keeps_the_rest() {
+        let (mut c, t0) = serving_with(ShardSetup {
+            global_topk: true,
+            ..setup(2, 0.0, SyncMode::Bsp)
+        });
+        c.handle(step(1, 0, 0, sparse(vec![0, 1], vec![4.0, 2.0])), t0);
+        let acts = c.handle(step(2, 1, 0, sparse(vec![1, 3], vec![2.0, -1.0])), t0);
+        // Mean: [2, 2, 0, -0.5]; k = 2 applies entries 0 and 1 (lr 1).
+        assert!(acts.iter().any(|a| matches!(
+            a,
+            Action::Applied {
+                version: 1,
+                entries: 2
+            }
+        )));
+        for (_, r) in replies(&acts) {
+            match r {
+                Response::Params {
+                    update: ParamUpdate::Sparse { indices, values },
+                    ..
+                } => {
+                    assert_eq!(indices, &vec![0, 1]);
+                    assert_eq!(values, &vec![-2.0, -2.0]);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(c.params(), &[-2.0, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(
+            c.snapshot().residual,
+            SparseGrad {
+                indices: vec![3],
+                values: vec![-0.5]
+            }
+        );
+        // Next update: entry 3's residual (-0.5) plus its new mean (-1)
+        // beats entry 5's 1.0 with k = 1.
+        c.handle(step(3, 0, 1, sparse(vec![3], vec![-2.0])), t0);
+        let acts = c.handle(step(4, 1, 1, sparse(vec![5], vec![2.0])), t0);
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::Applied { entries: 1, .. })));
+        assert_eq!(c.params()[3], 1.5);
+        assert_eq!(c.params()[5], 0.0);
+        // The residual is restored from a checkpoint at the same version.
+        let ckpt = c.snapshot();
+        assert_eq!(ckpt.residual.indices, vec![5]);
+        let mut again = ShardCore::new(
+            ShardSetup {
+                global_topk: true,
+                ..setup(2, 0.0, SyncMode::Bsp)
+            },
+            CoreSettings::default(),
+            Some(ckpt.clone()),
+        );
+        for r in 0..2 {
+            again.handle(
+                Event::Joined {
+                    rank: r,
+                    conn: 100 + u64::from(r),
+                },
+                t0,
+            );
+            again.handle(offer(r, 2, c.params().to_vec()), t0);
+        }
+        assert_eq!(again.snapshot().residual, ckpt.residual);
+        assert_eq!(again.params(), c.params());
+        // A dense update applies what the residual held.
+        let dense = |v: f32| WireGrad::Dense(WireValues::F32(vec![v; 8]));
+        again.handle(step(5, 0, 2, dense(0.0)), t0);
+        again.handle(step(6, 1, 2, dense(0.0)), t0);
+        assert_eq!(again.params()[5], -1.0);
+        assert!(again.snapshot().residual.is_empty());
     }
 
     #[test]
@@ -1766,6 +1954,7 @@ mod tests {
             version,
             params,
             momentum,
+            residual: SparseGrad::default(),
             clocks: vec![],
             data: DataSplit::default(),
         };

@@ -35,7 +35,7 @@ use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
 use tokio::sync::watch;
 
 use ps_shared::bucket::open_bucket;
-use ps_shared::config::{ClusterConfig, SyncMode};
+use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
 use ps_shared::protocol::{
     close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
     MAX_HELLO_BYTES,
@@ -446,6 +446,8 @@ pub async fn start(
             workers: cfg.nodes() as u32,
             mode: s.mode,
             staleness: s.staleness,
+            global_topk: cfg.compression.kind == CompressionKind::Topk
+                && cfg.compression.global_topk,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);

@@ -591,6 +591,14 @@ pub struct CompressionSection {
     /// Send values as f16 on the wire (the transport's business; the
     /// compressor does not read it).
     pub f16_values: bool,
+    /// Global top-k on the servers: each sparse update applies only the k
+    /// largest entries of the workers' mean gradient (k = the largest push
+    /// of that update) and keeps the rest in a server-side residual, saved
+    /// in checkpoints. A pull then carries at most k changed entries instead
+    /// of the union of every worker's top-k (up to workers × k). The
+    /// servers read it; it has no effect on dense updates (`kind = "none"`,
+    /// or an optimizer with momentum, weight decay or LARS).
+    pub global_topk: bool,
 }
 
 impl Default for CompressionSection {
@@ -606,6 +614,7 @@ impl Default for CompressionSection {
             warmup_start_density: 0.25,
             clip_norm: 0.0,
             f16_values: false,
+            global_topk: true,
         }
     }
 }

@@ -55,6 +55,9 @@ pub struct ScaleCase {
     pub workers: usize,
     /// Measured steps (one warm-up step runs before them).
     pub steps: u64,
+    /// The servers apply a global top-k of each sparse update
+    /// (`compression.global_topk`), so replies carry at most k entries.
+    pub global_topk: bool,
 }
 
 impl ScaleCase {
@@ -75,6 +78,15 @@ impl ScaleCase {
         }
     }
 
+    /// Entries of one worker's reply from all shards together, in
+    /// expectation: the union of the pushes, or k with global top-k.
+    pub fn expected_reply(&self) -> f64 {
+        match self.density {
+            Some(d) if self.global_topk => self.params as f64 * d,
+            _ => self.expected_union(),
+        }
+    }
+
     /// Peak bytes this case needs, estimated from the buffers it allocates:
     /// the servers' parameter, optimizer (dense runs use momentum),
     /// aggregation and history buffers, every worker's push waiting in a
@@ -82,7 +94,7 @@ impl ScaleCase {
     pub fn estimated_bytes(&self) -> f64 {
         let p = self.params as f64;
         let w = self.workers as f64;
-        let u = self.expected_union();
+        let u = self.expected_reply();
         match self.density {
             None => {
                 let server = p * (4.0 + 4.0 + 4.0 + 1.0);
@@ -93,7 +105,13 @@ impl ScaleCase {
             Some(_) => {
                 let k = p * self.density.unwrap_or(1.0);
                 let history = HISTORY_VERSIONS.min((p / (u * 2.0)).max(1.0)) * u * 4.0;
-                let server = p * (4.0 + 4.0 + 1.0) + u * 4.0 + history;
+                // With global top-k: the residual and its index list.
+                let residual = if self.global_topk {
+                    p * 4.0 + self.expected_union() * 4.0
+                } else {
+                    0.0
+                };
+                let server = p * (4.0 + 4.0 + 1.0) + u * 4.0 + history + residual;
                 server + w * k * 8.0 * 2.0 + w * u * 8.0 * 2.0
             }
         }
@@ -107,7 +125,7 @@ impl ScaleCase {
             None => self.params as f64,
             Some(d) => self.params as f64 * d,
         };
-        (self.steps + 1) as f64 * w * (pushed + self.expected_union())
+        (self.steps + 1) as f64 * w * (pushed + self.expected_reply())
     }
 }
 
@@ -417,6 +435,7 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
             workers: case.workers as u32,
             mode: SyncMode::Bsp,
             staleness: 0,
+            global_topk: case.global_topk,
         };
         let core = ShardCore::new(setup, settings.clone(), None);
         let (version_tx, _) = watch::channel(0);

@@ -80,6 +80,14 @@ struct Args {
     /// momentum at the entries it sent).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     momentum_masking: bool,
+    /// Servers apply a global top-k of each sparse update, with their own
+    /// residual (`compression.global_topk`); `false` applies the union of
+    /// the pushes.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    global_topk: bool,
+    /// Top-k values travel as f16 (`compression.f16_values`).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    f16_values: bool,
 }
 
 fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
@@ -106,6 +114,8 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
         cfg.compression.momentum_masking = true;
         cfg.compression.error_feedback = true;
         cfg.compression.method = TopKMethod::Exact;
+        cfg.compression.global_topk = args.global_topk;
+        cfg.compression.f16_values = args.f16_values;
         if recipe {
             cfg.compression.momentum_correction = args.momentum_correction;
             cfg.compression.warmup_steps = args.warmup_steps;

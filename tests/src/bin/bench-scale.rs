@@ -70,6 +70,11 @@ struct Args {
     /// (pushed plus replied, over every step): the time guard.
     #[arg(long, default_value_t = 1e8)]
     max_entries: f64,
+    /// Servers apply a global top-k of each sparse update
+    /// (`compression.global_topk`): replies carry at most k entries instead
+    /// of the union of every worker's push. `false` measures union replies.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    global_topk: bool,
     /// Folder for the chart, the CSV and the JSON.
     #[arg(long, default_value = "target/bench-scale")]
     out: PathBuf,
@@ -205,6 +210,14 @@ fn run(args: &Args) -> anyhow::Result<()> {
     let mut results = Vec::new();
     let mut skipped = Vec::new();
     println!(
+        "sparse replies: {}",
+        if args.global_topk {
+            "global top-k (at most k entries)"
+        } else {
+            "union of the pushes"
+        }
+    );
+    println!(
         "{:>6} {:>7} {:>3} {:>4} {:>10} {:>11} {:>9} {:>10} {:>11}",
         "params",
         "density",
@@ -226,6 +239,7 @@ fn run(args: &Args) -> anyhow::Result<()> {
                         servers,
                         workers,
                         steps: args.steps,
+                        global_topk: args.global_topk,
                     };
                     let lead = format!(
                         "{:>6} {:>7} {:>3} {:>4}",

@@ -879,6 +879,13 @@ impl ShardCore {
                     self.residual[i as usize] = v;
                     self.residual_idx.push(i);
                 }
+            } else if !ckpt.residual.indices.is_empty() {
+                tracing::warn!(
+                    shard = self.id(),
+                    entries = ckpt.residual.indices.len(),
+                    "the checkpoint holds a global top-k residual that this shard does not keep \
+                     (compression.global_topk is off or the shard's size changed); dropping it"
+                );
             }
             if !self.momentum.is_empty() {
                 report.momentum_updates_lost = self.version - ckpt.version.min(self.version);

@@ -22,7 +22,7 @@ use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::sparse::TopKMethod;
 use ps_tests::{fit_frames_to_model, run_cluster, synthetic_bucket, test_config};
-use ps_worker::run::WorkerReport;
+use ps_worker::run::{EvalPoint, WorkerReport};
 
 /// Largest ratio of top-k 0.1%'s steps to the target over dense's.
 const TARGET_STEP_RATIO: f64 = 1.3;
@@ -129,13 +129,14 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
     Ok(cfg)
 }
 
+/// First evaluation at or above `acc`.
+fn first_at(report: &WorkerReport, acc: f32) -> Option<&EvalPoint> {
+    report.evals.iter().find(|e| e.test_accuracy >= acc)
+}
+
 /// First evaluated step at or above `acc`.
 fn steps_to(report: &WorkerReport, acc: f32) -> Option<u64> {
-    report
-        .evals
-        .iter()
-        .find(|e| e.test_accuracy >= acc)
-        .map(|e| e.step)
+    first_at(report, acc).map(|e| e.step)
 }
 
 fn spread(v: &[u64]) -> String {
@@ -169,8 +170,17 @@ fn main() -> anyhow::Result<()> {
             let r = &reports[0];
             let best = r.evals.iter().map(|e| e.test_accuracy).fold(0.0, f32::max);
             let (a, b) = (steps_to(r, 0.95), steps_to(r, args.target));
+            // What one worker sent and received up to the target: on a slow
+            // link the time to accuracy follows these bytes, not the steps.
+            let bytes = first_at(r, args.target).map_or("-".into(), |e| {
+                format!(
+                    "{:.0} KB pushed + {:.0} KB pulled",
+                    e.bytes_pushed as f64 / 1e3,
+                    e.bytes_pulled as f64 / 1e3
+                )
+            });
             println!(
-                "{mode:>13} seed {seed}: 95% at {}, {:.0}% at {}, best {:.2}% in {} steps",
+                "{mode:>13} seed {seed}: 95% at {}, {:.0}% at {} ({bytes}), best {:.2}% in {} steps",
                 a.map_or("-".into(), |s| s.to_string()),
                 100.0 * args.target,
                 b.map_or("-".into(), |s| s.to_string()),
@@ -198,10 +208,10 @@ fn main() -> anyhow::Result<()> {
         );
         means.push((mode.clone(), mean));
     }
-    let dense = means
-        .iter()
-        .find(|(m, _)| m == "dense")
-        .and_then(|(_, m)| *m);
+    // Ratios need dense as the reference: without it in --modes, none.
+    let Some((_, dense)) = means.iter().find(|(m, _)| m == "dense").cloned() else {
+        return Ok(());
+    };
     for (mode, mean) in &means {
         if mode == "dense" {
             continue;

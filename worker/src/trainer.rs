@@ -67,8 +67,20 @@ pub struct ComputeStep(pub Arc<Batch>);
 impl Handler<ComputeStep> for TrainerActor {
     type Result = Result<StepOutput, TrainerError>;
     fn handle(&mut self, msg: ComputeStep, _: &mut Context<Self>) -> Self::Result {
+        // The compressor's passes are rayon iterators. Called from this
+        // actor's thread, each one is handed to the pool and waited for: a
+        // wake-up and two context switches per pass, and with one pool
+        // thread (RAYON_NUM_THREADS=1) nothing runs here meanwhile. Running
+        // the step on a pool thread makes that one hand-over per step; the
+        // passes then split over the pool from there, or run inline.
+        rayon::scope(|_| self.compute_step(&msg.0))
+    }
+}
+
+impl TrainerActor {
+    fn compute_step(&mut self, batch: &Batch) -> Result<StepOutput, TrainerError> {
         let t0 = Instant::now();
-        let loss = self.model.gradient_into(&msg.0, &mut self.grad)?;
+        let loss = self.model.gradient_into(batch, &mut self.grad)?;
         if !loss.is_finite() {
             return Err(TrainerError::Diverged(loss));
         }

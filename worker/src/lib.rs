@@ -2,7 +2,7 @@
 //!
 //! * [`model`]: the candle model seen through the flat parameter space.
 //! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
-//! * [`loader`]: `LoaderActor`, batches prefetched from the bucket in sample order.
+//! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
 //! * [`comm`]: `CommActor`, pushes and pulls over QUIC.

@@ -1,4 +1,4 @@
-//! `LoaderActor`: hands the trainer its batches, fetched ahead of time from a
+//! The `Loader`: hands the trainer its batches, fetched ahead of time from a
 //! slow bucket through a memory and a disk cache.
 //!
 //! The sample order is known in advance (this rank's part of every global
@@ -73,7 +73,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use actix::prelude::*;
 use bytes::Bytes;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -1493,52 +1492,6 @@ impl Loader {
 impl Drop for Loader {
     fn drop(&mut self) {
         self.task.abort();
-    }
-}
-
-/// Hands batches from a [`Loader`] to the training loop.
-pub struct LoaderActor {
-    loader: Arc<Loader>,
-}
-
-impl LoaderActor {
-    pub fn new(loader: Loader) -> Self {
-        Self {
-            loader: Arc::new(loader),
-        }
-    }
-
-    pub fn stats(&self) -> Arc<LoaderStats> {
-        self.loader.stats()
-    }
-}
-
-impl Actor for LoaderActor {
-    type Context = Context<Self>;
-}
-
-/// Ask for the next batch; `None` once every epoch is done.
-#[derive(Message)]
-#[rtype(result = "Result<Option<(BatchPos, Arc<Batch>)>, LoaderError>")]
-pub struct NextBatch;
-
-impl Handler<NextBatch> for LoaderActor {
-    type Result = ResponseFuture<Result<Option<(BatchPos, Arc<Batch>)>, LoaderError>>;
-    fn handle(&mut self, _: NextBatch, _: &mut Context<Self>) -> Self::Result {
-        let loader = self.loader.clone();
-        Box::pin(async move { loader.next().await })
-    }
-}
-
-/// Ask for the data-plane counters of one epoch.
-#[derive(Message)]
-#[rtype(result = "EpochDataStats")]
-pub struct EpochStats(pub u64);
-
-impl Handler<EpochStats> for LoaderActor {
-    type Result = MessageResult<EpochStats>;
-    fn handle(&mut self, msg: EpochStats, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.loader.stats().epoch(msg.0))
     }
 }
 

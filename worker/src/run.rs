@@ -1,6 +1,6 @@
 //! One worker's training run: wires the loader, trainer and comm actors together.
 //!
-//! Per step: take the next (already prefetched) batch from the `LoaderActor`,
+//! Per step: take the next (already prefetched) batch from the [`Loader`],
 //! have the `TrainerActor` compute and compress the gradient, have the
 //! `CommActor` push it and pull the new parameters, and hand those back to the
 //! trainer. Time spent waiting for each is measured separately, so the epoch
@@ -33,8 +33,8 @@ use crate::comm::{
     ShardUpdate, StepExchange, Traffic, WorkerTls,
 };
 use crate::loader::{
-    BatchPos, EpochDataStats, EpochStats, Loader, LoaderActor, LoaderError, LoaderSettings,
-    NextBatch, Outage, OutageLog, RetryFailure, RetryPolicy,
+    BatchPos, EpochDataStats, Loader, LoaderError, LoaderSettings, Outage, OutageLog, RetryFailure,
+    RetryPolicy,
 };
 use crate::model::{device_from_str, Model, ModelError};
 use crate::node::{node_members, NodeError, NodeMember};
@@ -578,7 +578,6 @@ async fn run_rank(
             early
         };
         let outage = loader.outage_log();
-        let loader = LoaderActor::new(loader).start();
         let run = Run {
             outage,
             startup,
@@ -602,7 +601,12 @@ struct Run {
     outage: Arc<OutageLog>,
     startup: StartupGets,
     exchange: Exchange,
-    loader: Addr<LoaderActor>,
+    /// Taken from directly, not through an actor: a message to an actor on
+    /// this thread waits its turn behind the runtime's other ready tasks
+    /// (QUIC, the loader's own pump), which cost 1-4 ms a step on a busy
+    /// node even with the batch long ready; a ready batch is taken here
+    /// without yielding.
+    loader: Loader,
     start_step: u64,
     plan: RankPlan,
     num_params: usize,
@@ -677,7 +681,7 @@ async fn train(
         let next = match (stopping, lookahead.take()) {
             (Some(_), _) => None,
             (None, Some(next)) => next,
-            (None, None) => loader.send(NextBatch).await??,
+            (None, None) => loader.next().await?,
         };
         let waited = t_wait.elapsed();
         let finished_epoch = match &next {
@@ -690,7 +694,7 @@ async fn train(
             if stopping.is_none() && evals.reached_target() {
                 stopping = Some(StopReason::TargetAccuracy);
             }
-            let data = loader.send(EpochStats(epoch)).await?;
+            let data = loader.stats().epoch(epoch);
             report.set_data_plane(&data, startup.take(), &cfg.cost.cost_model());
             let mut line = epoch_line(&report, epochs);
             if report.steps_short_of_workers > 0 {
@@ -732,7 +736,7 @@ async fn train(
             // gradient on the parameters held now (one step stale), unless
             // it opens a new epoch, which is evaluated first.
             let t_wait = Instant::now();
-            let next = loader.send(NextBatch).await??;
+            let next = loader.next().await?;
             acc.wait += t_wait.elapsed();
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {

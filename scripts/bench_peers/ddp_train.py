@@ -323,6 +323,10 @@ def main():
     print(f"ddp {args.mode} rank {args.rank} done: {step} steps, test accuracy "
           f"{100 * (report['final_accuracy'] or 0):.2f}%, {1e3 * train_s / max(step, 1):.1f} ms/step "
           f"(compute {1e3 * compute_ref:.1f}), stop {stop_reason}")
+    # Both ranks stop at the same step (same parameters, same evaluation);
+    # leaving together keeps gloo from tearing down a pair mid-operation,
+    # which has aborted a rank after its report was written.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -29,16 +29,19 @@ const TARGET_STEP_RATIO: f64 = 1.3;
 
 #[derive(Parser, Debug)]
 #[command(name = "bench-convergence", long_about = None)]
-/// The top-k modes use the DGC recipe: momentum correction and masking,
+/// The top-k modes use the DGC recipe: momentum correction (by default 0.9,
+/// dense's momentum, without momentum masking: the best of the sweeps),
 /// error feedback, an exponential density warm-up and optional local
-/// gradient clipping.
+/// gradient clipping and masking.
 struct Args {
     #[arg(long, default_value_t = 3)]
     seeds: u64,
     /// Test accuracy to reach.
     #[arg(long, default_value_t = 0.97)]
     target: f32,
-    #[arg(long, default_value_t = 5)]
+    /// Evaluate every N steps; 1 (the default) gives the exact first step
+    /// at the target, where a coarser grid rounds every mode up to it.
+    #[arg(long, default_value_t = 1)]
     eval_every: u64,
     /// Give up after this many steps.
     #[arg(long, default_value_t = 1500)]
@@ -70,15 +73,19 @@ struct Args {
     warmup_start: f64,
     /// DGC momentum correction factor of the top-k modes (the plain mode
     /// keeps 0.9).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.9)]
     momentum_correction: f32,
     /// Local gradient clipping of the top-k modes: largest L2 norm of a
     /// worker's gradient before accumulation (0 = off).
     #[arg(long, default_value_t = 0.0)]
     clip_norm: f32,
     /// DGC momentum factor masking of the top-k modes (zero a worker's
-    /// momentum at the entries it sent).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    /// momentum at the entries it sent). Off by default: with correction
+    /// 0.9 and no masking top-k 0.1% reached 97% in 30-31 steps against
+    /// dense's 26-29 (3 seeds), with masking and correction 0.95 in 41-43;
+    /// masking zeroes the momentum of the busiest entries, all the more at
+    /// warm-up densities.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     momentum_masking: bool,
     /// Servers apply a global top-k of each sparse update, with their own
     /// residual (`compression.global_topk`); `false` applies the union of

@@ -70,7 +70,10 @@ fn settings(batch: usize, epochs: u64) -> LoaderSettings {
 }
 
 /// Takes every batch (bounded by `limit` calls).
-async fn drain(loader: &Loader, limit: usize) -> Result<Vec<(BatchPos, Arc<Batch>)>, LoaderError> {
+async fn drain(
+    loader: &mut Loader,
+    limit: usize,
+) -> Result<Vec<(BatchPos, Arc<Batch>)>, LoaderError> {
     let mut out = Vec::new();
     for _ in 0..limit {
         match loader.next().await? {
@@ -148,9 +151,9 @@ async fn tiny_caches_lose_nothing() {
             s.max_inflight_bytes = window_bytes;
             s.max_inflight_requests = requests;
             s.lookahead_samples = 8;
-            let loader =
+            let mut loader =
                 Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
-            let got = drain(&loader, 100).await.expect("run");
+            let got = drain(&mut loader, 100).await.expect("run");
             check_batches(&got, &sampler, 8, 3, 0, &direct).await;
             // 97 samples, steps of 16 that straddle epoch ends: rank 1
             // takes 48 or 56 samples of batches labelled with each epoch.
@@ -188,9 +191,9 @@ async fn later_epochs_come_from_the_cache() {
             s.memory_cache_bytes = CacheSize::Fraction(memory).resolve(dataset_bytes);
             let disk_bytes = CacheSize::Fraction(disk).resolve(dataset_bytes);
             s.disk_cache = (disk_bytes > 0).then(|| (dir.path().join("d"), disk_bytes));
-            let loader =
+            let mut loader =
                 Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
-            let got = drain(&loader, 100).await.expect("run");
+            let got = drain(&mut loader, 100).await.expect("run");
             check_batches(&got, &sampler, 8, 3, 0, &direct).await;
             let stats = loader.stats();
             assert_eq!(stats.epoch(0).bucket_samples, 96, "cold first epoch");
@@ -224,7 +227,7 @@ async fn damaged_disk_cache_files_are_fetched_again() {
     s.lookahead_samples = 8;
     s.ready_batches = 1;
     s.disk_cache = Some((tier.clone(), 96 * RECORD));
-    let loader =
+    let mut loader =
         Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
     let mut got = Vec::new();
     for _ in 0..12 {
@@ -252,7 +255,7 @@ async fn damaged_disk_cache_files_are_fetched_again() {
     }
     // At most the batches planned ahead were read (and dropped) already.
     assert!(files.len() >= 96 - 3 * 8, "{} files", files.len());
-    got.extend(drain(&loader, 20).await.expect("epoch 2"));
+    got.extend(drain(&mut loader, 20).await.expect("epoch 2"));
     check_batches(&got, &sampler, 8, 2, 0, &direct).await;
     let e = loader.stats().epoch(1);
     // Every damaged file was read, found out, and its sample fetched again.
@@ -287,7 +290,7 @@ fn restart_settings(tier: &std::path::Path) -> LoaderSettings {
 /// that is stopped or crashes. Returns the samples it fetched.
 async fn interrupted_run(sim: &Arc<SimStore>, prefix: &Path, tier: &std::path::Path) -> u64 {
     let sampler = EpochSampler::new(96, 1, 0, 12).unwrap();
-    let loader = Loader::start(
+    let mut loader = Loader::start(
         open(sim.clone(), prefix).await,
         sampler,
         restart_settings(tier),
@@ -315,9 +318,9 @@ async fn resumed_run(
     let sampler = EpochSampler::new(96, 1, 0, 12).unwrap();
     let reader = open(sim.clone(), prefix).await;
     sim.reset_stats();
-    let loader =
+    let mut loader =
         Loader::start_at(reader, sampler.clone(), restart_settings(tier), 6).expect("start");
-    let got = drain(&loader, 100).await.expect("resumed run");
+    let got = drain(&mut loader, 100).await.expect("resumed run");
     check_batches(&got, &sampler, 8, 3, 6, direct).await;
     (sim.stats().gets, loader.stats().total())
 }
@@ -407,13 +410,13 @@ async fn resume_mid_epoch_matches_the_uninterrupted_run() {
         let (raw, sim, prefix) = bucket(layout, 90).await;
         let direct = open(raw.clone(), &prefix).await;
         let sampler = EpochSampler::new(90, 2, 0, 21).unwrap();
-        let full = Loader::start(
+        let mut full = Loader::start(
             open(sim.clone(), &prefix).await,
             sampler.clone(),
             settings(6, 3),
         )
         .expect("start");
-        let full = drain(&full, 100).await.expect("full run");
+        let full = drain(&mut full, 100).await.expect("full run");
         // 90 samples in global steps of 12: steps straddle epoch ends.
         let end = sampler.plan(6, 3).end_step();
         assert_eq!(end, 23);
@@ -423,9 +426,9 @@ async fn resume_mid_epoch_matches_the_uninterrupted_run() {
             let again = EpochSampler::new(90, 2, 0, 21).unwrap();
             let mut s = settings(6, 3);
             s.memory_cache_bytes = 10 * RECORD;
-            let resumed =
+            let mut resumed =
                 Loader::start_at(open(sim.clone(), &prefix).await, again, s, step).expect("start");
-            let resumed = drain(&resumed, 100).await.expect("resumed run");
+            let resumed = drain(&mut resumed, 100).await.expect("resumed run");
             let skip = step as usize;
             assert_eq!(resumed.len(), full.len() - skip, "step {step}");
             for (a, b) in resumed.iter().zip(&full[skip..]) {
@@ -448,7 +451,7 @@ async fn resume_mid_epoch_matches_the_uninterrupted_run() {
             "{err}"
         );
         // Past the last step there is nothing to do.
-        let done = Loader::start_at(
+        let mut done = Loader::start_at(
             open(sim.clone(), &prefix).await,
             sampler.clone(),
             settings(6, 3),
@@ -460,13 +463,13 @@ async fn resume_mid_epoch_matches_the_uninterrupted_run() {
         // exactly the batches its plan from that point gives.
         let point = sampler.plan(6, 3).resume_point(5);
         let three = EpochSampler::new(90, 3, 2, 21).unwrap();
-        let loader = Loader::start(
+        let mut loader = Loader::start(
             open(sim.clone(), &prefix).await,
             three.clone(),
             settings(6, 3).resume_from(point),
         )
         .expect("start");
-        let got = drain(&loader, 100).await.expect("resumed with 3");
+        let got = drain(&mut loader, 100).await.expect("resumed with 3");
         let want = three.plan_from(6, 3, point).unwrap().batches_from(5);
         assert_eq!(got.len(), want.len());
         assert_eq!(got[0].0.first, 60 + 12);
@@ -489,13 +492,13 @@ async fn transient_faults_are_retried() {
         sim.fail_next(&Path::from(first), 2);
         sim.truncate_next(&Path::from(second), 1);
         let sampler = EpochSampler::new(60, 1, 0, 8).unwrap();
-        let loader = Loader::start(
+        let mut loader = Loader::start(
             open(sim.clone(), &prefix).await,
             sampler.clone(),
             settings(5, 2),
         )
         .expect("start");
-        let got = drain(&loader, 100).await.expect("retries recover");
+        let got = drain(&mut loader, 100).await.expect("retries recover");
         check_batches(&got, &sampler, 5, 2, 0, &direct).await;
         let total = loader.stats().total();
         assert!(total.retries >= 3, "{layout}: {total:?}");
@@ -527,8 +530,8 @@ async fn transient_faults_are_retried() {
             break;
         }
     }
-    let loader = Loader::start(reader.expect("manifest"), sampler.clone(), s).expect("start");
-    let got = drain(&loader, 100).await.expect("flaky bucket");
+    let mut loader = Loader::start(reader.expect("manifest"), sampler.clone(), s).expect("start");
+    let got = drain(&mut loader, 100).await.expect("flaky bucket");
     check_batches(&got, &sampler, 4, 2, 0, &open(raw, &prefix).await).await;
     assert!(loader.stats().total().retries > 0);
 }
@@ -567,7 +570,7 @@ async fn an_outage_mid_epoch_is_ridden_out() {
         // A short window and no cache: the second half of epoch 0 and all
         // of epoch 1 are fetched after the outage begins.
         s.lookahead_samples = 10;
-        let loader =
+        let mut loader =
             Loader::start(open(sim.clone(), &prefix).await, sampler.clone(), s).expect("start");
         let mut got = Vec::new();
         for _ in 0..6 {
@@ -577,20 +580,20 @@ async fn an_outage_mid_epoch_is_ridden_out() {
         let start = tokio::time::Instant::now();
         sim.outage(Duration::from_secs(60));
         got.extend(
-            drain(&loader, 100)
+            drain(&mut loader, 100)
                 .await
                 .expect("the run rides the outage out"),
         );
         check_batches(&got, &sampler, 5, 2, 0, &direct).await;
         // Trained on, the batches give the model and the accuracy of a run
         // without the outage.
-        let calm = Loader::start(
+        let mut calm = Loader::start(
             open(raw.clone(), &prefix).await,
             sampler.clone(),
             settings(5, 2),
         )
         .expect("start");
-        let calm = drain(&calm, 100).await.expect("no outage");
+        let calm = drain(&mut calm, 100).await.expect("no outage");
         let test = direct.fetch_all(Split::Test).await.expect("the test split");
         let (with_outage, without) = (train_on(&got, &test), train_on(&calm, &test));
         assert_eq!(with_outage, without, "{layout}: same model, same accuracy");
@@ -644,7 +647,7 @@ async fn the_outage_state_is_set_while_the_bucket_is_down() {
         ..RetryPolicy::default()
     };
     s.lookahead_samples = 10;
-    let loader = Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
+    let mut loader = Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
     let mut status = loader.outage_log().watch();
     for _ in 0..2 {
         loader.next().await.expect("batch").expect("not the end");
@@ -663,7 +666,7 @@ async fn the_outage_state_is_set_while_the_bucket_is_down() {
             .expect("recovery seen");
         seen.push((None, tokio::time::Instant::now()));
     };
-    let (batches, ()) = futures::join!(drain(&loader, 100), watch);
+    let (batches, ()) = futures::join!(drain(&mut loader, 100), watch);
     assert_eq!(batches.expect("the run rides the outage out").len(), 10);
     let [(Some(outage), set_at), (None, cleared_at)] = seen[..] else {
         panic!("{seen:?}");
@@ -687,10 +690,10 @@ async fn the_outage_state_is_set_while_the_bucket_is_down() {
 async fn an_outage_past_the_budget_is_reported() {
     let (_raw, sim, prefix) = bucket(Layout::PerSample, 40).await;
     let sampler = EpochSampler::new(40, 1, 0, 4).unwrap();
-    let loader =
+    let mut loader =
         Loader::start(open(sim.clone(), &prefix).await, sampler, settings(5, 1)).expect("start");
     sim.outage(Duration::from_secs(600));
-    let err = drain(&loader, 100)
+    let err = drain(&mut loader, 100)
         .await
         .expect_err("outage past the budget");
     let msg = err.to_string();
@@ -727,7 +730,7 @@ async fn persistent_damage_is_a_clear_error() {
             }
             let sampler = EpochSampler::new(50, 1, 0, 2).unwrap();
             let s = settings(5, 1);
-            let loader =
+            let mut loader =
                 Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
             let mut error = None;
             for _ in 0..20 {
@@ -775,8 +778,9 @@ async fn loader_counters_match_the_bucket() {
         sim.reset_stats();
         let mut s = settings(8, 2);
         s.lookahead_samples = 16;
-        let loader = Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
-        drain(&loader, 100).await.expect("run");
+        let mut loader =
+            Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
+        drain(&mut loader, 100).await.expect("run");
         let total = loader.stats().total();
         let s = sim.stats();
         assert_eq!(total.gets + 1, s.gets, "{layout}: manifest + loader GETs");
@@ -1011,9 +1015,9 @@ async fn stable_partition_keeps_the_cache_useful() {
             let mut s = settings(8, 3);
             s.lookahead_samples = 8;
             s.memory_cache_bytes = CacheSize::Fraction(0.5).resolve(dataset_bytes);
-            let loader =
+            let mut loader =
                 Loader::start(open(sim.clone(), &prefix).await, sampler, s).expect("start");
-            let got = drain(&loader, 100).await.expect("run");
+            let got = drain(&mut loader, 100).await.expect("run");
             assert_eq!(got.len(), 3 * 6);
             let stats = loader.stats();
             bucket_samples += stats.epoch(1).bucket_samples + stats.epoch(2).bucket_samples;

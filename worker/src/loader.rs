@@ -53,7 +53,7 @@
 //! let sampler = EpochSampler::new(100, 1, 0, 7).unwrap();
 //! let mut settings = LoaderSettings::new(10, 2);
 //! settings.memory_cache_bytes = 1000;
-//! let loader = Loader::start(reader, sampler, settings).unwrap();
+//! let mut loader = Loader::start(reader, sampler, settings).unwrap();
 //! let mut batches = 0;
 //! while let Some((pos, batch)) = loader.next().await.unwrap() {
 //!     assert_eq!(batch.len(), 10);
@@ -1311,7 +1311,7 @@ impl LoaderError {
 /// A running loader: the pump task and the receiving end of its batches.
 /// Dropping it stops the pump.
 pub struct Loader {
-    rx: tokio::sync::Mutex<mpsc::Receiver<Item>>,
+    rx: mpsc::Receiver<Item>,
     shared: Arc<Shared>,
     end_step: u64,
     task: JoinHandle<()>,
@@ -1409,7 +1409,7 @@ impl Loader {
         };
         let task = tokio::spawn(pump.run());
         Ok(Self {
-            rx: tokio::sync::Mutex::new(rx),
+            rx,
             shared,
             end_step,
             task,
@@ -1471,9 +1471,8 @@ impl Loader {
 
     /// The next batch in order, `None` after the last one. After an error
     /// every later call fails too.
-    pub async fn next(&self) -> Result<Option<(BatchPos, Arc<Batch>)>, LoaderError> {
-        let mut rx = self.rx.lock().await;
-        match rx.recv().await {
+    pub async fn next(&mut self) -> Result<Option<(BatchPos, Arc<Batch>)>, LoaderError> {
+        match self.rx.recv().await {
             Some(Ok(item)) => {
                 self.shared.taken.fetch_add(1, Ordering::SeqCst);
                 Ok(Some(item))

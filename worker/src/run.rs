@@ -629,7 +629,7 @@ async fn train(
         plan,
         num_params,
     } = run;
-    let loader = &loader;
+    let mut loader = loader;
     // The start-up reads go into the first epoch this worker reports.
     let mut startup = Some(startup);
 

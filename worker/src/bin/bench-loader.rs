@@ -529,7 +529,7 @@ async fn with_loader(
     let batch = settings.batch_size;
     let epochs = settings.epochs;
     let start = Instant::now();
-    let loader = Loader::start(reader, sampler.clone(), settings)?;
+    let mut loader = Loader::start(reader, sampler.clone(), settings)?;
     let mut epoch = 0u64;
     let mut t_epoch = start;
     let mut wait = Duration::ZERO;

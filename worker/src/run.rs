@@ -1,4 +1,5 @@
-//! One worker's training run: wires the loader, trainer and comm actors together.
+//! One worker's training run: wires the loader and the trainer and comm actors
+//! together.
 //!
 //! Per step: take the next (already prefetched) batch from the [`Loader`],
 //! have the `TrainerActor` compute and compress the gradient, have the

@@ -176,10 +176,11 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("{mode} seed {seed}"))?;
             let r = &reports[0];
             let best = r.evals.iter().map(|e| e.test_accuracy).fold(0.0, f32::max);
-            let (a, b) = (steps_to(r, 0.95), steps_to(r, args.target));
+            let reached = first_at(r, args.target);
+            let (a, b) = (steps_to(r, 0.95), reached.map(|e| e.step));
             // What one worker sent and received up to the target: on a slow
             // link the time to accuracy follows these bytes, not the steps.
-            let bytes = first_at(r, args.target).map_or("-".into(), |e| {
+            let bytes = reached.map_or("-".into(), |e| {
                 format!(
                     "{:.0} KB pushed + {:.0} KB pulled",
                     e.bytes_pushed as f64 / 1e3,

@@ -813,9 +813,8 @@ struct Shared {
     /// Batches the trainer has taken.
     taken: AtomicU64,
     /// `Some(t)`: the pump can do nothing until the trainer takes a batch
-    /// (nothing in flight, the queue of ready batches full), as seen when
-    /// `t` batches had been taken; `u64::MAX` once it has ended. `None`:
-    /// busy.
+    /// (nothing in flight, the queue of ready batches full) and `t` batches
+    /// have left the queue; `u64::MAX` once it has ended. `None`: busy.
     rest: watch::Sender<Option<u64>>,
 }
 
@@ -905,10 +904,14 @@ impl Pump {
             }
             let front_complete = self.front_complete();
             let tx = self.tx.clone();
-            // Read `taken` before looking at the queue: a batch taken after
-            // that makes this `rest` stale (see `Loader::settled`).
-            let taken = self.shared.taken.load(Ordering::SeqCst);
-            let rest = (self.tasks.is_empty() && self.tx.capacity() == 0).then_some(taken);
+            // The batches taken, as the queue itself counts them: handed
+            // over (`base_seq`) less those still queued. Not the trainer's
+            // `taken`, which it bumps only after `recv` has already freed a
+            // place: read here in between, it would publish a rest one
+            // batch behind, and `settled` would wait for it forever.
+            let queued = (self.tx.max_capacity() - self.tx.capacity()) as u64;
+            let rest = (self.tasks.is_empty() && self.tx.capacity() == 0)
+                .then(|| self.base_seq.saturating_sub(queued));
             self.shared
                 .rest
                 .send_if_modified(|r| std::mem::replace(r, rest) != rest);

@@ -11,8 +11,7 @@ use std::sync::Arc;
 
 use image::imageops::FilterType;
 use image::DynamicImage;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use ps_shared::rng::StreamRng;
 
 /// Augmentation of training images. The default does nothing.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -144,14 +143,15 @@ fn fit(img: DynamicImage, w: u32, h: u32) -> DynamicImage {
     resized.crop_imm((rw - w) / 2, (rh - h) / 2, w, h)
 }
 
-/// The augmentation stream of one sample in one epoch.
-pub fn sample_rng(seed: u64, epoch: u64, sample: usize) -> StdRng {
+/// The augmentation stream of one sample in one epoch, from the project's
+/// own generator so no dependency upgrade changes a run's crops and flips.
+pub fn sample_rng(seed: u64, epoch: u64, sample: usize) -> StreamRng {
     let mut z = seed ^ 0x9e37_79b9_7f4a_7c15;
     for v in [epoch, sample as u64] {
         z = (z ^ v).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z ^= z >> 31;
     }
-    StdRng::seed_from_u64(z)
+    StreamRng::seed_from_u64(z)
 }
 
 /// Applies `augment` to one decoded sample in place. `rng` is `None` for
@@ -160,17 +160,20 @@ pub fn augment_in_place(
     chw: &mut [f32],
     shape: [usize; 3],
     augment: &Augment,
-    rng: Option<&mut StdRng>,
+    rng: Option<&mut StreamRng>,
 ) {
     let [c, h, w] = shape;
     if let Some(rng) = rng.filter(|_| augment.is_random()) {
         let pad = augment.pad;
         let (dy, dx) = if pad > 0 {
-            (rng.random_range(0..=2 * pad), rng.random_range(0..=2 * pad))
+            (
+                rng.in_inclusive(0, 2 * pad as u64) as usize,
+                rng.in_inclusive(0, 2 * pad as u64) as usize,
+            )
         } else {
             (pad, pad)
         };
-        let flip = augment.hflip && rng.random_bool(0.5);
+        let flip = augment.hflip && rng.chance(0.5);
         let src = chw.to_vec();
         for ch in 0..c {
             let plane = &src[ch * h * w..(ch + 1) * h * w];

@@ -22,9 +22,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::reader::RowIter;
 use parquet::record::Field;
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use ps_shared::rng::{shuffle, StreamRng};
 
 use crate::format::*;
 use crate::mnist::{csv_error, csv_record_line, io_err, open_maybe_gz, skip_bom, LineTracker};
@@ -1155,10 +1153,10 @@ fn stratified_test_rows(labels: &[u32], fraction: f64, seed: u64) -> Vec<bool> {
     for (i, &l) in labels.iter().enumerate() {
         by_class.entry(l).or_default().push(i);
     }
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rng = StreamRng::seed_from_u64(seed);
     let mut test = vec![false; labels.len()];
     for rows in by_class.values_mut() {
-        rows.shuffle(&mut rng);
+        shuffle(rows, &mut rng);
         let take = (fraction * rows.len() as f64).round() as usize;
         for &i in &rows[..take.min(rows.len())] {
             test[i] = true;

@@ -15,6 +15,7 @@ pub mod layers;
 pub mod link;
 pub mod pki;
 pub mod protocol;
+pub mod rng;
 pub mod sampler;
 pub mod shard;
 pub mod simstore;

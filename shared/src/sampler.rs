@@ -6,6 +6,8 @@
 //! [`Partition::Reshuffle`]), never on how many workers read it. The epochs'
 //! orders, one after the other, form the run's **sample stream**: position
 //! `p` of the stream is sample `global_order(p / num_samples)[p % num_samples]`.
+//! The permutations come from the project's own generator ([`crate::rng`]),
+//! so no dependency upgrade can change a run's order; a test pins it.
 //!
 //! Global step `g` consumes the next `world × batch` samples of the stream,
 //! and rank `r` takes the `r`-th run of `batch` of them. Steps are not cut at
@@ -45,12 +47,10 @@
 
 use std::ops::Range;
 
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use crate::hash::splitmix64;
+use crate::rng::{shuffle, StreamRng};
 
 /// Why an [`EpochSampler`] or a [`RankPlan`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -217,23 +217,32 @@ impl EpochSampler {
         let mut perm: Vec<usize> = (0..self.num_samples).collect();
         match self.partition {
             Partition::Reshuffle => {
-                perm.shuffle(&mut StdRng::seed_from_u64(epoch_seed(self.seed, epoch)));
+                shuffle(
+                    &mut perm,
+                    &mut StreamRng::seed_from_u64(epoch_seed(self.seed, epoch)),
+                );
                 perm
             }
             Partition::Stable => {
-                perm.shuffle(&mut StdRng::seed_from_u64(epoch_seed(self.seed, u64::MAX)));
+                shuffle(
+                    &mut perm,
+                    &mut StreamRng::seed_from_u64(epoch_seed(self.seed, u64::MAX)),
+                );
                 let per = self.num_samples / self.world;
                 let parts: Vec<Vec<usize>> = (0..self.world)
                     .map(|r| {
                         let mut part = perm[r * per..(r + 1) * per].to_vec();
                         let within =
                             epoch_seed(self.seed ^ (r as u64).wrapping_mul(0x9e37_79b9), epoch);
-                        part.shuffle(&mut StdRng::seed_from_u64(within));
+                        shuffle(&mut part, &mut StreamRng::seed_from_u64(within));
                         part
                     })
                     .collect();
                 let mut rest = perm[self.world * per..].to_vec();
-                rest.shuffle(&mut StdRng::seed_from_u64(epoch_seed(self.seed, epoch)));
+                shuffle(
+                    &mut rest,
+                    &mut StreamRng::seed_from_u64(epoch_seed(self.seed, epoch)),
+                );
                 let b = batch.max(1);
                 let full = per / b;
                 let mut order = Vec::with_capacity(self.num_samples);
@@ -521,6 +530,23 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn the_orders_are_pinned() {
+        // Test vectors: a change here changes every run's sample order (and
+        // a checkpoint's resume point would then name other samples).
+        let s = EpochSampler::new(10, 2, 0, 42).unwrap();
+        assert_eq!(s.global_order(0, 2), PINNED_EPOCH0);
+        assert_eq!(s.global_order(1, 2), PINNED_EPOCH1);
+        let stable = EpochSampler::new(10, 2, 0, 42)
+            .unwrap()
+            .with_partition(Partition::Stable);
+        assert_eq!(stable.global_order(0, 2), PINNED_STABLE0);
+    }
+
+    const PINNED_EPOCH0: [usize; 10] = [3, 8, 6, 9, 2, 1, 5, 7, 4, 0];
+    const PINNED_EPOCH1: [usize; 10] = [7, 2, 6, 3, 0, 5, 8, 4, 1, 9];
+    const PINNED_STABLE0: [usize; 10] = [3, 9, 4, 6, 5, 7, 0, 2, 8, 1];
 
     #[test]
     fn rejects_bad_arguments() {

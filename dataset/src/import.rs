@@ -292,6 +292,11 @@ trait RowSource: Send {
     fn loc(&self) -> Loc;
     /// How feature `j` is called in error messages.
     fn feature_name(&self, j: usize) -> String;
+    /// The features' column names in feature order, for a file with a
+    /// header (CSV with a header row, Parquet); `None` otherwise.
+    fn feature_names(&self) -> Option<Vec<String>> {
+        None
+    }
 }
 
 /// A source whose rows are checked: the same width throughout, finite
@@ -303,10 +308,25 @@ struct Rows {
     features: Vec<f32>,
     width: Option<usize>,
     count: usize,
+    /// Column matching by name: feature `j` of the train file is feature
+    /// `order[j]` of this file ([`column_order`]).
+    order: Option<Vec<usize>>,
+    scratch: Vec<f32>,
 }
 
 impl Rows {
+    /// Opens `input` with its features in the file's own order.
     fn open(input: &ImportInput, options: &ImportOptions) -> Result<Rows, DatasetError> {
+        Self::open_ordered(input, options, None)
+    }
+
+    /// Opens `input`, taking its features in the order `order` gives (see
+    /// [`column_order`]), or the file's own order when `None`.
+    fn open_ordered(
+        input: &ImportInput,
+        options: &ImportOptions,
+        order: Option<&[usize]>,
+    ) -> Result<Rows, DatasetError> {
         let path = &input.path;
         let format = match options.format {
             Some(f) => f,
@@ -370,6 +390,8 @@ impl Rows {
             features: Vec::new(),
             width: None,
             count: 0,
+            order: order.map(<[usize]>::to_vec),
+            scratch: Vec::new(),
         })
     }
 
@@ -402,6 +424,20 @@ impl Rows {
                 ));
             }
             Some(_) => {}
+        }
+        if let Some(order) = &self.order {
+            self.scratch.clear();
+            for &k in order {
+                let v = self.features.get(k).copied().ok_or_else(|| {
+                    err_at(
+                        &self.path,
+                        loc,
+                        format!("the row has no {}", self.source.feature_name(k)),
+                    )
+                })?;
+                self.scratch.push(v);
+            }
+            std::mem::swap(&mut self.features, &mut self.scratch);
         }
         if let Some(j) = self.features.iter().position(|v| !v.is_finite()) {
             return Err(err_at(
@@ -591,6 +627,18 @@ impl RowSource for CsvRows {
             Some(name) => format!("column {} (`{name}`)", c + 1),
             None => format!("column {}", c + 1),
         }
+    }
+
+    fn feature_names(&self) -> Option<Vec<String>> {
+        let header = self.header.as_ref()?;
+        Some(
+            header
+                .iter()
+                .enumerate()
+                .filter(|&(c, _)| c != self.label)
+                .map(|(_, name)| name.clone())
+                .collect(),
+        )
     }
 }
 
@@ -1092,6 +1140,79 @@ impl RowSource for ParquetRows {
             .map_or("?", String::as_str);
         format!("column `{name}`")
     }
+
+    fn feature_names(&self) -> Option<Vec<String>> {
+        Some(
+            self.feature_columns
+                .iter()
+                .filter_map(|&c| self.names.get(c).cloned())
+                .collect(),
+        )
+    }
+}
+
+/// How the test file's features line up with the train file's when both
+/// files have headers: `Some(order)` where feature `j` of the train file is
+/// feature `order[j]` of the test file, `None` when the names are the same
+/// in the same order (or either file has no header: then columns go by
+/// position). A train column the test file lacks, a test column the train
+/// file lacks, or a name that is not unique is an error naming the file and
+/// the column.
+fn column_order(
+    train: &ImportInput,
+    test: &ImportInput,
+    options: &ImportOptions,
+) -> Result<Option<Vec<usize>>, DatasetError> {
+    let train_names = Rows::open(train, options)?.source.feature_names();
+    let test_names = Rows::open(test, options)?.source.feature_names();
+    let (Some(train_names), Some(test_names)) = (train_names, test_names) else {
+        return Ok(None);
+    };
+    if train_names == test_names {
+        return Ok(None);
+    }
+    let unique = |names: &[String],
+                  path: &FsPath|
+     -> Result<BTreeMap<String, usize>, DatasetError> {
+        let mut at = BTreeMap::new();
+        for (k, name) in names.iter().enumerate() {
+            if at.insert(name.clone(), k).is_some() {
+                return Err(err_file(
+                    path,
+                    format!(
+                        "column `{name}` appears twice in the header, so the train and test columns (in different orders) cannot be matched by name"
+                    ),
+                ));
+            }
+        }
+        Ok(at)
+    };
+    let train_at = unique(&train_names, &train.path)?;
+    let test_at = unique(&test_names, &test.path)?;
+    if let Some(extra) = test_names.iter().find(|n| !train_at.contains_key(*n)) {
+        return Err(err_file(
+            &test.path,
+            format!(
+                "column `{extra}` is not in the train file {} (columns are matched by name when both files have headers)",
+                train.path.display()
+            ),
+        ));
+    }
+    train_names
+        .iter()
+        .map(|name| {
+            test_at.get(name).copied().ok_or_else(|| {
+                err_file(
+                    &test.path,
+                    format!(
+                        "no column `{name}`, which the train file {} has (columns are matched by name when both files have headers)",
+                        train.path.display()
+                    ),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
 
 // Statistics and the split
@@ -1180,11 +1301,12 @@ struct Scan {
 fn scan(
     input: &ImportInput,
     options: &ImportOptions,
+    order: Option<&[usize]>,
     keep_labels: bool,
     mut stats: Option<&mut FeatureStats>,
     classes: Option<usize>,
 ) -> Result<Scan, DatasetError> {
-    let mut rows = Rows::open(input, options)?;
+    let mut rows = Rows::open_ordered(input, options, order)?;
     let mut max_label = (0u32, Loc::Row(0));
     let mut labels = Vec::new();
     let mut counts = BTreeMap::new();
@@ -1255,14 +1377,26 @@ pub async fn import_dataset(
     let train = scan(
         &options.train,
         options,
+        None,
         fraction.is_some(),
         (standard && fraction.is_none()).then_some(&mut stats),
         options.classes,
     )?;
     let classes = options.classes.unwrap_or(train.max_label.0 as usize + 1);
+    let test_order = match &options.test {
+        TestSplit::File(input) => column_order(&options.train, input, options)?,
+        _ => None,
+    };
     let test_scan = match &options.test {
         TestSplit::File(input) => {
-            let test = scan(input, options, false, None, options.classes)?;
+            let test = scan(
+                input,
+                options,
+                test_order.as_deref(),
+                false,
+                None,
+                options.classes,
+            )?;
             if test.width != train.width {
                 return Err(DatasetError::Invalid(format!(
                     "the train file {} has {} features but the test file {} has {}",
@@ -1366,7 +1500,8 @@ pub async fn import_dataset(
     }
     let mut transformed = Vec::with_capacity(train.width);
     for (k, (input, expected, mask)) in inputs.into_iter().enumerate() {
-        let mut rows = match Rows::open(input, options) {
+        let order = if k == 1 { test_order.as_deref() } else { None };
+        let mut rows = match Rows::open_ordered(input, options, order) {
             Ok(rows) => rows,
             Err(e) => {
                 writer.abort().await;
@@ -1694,12 +1829,24 @@ mod tests {
         rows: &[(u32, Vec<f32>)],
         compression: parquet::basic::Compression,
     ) {
+        let width = rows[0].1.len();
+        write_parquet_columns(path, rows, compression, &(0..width).collect::<Vec<_>>());
+    }
+
+    /// A Parquet file whose feature column `c` is feature `columns[c]` of
+    /// `rows`, named `f{columns[c]}`.
+    fn write_parquet_columns(
+        path: &FsPath,
+        rows: &[(u32, Vec<f32>)],
+        compression: parquet::basic::Compression,
+        columns: &[usize],
+    ) {
         use parquet::data_type::{FloatType, Int64Type};
         use parquet::file::properties::WriterProperties;
         use parquet::file::writer::SerializedFileWriter;
-        let width = rows[0].1.len();
+        let width = columns.len();
         let mut message = String::from("message m { required int64 label; ");
-        for j in 0..width {
+        for j in columns {
             message += &format!("required float f{j}; ");
         }
         // What pandas adds for a non-default index: not a feature.
@@ -1730,7 +1877,7 @@ mod tests {
                         .write_batch(&labels, None, None)
                         .unwrap();
                 } else {
-                    let values: Vec<f32> = part.iter().map(|(_, x)| x[c - 1]).collect();
+                    let values: Vec<f32> = part.iter().map(|(_, x)| x[columns[c - 1]]).collect();
                     column
                         .typed::<FloatType>()
                         .write_batch(&values, None, None)
@@ -1762,6 +1909,104 @@ mod tests {
             .unwrap();
         let (manifest, a, b) = read_back(store, &prefix).await;
         assert_eq!((manifest.features, manifest.classes), (64, 10));
+        assert_batch(&a, &train);
+        assert_batch(&b, &test);
+    }
+
+    /// A CSV with a header whose feature columns come in the order
+    /// `columns` (column `c` is feature `columns[c]`, named `f{columns[c]}`),
+    /// the label column `label` first.
+    fn csv_columns(rows: &[(u32, Vec<f32>)], columns: &[usize]) -> String {
+        let mut out = String::from("label");
+        for j in columns {
+            out += &format!(",f{j}");
+        }
+        out += "\n";
+        for (label, x) in rows {
+            out += &label.to_string();
+            for &j in columns {
+                out += &format!(",{}", x[j]);
+            }
+            out += "\n";
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn test_columns_in_another_order_are_matched_by_name() {
+        use parquet::basic::Compression;
+        let dir = tempfile::tempdir().unwrap();
+        let train = table(20, 4, 3);
+        let test = table(9, 4, 3);
+        // CSV: the test file lists its columns in another order.
+        let tr = write(dir.path(), "tr.csv", csv_columns(&train, &[0, 1, 2, 3]));
+        let te = write(dir.path(), "te.csv", csv_columns(&test, &[2, 0, 3, 1]));
+        let mut options = ImportOptions::new(ImportInput::new(&tr));
+        options.test = TestSplit::File(ImportInput::new(&te));
+        let (store, prefix) = memory();
+        import_dataset(store.as_ref(), &prefix, &options)
+            .await
+            .unwrap();
+        let (_, a, b) = read_back(store, &prefix).await;
+        assert_batch(&a, &train);
+        assert_batch(&b, &test);
+
+        // Parquet, the same.
+        let tr = dir.path().join("tr.parquet");
+        let te = dir.path().join("te.parquet");
+        write_parquet_columns(&tr, &train, Compression::SNAPPY, &[0, 1, 2, 3]);
+        write_parquet_columns(&te, &test, Compression::SNAPPY, &[3, 1, 0, 2]);
+        let mut options = ImportOptions::new(ImportInput::new(&tr));
+        options.test = TestSplit::File(ImportInput::new(&te));
+        let (store, prefix) = memory();
+        import_dataset(store.as_ref(), &prefix, &options)
+            .await
+            .unwrap();
+        let (_, a, b) = read_back(store, &prefix).await;
+        assert_batch(&a, &train);
+        assert_batch(&b, &test);
+
+        // A missing column is named, with the file; so is an extra one.
+        let missing = write(dir.path(), "missing.csv", csv_columns(&test, &[2, 0, 3]));
+        let mut options_csv = ImportOptions::new(ImportInput::new(dir.path().join("tr.csv")));
+        options_csv.test = TestSplit::File(ImportInput::new(&missing));
+        fails(&options_csv, &["missing.csv", "no column `f1`", "tr.csv"]).await;
+        let renamed = write(
+            dir.path(),
+            "renamed.csv",
+            csv_columns(&test, &[2, 0, 3, 1]).replacen("f3", "g3", 1),
+        );
+        options_csv.test = TestSplit::File(ImportInput::new(&renamed));
+        fails(
+            &options_csv,
+            &["renamed.csv", "column `g3` is not in the train file"],
+        )
+        .await;
+        let twice = write(
+            dir.path(),
+            "twice.csv",
+            csv_columns(&test, &[2, 0, 3, 1]).replacen("f3", "f2", 1),
+        );
+        options_csv.test = TestSplit::File(ImportInput::new(&twice));
+        fails(&options_csv, &["twice.csv", "`f2` appears twice"]).await;
+        // Parquet's missing column too.
+        let short = dir.path().join("short.parquet");
+        write_parquet_columns(&short, &test, Compression::SNAPPY, &[3, 1, 0]);
+        let mut options = ImportOptions::new(ImportInput::new(&tr));
+        options.test = TestSplit::File(ImportInput::new(&short));
+        fails(&options, &["short.parquet", "no column `f2`"]).await;
+
+        // Without a header the columns still go by position.
+        let tr = write(dir.path(), "tr_plain.csv", csv(&train, 0, None, ','));
+        let te = write(dir.path(), "te_plain.csv", csv(&test, 0, None, ','));
+        let mut options = ImportOptions::new(ImportInput::new(&tr));
+        options.test = TestSplit::File(ImportInput::new(&te));
+        options.label_column = LabelColumn::Index(0);
+        let (store, prefix) = memory();
+        import_dataset(store.as_ref(), &prefix, &options)
+            .await
+            .unwrap();
+        let (_, a, b) = read_back(store, &prefix).await;
         assert_batch(&a, &train);
         assert_batch(&b, &test);
     }
@@ -1835,10 +2080,23 @@ mod tests {
         let mut o = opts(tr.clone());
         o.test = TestSplit::File(ImportInput::new(&te));
         fails(&o, &["te.csv:3:", "label 2 is not below the 2 classes"]).await;
-        // Train and test widths differ.
+        // Train and test widths differ: with headers, the extra column is
+        // named; without, the widths are.
         let te = write(d, "te3.csv", "label,a,b,c\n0,1,2,3\n");
         o.test = TestSplit::File(ImportInput::new(&te));
-        fails(&o, &["tr.csv has 2 features", "te3.csv has 3"]).await;
+        fails(
+            &o,
+            &["te3.csv", "column `c` is not in the train file", "tr.csv"],
+        )
+        .await;
+        let mut plain = opts(write(d, "tr_plain.csv", "0,1,2\n1,1,2\n"));
+        plain.label_column = LabelColumn::Index(0);
+        plain.test = TestSplit::File(ImportInput::new(write(d, "te3_plain.csv", "0,1,2,3\n")));
+        fails(
+            &plain,
+            &["tr_plain.csv has 2 features", "te3_plain.csv has 3"],
+        )
+        .await;
 
         // .npy: label count, truncation, dtype, NaN.
         let rows = table(4, 3, 2);

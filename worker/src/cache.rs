@@ -364,9 +364,11 @@ const DISK_LANES: usize = 2;
 pub const INDEX_NAME: &str = "index.json";
 /// Version of the [`INDEX_NAME`] format.
 const INDEX_VERSION: u32 = 1;
-/// Writes between two saves of the index, at least (also at least a quarter
-/// of the files held, so that saving stays a small share of the IO).
-const INDEX_EVERY_WRITES: u64 = 1024;
+/// Longest time the index on disk lags behind the files: lane 0 saves it
+/// this often while files are being written or removed (and at every clean
+/// stop). Files a crash leaves unlisted are checked and kept on open anyway
+/// (see [`load_index`]), so this only bounds how many files that check reads.
+const INDEX_SAVE_PERIOD: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Which dataset the files of a disk tier hold samples of. A tier whose
 /// index names another dataset (another place, or a manifest that changed
@@ -410,6 +412,10 @@ struct DiskShared {
     failed: Mutex<Vec<SampleKey>>,
     /// Operations queued and not finished yet.
     pending: watch::Sender<usize>,
+    /// Files were written or removed since the index was last saved.
+    dirty: std::sync::atomic::AtomicBool,
+    /// How often lane 0 saves a dirty index ([`INDEX_SAVE_PERIOD`]).
+    save_period: std::time::Duration,
 }
 
 impl DiskShared {
@@ -421,6 +427,7 @@ impl DiskShared {
     /// so that a crash leaves the old index or the new one, never half of
     /// one.
     fn save_index(&self) -> Result<(), CacheError> {
+        self.dirty.store(false, std::sync::atomic::Ordering::SeqCst);
         let index = DiskIndex {
             version: INDEX_VERSION,
             dataset: self.dataset.clone(),
@@ -460,19 +467,19 @@ impl DiskShared {
 ///
 /// [`INDEX_NAME`] lists the files (key, length, checksum) and the dataset
 /// they belong to. It is saved atomically (temporary file and rename) every
-/// few hundred writes, when asked to ([`DiskTier::save_index`]) and when the
-/// tier is dropped. On open, the files the index lists are kept when it
-/// names the same dataset and their size is right (see
-/// [`DiskTier::restored`]); everything else the tier wrote (files of another
-/// dataset, files written after the last save, temporary files) is removed.
+/// [`INDEX_SAVE_PERIOD`] while files change, when asked to
+/// ([`DiskTier::save_index`]) and when the tier is dropped. On open, when it
+/// names the same dataset, the files it lists are kept if their size is
+/// right, and so are the files written after its last save (a crash) whose
+/// header and checksum check out (see [`DiskTier::restored`]); everything
+/// else the tier wrote (files of another dataset, damaged files, temporary
+/// files) is removed. So a crash loses only the writes under way.
 pub struct DiskTier {
     shared: Arc<DiskShared>,
     lanes: Vec<mpsc::Sender<DiskOp>>,
     threads: Vec<JoinHandle<()>>,
     /// Files found in place on open: key and payload length.
     restored: Vec<(SampleKey, u64)>,
-    /// Writes queued since the last save of the index.
-    writes_since_save: std::sync::atomic::AtomicU64,
 }
 
 impl DiskTier {
@@ -480,6 +487,16 @@ impl DiskTier {
     /// keeps the files its index lists for the same dataset, removes the
     /// other cache files, and starts the IO threads.
     pub fn open(dir: &Path, dataset: &DatasetIdentity) -> Result<Self, CacheError> {
+        Self::open_saving_every(dir, dataset, INDEX_SAVE_PERIOD)
+    }
+
+    /// [`DiskTier::open`] with the index saved every `save_period` while
+    /// files change.
+    fn open_saving_every(
+        dir: &Path,
+        dataset: &DatasetIdentity,
+        save_period: std::time::Duration,
+    ) -> Result<Self, CacheError> {
         let io = |source| CacheError::Io {
             path: dir.to_path_buf(),
             source,
@@ -494,6 +511,8 @@ impl DiskTier {
             files: Mutex::new(files),
             failed: Mutex::new(Vec::new()),
             pending: watch::Sender::new(0usize),
+            dirty: Default::default(),
+            save_period,
         });
         // The index on disk now says what is really there.
         shared.save_index()?;
@@ -514,7 +533,6 @@ impl DiskTier {
             lanes,
             threads,
             restored,
-            writes_since_save: Default::default(),
         })
     }
 
@@ -561,21 +579,12 @@ impl DiskTier {
     pub fn write(&self, key: SampleKey, bytes: Bytes) {
         if self.queue(key, DiskOp::Write(key, bytes)).is_err() {
             self.note_failed(key);
-            return;
-        }
-        use std::sync::atomic::Ordering::Relaxed;
-        let writes = self.writes_since_save.fetch_add(1, Relaxed) + 1;
-        let held = self.shared.files().len() as u64;
-        if writes >= INDEX_EVERY_WRITES.max(held / 4) {
-            self.save_index();
         }
     }
 
     /// Queues a save of the index (after the operations queued before it
     /// on the same lane).
     pub fn save_index(&self) {
-        self.writes_since_save
-            .store(0, std::sync::atomic::Ordering::Relaxed);
         let _ = self.queue_on(0, DiskOp::SaveIndex);
     }
 
@@ -621,7 +630,11 @@ impl Drop for DiskTier {
 
 /// The files of `dir`'s index that can be reused for `dataset`: none when
 /// there is no index, it does not parse, or it names another dataset;
-/// otherwise those whose file is in place with the right size.
+/// otherwise those whose file is in place with the right size, and the
+/// files the index does not list (written after its last save, before a
+/// crash) whose header and checksum check out. Every open removes the files
+/// it does not keep and saves an index for its dataset, so an unlisted file
+/// under an index of the same dataset was written for that dataset.
 fn load_index(dir: &Path, dataset: &DatasetIdentity) -> FileEntries {
     let path = dir.join(INDEX_NAME);
     let index: DiskIndex = match std::fs::read(&path) {
@@ -644,7 +657,8 @@ fn load_index(dir: &Path, dataset: &DatasetIdentity) -> FileEntries {
         );
         return FileEntries::new();
     }
-    index
+    let listed: BTreeSet<SampleKey> = index.files.iter().map(|&(key, _, _)| key).collect();
+    let mut files: FileEntries = index
         .files
         .into_iter()
         .filter(|&(key, len, _)| {
@@ -652,7 +666,44 @@ fn load_index(dir: &Path, dataset: &DatasetIdentity) -> FileEntries {
                 .is_ok_and(|m| m.is_file() && m.len() == FILE_HEADER as u64 + len)
         })
         .map(|(key, len, sum)| (key, (len, sum)))
-        .collect()
+        .collect();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return files;
+    };
+    let mut recovered = 0usize;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Some(key) = record_key(dir, &path) else {
+            continue;
+        };
+        if listed.contains(&key) {
+            continue;
+        }
+        if let Ok(bytes) = read_file(&path, None) {
+            files.insert(key, (bytes.len() as u64, ps_dataset::crc32(&bytes)));
+            recovered += 1;
+        }
+    }
+    if recovered > 0 {
+        tracing::info!(
+            dir = %dir.display(),
+            recovered,
+            "disk cache: kept the checked files written after the index was last saved"
+        );
+    }
+    files
+}
+
+/// The key of a cache file `path` of `dir` (`<key>.rec`), if it is one.
+fn record_key(dir: &Path, path: &Path) -> Option<SampleKey> {
+    if path.extension().and_then(|e| e.to_str()) != Some("rec") {
+        return None;
+    }
+    let key = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .and_then(|s| SampleKey::from_str_radix(s, 16).ok())?;
+    (path == record_path(dir, key)).then_some(key)
 }
 
 /// Removes the files this tier writes (`*.rec`, `*.tmp`) from `dir`, except
@@ -661,12 +712,7 @@ fn remove_cache_files(dir: &Path, keep: &FileEntries) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        let kept = ext == "rec"
-            && path
-                .file_stem()
-                .and_then(|s| s.to_str())
-                .and_then(|s| SampleKey::from_str_radix(s, 16).ok())
-                .is_some_and(|k| keep.contains_key(&k) && path == record_path(dir, k));
+        let kept = record_key(dir, &path).is_some_and(|k| keep.contains_key(&k));
         if (ext == "rec" && !kept) || ext == "tmp" {
             std::fs::remove_file(&path)?;
         }
@@ -678,11 +724,44 @@ fn record_path(dir: &Path, key: SampleKey) -> PathBuf {
     dir.join(format!("{key:016x}.rec"))
 }
 
+/// One IO thread. Lane 0 also saves the index every `save_period` while it
+/// is dirty (files written or removed since the last save), so a crash
+/// leaves an index at most that far behind.
 fn disk_lane(lane: usize, shared: &DiskShared, rx: &mpsc::Receiver<DiskOp>) {
+    use std::sync::atomic::Ordering::SeqCst;
     let mut seq = 0u64;
-    while let Ok(op) = rx.recv() {
-        disk_op(lane, shared, op, &mut seq);
-        shared.pending.send_modify(|n| *n = n.saturating_sub(1));
+    let mut last_save = std::time::Instant::now();
+    loop {
+        let op = if lane == 0 {
+            match rx.recv_timeout(shared.save_period.max(std::time::Duration::from_millis(1))) {
+                Ok(op) => Some(op),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv() {
+                Ok(op) => Some(op),
+                Err(_) => break,
+            }
+        };
+        let had_op = op.is_some();
+        if let Some(op) = op {
+            if matches!(op, DiskOp::SaveIndex) {
+                last_save = std::time::Instant::now();
+            }
+            disk_op(lane, shared, op, &mut seq);
+        }
+        // A periodic save first, then the operation counts as done: a
+        // caller waiting for no pending operations sees the index saved.
+        if lane == 0 && shared.dirty.load(SeqCst) && last_save.elapsed() >= shared.save_period {
+            last_save = std::time::Instant::now();
+            if let Err(e) = shared.save_index() {
+                tracing::warn!("{e}");
+            }
+        }
+        if had_op {
+            shared.pending.send_modify(|n| *n = n.saturating_sub(1));
+        }
     }
 }
 
@@ -696,6 +775,9 @@ fn disk_op(lane: usize, shared: &DiskShared, op: DiskOp, seq: &mut u64) {
             match write_file(&tmp, &record_path(dir, key), &bytes, sum) {
                 Ok(()) => {
                     shared.files().insert(key, (bytes.len() as u64, sum));
+                    shared
+                        .dirty
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
                 }
                 Err(e) => {
                     tracing::warn!("disk cache write of sample {key} failed: {e}");
@@ -714,6 +796,9 @@ fn disk_op(lane: usize, shared: &DiskShared, op: DiskOp, seq: &mut u64) {
             // Out of the index first: an index saved meanwhile may name a
             // file that is gone (skipped on open), never the reverse.
             shared.files().remove(&key);
+            shared
+                .dirty
+                .store(true, std::sync::atomic::Ordering::SeqCst);
             let path = record_path(dir, key);
             if let Err(e) = std::fs::remove_file(&path) {
                 if e.kind() != std::io::ErrorKind::NotFound {
@@ -1028,6 +1113,7 @@ impl TieredCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     /// Invariants of a plan: used bytes match the entries and stay within caps.
     fn check(plan: &TierPlan) {
@@ -1252,6 +1338,89 @@ mod tests {
         let disk = DiskTier::open(&sub, &changed).unwrap();
         assert!(disk.restored().is_empty());
         assert!(files_with(&sub, "rec").is_empty());
+    }
+
+    /// Waits until the tier has done every operation queued.
+    async fn idle(disk: &DiskTier) {
+        let mut ops = disk.pending_ops();
+        ops.wait_for(|n| *n == 0).await.unwrap();
+    }
+
+    /// Copies the tier's directory as it is now: what a crash (power cut,
+    /// SIGKILL) at this instant would leave, without the tier's clean path.
+    fn crash_copy(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_crash_loses_no_written_file_and_a_clean_stop_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("tier");
+        let n = 2215u64;
+        let payload = |k: u64| Bytes::from(vec![(k % 251) as u8; 8 + (k % 5) as usize]);
+        // Saving only at open and at a clean stop (as if the period had not
+        // come round yet): everything else rests on the files themselves.
+        let disk =
+            DiskTier::open_saving_every(&sub, &dataset("a"), Duration::from_secs(3600)).unwrap();
+        for k in 0..n {
+            disk.write(k, payload(k));
+        }
+        idle(&disk).await;
+        let crashed = dir.path().join("crashed");
+        crash_copy(&sub, &crashed);
+        // The index on disk lists nothing yet; a file cut short by the crash
+        // and a temporary file are there too.
+        std::fs::write(record_path(&crashed, n), b"STC2 half").unwrap();
+        std::fs::write(crashed.join("0000000000000999.1-7.tmp"), b"half").unwrap();
+        let after_crash = DiskTier::open(&crashed, &dataset("a")).unwrap();
+        assert_eq!(after_crash.restored().len() as u64, n, "kept after a crash");
+        for k in [0, 1, 1000, n - 1] {
+            assert_eq!(after_crash.read(k).await.unwrap().unwrap(), payload(k));
+        }
+        assert_eq!(files_with(&crashed, "rec").len() as u64, n);
+        assert!(files_with(&crashed, "tmp").is_empty());
+        drop(after_crash);
+
+        // A clean stop: queued writes are finished and the index saved.
+        for k in n..n + 1804 {
+            disk.write(k, payload(k));
+        }
+        drop(disk);
+        let index: DiskIndex =
+            serde_json::from_slice(&std::fs::read(sub.join(INDEX_NAME)).unwrap()).unwrap();
+        assert_eq!(
+            index.files.len() as u64,
+            n + 1804,
+            "listed after a clean stop"
+        );
+        let reopened = DiskTier::open(&sub, &dataset("a")).unwrap();
+        assert_eq!(reopened.restored().len() as u64, n + 1804);
+    }
+
+    #[tokio::test]
+    async fn the_index_is_saved_while_files_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("tier");
+        // A zero period: lane 0 saves after every operation it sees while
+        // the index is dirty, before that operation counts as done.
+        let disk = DiskTier::open_saving_every(&sub, &dataset("a"), Duration::ZERO).unwrap();
+        for k in 0..40u64 {
+            disk.write(k, Bytes::from(vec![1u8; 16]));
+        }
+        disk.delete(3);
+        // A last operation on lane 0 after the others are done, so its
+        // save sees them all.
+        idle(&disk).await;
+        disk.read(0).await.unwrap().unwrap();
+        idle(&disk).await;
+        let index: DiskIndex =
+            serde_json::from_slice(&std::fs::read(sub.join(INDEX_NAME)).unwrap()).unwrap();
+        assert_eq!(index.files.len(), 39, "the index follows the files");
+        assert!(!index.files.iter().any(|f| f.0 == 3));
     }
 
     #[tokio::test]

@@ -171,6 +171,11 @@ pub struct LoaderSection {
     /// trainer waits meanwhile and the log says so. Permanent errors (a
     /// missing or truncated object, a bad label) stop the run at once.
     pub outage_budget_s: f64,
+    /// Seconds one GET may take before it counts as failed (a store that
+    /// hangs rather than refusing): the outage clock starts at that deadline,
+    /// so a hanging bucket is reported after this long and stops the run
+    /// `outage_budget_s` later.
+    pub request_timeout_s: f64,
 }
 
 impl Default for LoaderSection {
@@ -188,6 +193,7 @@ impl Default for LoaderSection {
             retry_backoff_ms: 50,
             retry_max_backoff_ms: 5000,
             outage_budget_s: 120.0,
+            request_timeout_s: 10.0,
         }
     }
 }
@@ -237,6 +243,15 @@ impl LoaderSection {
             return Err(
                 "loader.outage_budget_s must be in 0..=86400 seconds (0: no retries)".into(),
             );
+        }
+        if !(self.request_timeout_s.is_finite()
+            && self.request_timeout_s > 0.0
+            && self.request_timeout_s <= 600.0)
+        {
+            return Err(format!(
+                "loader.request_timeout_s must be in (0, 600] seconds, got {}",
+                self.request_timeout_s
+            ));
         }
         Ok(())
     }
@@ -485,6 +500,14 @@ egress_cost_per_gb = 0.12
             (
                 "[loader]\nretry_max_backoff_ms = 10\n",
                 "loader.retry_max_backoff_ms",
+            ),
+            (
+                "[loader]\nrequest_timeout_s = 0.0\n",
+                "loader.request_timeout_s",
+            ),
+            (
+                "[loader]\nrequest_timeout_s = 1e19\n",
+                "loader.request_timeout_s",
             ),
             ("[loader]\nmax_retries = 4\n", "max_retries"),
         ] {

@@ -9,7 +9,8 @@
 //! HTTP stores). Writes, lists and deletes pass straight through. Counters
 //! give GETs, HEADs and body bytes; [`SimStore::fail_next`] and
 //! [`SimStore::truncate_next`] make the next reads of one object fail or come
-//! back short, [`SimStore::outage`] fails every read for a while, and
+//! back short, [`SimStore::outage`] fails every read for a while,
+//! [`SimStore::hang`] leaves every read issued for a while unanswered, and
 //! `transient_error_rate` fails a seeded random fraction.
 //! The delays in the stats are the model's computed waits, not measured
 //! times; every wait is a `tokio::time` sleep, so the model also runs on
@@ -157,6 +158,8 @@ struct Faults {
     rng: u64,
     /// Every GET fails until then (on tokio's clock).
     down_until: Option<tokio::time::Instant>,
+    /// Every GET issued before then never answers (on tokio's clock).
+    hung_until: Option<tokio::time::Instant>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,6 +167,7 @@ enum Fault {
     None,
     Fail,
     Truncate,
+    Hang,
 }
 
 /// A slow-bucket simulation around another store. See the module docs.
@@ -262,6 +266,13 @@ impl SimStore {
         self.lock_faults().down_until = Some(tokio::time::Instant::now() + duration);
     }
 
+    /// Every GET issued during the next `duration` never answers, as when
+    /// the bucket's packets are dropped rather than refused: only the
+    /// reader's own deadline ends such a request. On tokio's clock.
+    pub fn hang(&self, duration: Duration) {
+        self.lock_faults().hung_until = Some(tokio::time::Instant::now() + duration);
+    }
+
     fn lock_faults(&self) -> std::sync::MutexGuard<'_, Faults> {
         match self.faults.lock() {
             Ok(g) => g,
@@ -271,6 +282,11 @@ impl SimStore {
 
     fn take_fault(&self, location: &Path) -> Fault {
         let mut f = self.lock_faults();
+        if f.hung_until
+            .is_some_and(|t| tokio::time::Instant::now() < t)
+        {
+            return Fault::Hang;
+        }
         if f.down_until
             .is_some_and(|t| tokio::time::Instant::now() < t)
         {
@@ -422,6 +438,9 @@ crate::wrapstore::wrapping_store!(SimStore {
         } else {
             self.take_fault(location)
         };
+        if fault == Fault::Hang {
+            std::future::pending::<()>().await;
+        }
         if fault == Fault::Fail {
             self.counters.failures.fetch_add(1, Ordering::Relaxed);
             return Err(object_store::Error::Generic {

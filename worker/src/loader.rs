@@ -157,6 +157,11 @@ pub struct RetryPolicy {
     pub max_backoff: Duration,
     /// How long one request may keep failing before the loader gives up.
     pub outage_budget: Duration,
+    /// How long one attempt may take: a store that hangs instead of
+    /// refusing fails the attempt at this deadline, and the outage clock
+    /// starts there. During an outage an attempt's deadline is also cut to
+    /// the end of the budget, so the budget is honoured exactly.
+    pub request_timeout: Duration,
     /// Seed of the jitter.
     pub seed: u64,
 }
@@ -182,8 +187,11 @@ impl RetryPolicy {
     }
 
     /// Runs `op` until it succeeds, fails with a permanent error, or has
-    /// kept failing for the outage budget. Waits on tokio's clock and tells
-    /// `outage` about every failure. Returns the result and the attempts.
+    /// kept failing for the outage budget. Each attempt has its own deadline
+    /// (`request_timeout`, cut to the end of the budget once failing): an
+    /// attempt past it is a transient failure at the deadline. Waits on
+    /// tokio's clock and tells `outage` about every failure. Returns the
+    /// result and the attempts.
     pub async fn run<T, F, Fut>(
         &self,
         object: &str,
@@ -199,7 +207,23 @@ impl RetryPolicy {
         let mut attempts = 0u32;
         loop {
             attempts += 1;
-            match op().await {
+            let start = Instant::now();
+            let mut deadline = start + self.request_timeout;
+            if let Some(since) = first_failure {
+                deadline = deadline.min(since + self.outage_budget);
+            }
+            let result = match tokio::time::timeout_at(deadline, op()).await {
+                Ok(result) => result,
+                Err(_) => Err(DatasetError::Store(object_store::Error::Generic {
+                    store: "bucket",
+                    source: format!(
+                        "no answer within {:.1} s (loader.request_timeout_s)",
+                        (deadline - start).as_secs_f64()
+                    )
+                    .into(),
+                })),
+            };
+            match result {
                 Ok(v) => {
                     if first_failure.is_some() {
                         outage.recovered(object);
@@ -238,6 +262,7 @@ impl RetryPolicy {
             backoff: Duration::from_millis(l.retry_backoff_ms),
             max_backoff: Duration::from_millis(l.retry_max_backoff_ms),
             outage_budget: Duration::from_secs_f64(l.outage_budget_s),
+            request_timeout: Duration::from_secs_f64(l.request_timeout_s),
             seed: cfg.data.seed ^ u64::from(rank).rotate_left(32),
         }
     }
@@ -250,6 +275,7 @@ impl Default for RetryPolicy {
             backoff: Duration::from_millis(d.retry_backoff_ms),
             max_backoff: Duration::from_millis(d.retry_max_backoff_ms),
             outage_budget: Duration::from_secs_f64(d.outage_budget_s),
+            request_timeout: Duration::from_secs_f64(d.request_timeout_s),
             seed: 1,
         }
     }
@@ -1558,6 +1584,7 @@ mod tests {
             backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
             outage_budget: Duration::from_secs(budget_s),
+            request_timeout: Duration::from_secs(10),
             seed: 7,
         }
     }
@@ -1659,6 +1686,47 @@ mod tests {
             "bucket unreachable 12 s (budget 120 s)"
         );
         assert_eq!(outage.lasted(start), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_store_is_an_outage_from_the_request_deadline() {
+        // The store never answers: each attempt ends at its own deadline.
+        let r = policy(120);
+        let log = OutageLog::default();
+        let mut status = log.watch();
+        let start = Instant::now();
+        let deadline = start + r.request_timeout;
+        let watcher = async {
+            status.changed().await.unwrap();
+            (*status.borrow_and_update(), Instant::now())
+        };
+        let run = r.run("ds/x", &log, std::future::pending::<Result<(), _>>);
+        let ((result, attempts), (outage, reported_at)) = futures::join!(run, watcher);
+        // Reported at the first request's deadline (10 s), not at 30 s
+        // (tokio's timer rounds deadlines up to the next millisecond).
+        let ms = Duration::from_millis(2);
+        let outage = outage.expect("an outage");
+        assert!(reported_at >= deadline && reported_at < deadline + ms);
+        assert_eq!(outage.since, reported_at);
+        // The budget runs from there and ends on time: the attempt under
+        // way at its end is cut to it.
+        let Err(RetryFailure::OutOfBudget { failing, source }) = result else {
+            panic!("expected the budget to run out");
+        };
+        assert!(
+            failing >= r.outage_budget && failing < r.outage_budget + ms,
+            "{failing:?}"
+        );
+        let ended = Instant::now() - start;
+        let expected = r.request_timeout + r.outage_budget;
+        assert!(ended >= expected && ended < expected + 2 * ms, "{ended:?}");
+        assert!(source.is_transient());
+        assert!(
+            source.to_string().contains("loader.request_timeout_s"),
+            "{source}"
+        );
+        // 120 s of attempts of at most 10 s each, with backoff between.
+        assert!((12..100).contains(&attempts), "{attempts}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -413,9 +413,9 @@ fn train(
             );
         }
         println!(
-            "worker {rank} done: {} steps, test accuracy {:.2}%, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
+            "worker {rank} done: {} steps, test accuracy {}, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
             report.steps,
-            100.0 * report.final_accuracy,
+            ps_worker::run::accuracy_text(report.final_accuracy, 2),
             report.bytes_pushed_per_step / 1e3,
             report.bytes_pulled_per_step / 1e3,
             report.data_wait_s,

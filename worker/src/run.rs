@@ -482,6 +482,14 @@ async fn run_rank(
         .run("the test split", &outage, || reader.fetch_all(Split::Test))
         .await;
     let test = Arc::new(startup_read(test, "the test split", attempts)?);
+    // A dataset without a test split trains, but is never reported as 0%
+    // accurate: its evaluations say "no test split" (see `accuracy_text`).
+    if test.is_empty() && cfg.training.target_accuracy > 0.0 {
+        return Err(WorkerError::Mismatch(format!(
+            "training.target_accuracy = {} needs a test split, and dataset `{}` has none",
+            cfg.training.target_accuracy, manifest.name
+        )));
+    }
     let startup = StartupGets {
         manifest: manifest_gets,
         test: counted.counts().since(manifest_gets),
@@ -535,11 +543,10 @@ async fn run_rank(
             let t = source_trainer.clone();
             Box::pin(async move { t.send(GetParams).await.unwrap_or_default() })
         });
-        // Most runs start at step 0: begin prefetching from there while
-        // connecting and joining (a join moves whole shards), and start over
-        // at the cluster's step when this worker rejoins a run under way.
+        // The loader starts once the servers said where the sample stream
+        // stands and at which step this worker continues: a worker that
+        // rejoins a run under way fetches nothing before that step.
         let settings = LoaderSettings::from_config(cfg, &manifest, rank);
-        let early = Loader::start(reader.clone(), sampler.clone(), settings.clone())?;
         let (exchange, start_params, start_step, data) = match node {
             None => {
                 let link = &opts.simulation.link;
@@ -572,11 +579,10 @@ async fn run_rank(
                 consumed = point.consumed,
                 "rejoining the run"
             );
-            drop(early);
             let settings = settings.resume_from(origin).starting_at(start_step);
             Loader::start(reader, sampler, settings)?
         } else {
-            early
+            Loader::start(reader, sampler, settings)?
         };
         let outage = loader.outage_log();
         let run = Run {
@@ -827,7 +833,7 @@ async fn train(
     // A worker that joined a finished run trained no epoch: evaluate anyway.
     let final_accuracy = match reports.last() {
         Some(r) => r.test_accuracy,
-        None => trainer.send(Evaluate(test.clone())).await??.1,
+        None => evaluate(trainer, &test).await?.1,
     };
     let steps = (step - start_step).max(1) as f64;
     let sum = |f: fn(&EpochReport) -> f64| reports.iter().map(f).sum::<f64>();
@@ -901,17 +907,47 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// `(test_loss, test_accuracy)` of the model on `test`; both NaN for an
+/// empty test split (reported as "no test split", never as 0%; NaN is
+/// `null` in the JSON).
+async fn evaluate(
+    trainer: &Addr<TrainerActor>,
+    test: &Arc<ps_dataset::Batch>,
+) -> Result<(f32, f32), WorkerError> {
+    if test.is_empty() {
+        return Ok((f32::NAN, f32::NAN));
+    }
+    Ok(trainer.send(Evaluate(test.clone())).await??)
+}
+
+/// An accuracy for people: `88.40%`, or `no test split` when there was
+/// nothing to evaluate on (NaN, see `evaluate`).
+pub fn accuracy_text(accuracy: f32, decimals: usize) -> String {
+    if accuracy.is_nan() {
+        "no test split".to_string()
+    } else {
+        format!("{:.decimals$}%", 100.0 * accuracy)
+    }
+}
+
 /// The console line of one epoch; it fits in 100 columns (the JSONL has
 /// every field), e.g.
 /// `rank 0 epoch 3/10: train_loss 0.412 test_loss 0.398 acc 88.4% wait 1.2s compute 35s comm 4.1s`.
 fn epoch_line(r: &EpochReport, epochs: u64) -> String {
+    let test = if r.test_accuracy.is_nan() {
+        accuracy_text(r.test_accuracy, 1)
+    } else {
+        format!(
+            "test_loss {} acc {}",
+            short_loss(r.test_loss),
+            accuracy_text(r.test_accuracy, 1)
+        )
+    };
     format!(
-        "rank {} epoch {}/{epochs}: train_loss {} test_loss {} acc {:.1}% wait {} compute {} comm {}",
+        "rank {} epoch {}/{epochs}: train_loss {} {test} wait {} compute {} comm {}",
         r.rank,
         r.epoch,
         short_loss(r.train_loss),
-        short_loss(r.test_loss),
-        100.0 * r.test_accuracy,
         short_secs(r.data_wait_s),
         short_secs(r.compute_s),
         short_secs(r.comm_s),
@@ -1058,7 +1094,7 @@ impl Evals {
             let batches = self.recent.iter().cloned().collect();
             trainer.send(CalibrateBn(batches)).await??;
         }
-        let (test_loss, test_accuracy) = trainer.send(Evaluate(test.clone())).await??;
+        let (test_loss, test_accuracy) = evaluate(trainer, test).await?;
         self.spent += t0.elapsed();
         self.points.push(EvalPoint {
             step,
@@ -1233,6 +1269,18 @@ mod tests {
             "rank 999 epoch 1000/1000: train_loss 0.412 test_loss 0.398 acc 88.4% \
              wait 0.0s compute 35s comm 4.1s"
         );
+        // No test split: never "acc 0.0%".
+        let mut none = small.clone();
+        (none.test_loss, none.test_accuracy) = (f32::NAN, f32::NAN);
+        let line = epoch_line(&none, 1000);
+        assert!(
+            line.contains("train_loss 0.412 no test split wait"),
+            "{line}"
+        );
+        assert!(line.chars().count() <= 100, "{line}");
+        assert_eq!(accuracy_text(0.884, 2), "88.40%");
+        assert_eq!(accuracy_text(0.0, 1), "0.0%");
+        assert_eq!(accuracy_text(f32::NAN, 2), "no test split");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use ps_dataset::{
     synthetic, write_dataset_with, Batch, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
-use ps_shared::config::CompressionKind;
+use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataplane::{CacheSize, SimBucketSection};
 use ps_shared::sampler::{EpochSampler, Partition, SamplerError};
 use ps_shared::simstore::{SimSettings, SimStore};
@@ -1095,4 +1095,91 @@ async fn stable_partition_keeps_the_cache_useful() {
         "reshuffle refetched only {}",
         later_epoch_gets[0]
     );
+}
+
+/// A worker resumed from a checkpoint mid-epoch fetches only the samples
+/// from the resume step on: the bucket's own count of GETs (per-sample
+/// layout, one GET per sample) is the manifest, the test split and exactly
+/// the samples after the cut, and the worker's report counts every one.
+#[test]
+fn a_resumed_worker_fetches_only_from_the_resume_step() {
+    const TRAIN: usize = 256;
+    const TEST: usize = 32;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let spec = SyntheticSpec {
+        train: TRAIN,
+        test: TEST,
+        ..SyntheticSpec::default()
+    };
+    let prefix = Path::from("rs");
+    let raw = Arc::new(InMemory::new());
+    let (tr, te) = synthetic(&spec);
+    let options = WriteOptions {
+        layout: Layout::PerSample,
+        records_per_shard: 64,
+    };
+    rt.block_on(write_dataset_with(
+        raw.as_ref(),
+        &prefix,
+        "rs",
+        spec.features,
+        spec.classes,
+        &tr,
+        &te,
+        &options,
+    ))
+    .expect("write dataset");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 1);
+    cfg.cluster.workers = 1;
+    cfg.server.checkpoint_url = format!("file://{}", dir.path().display());
+    cfg.server.exit_when_done = false;
+    cfg.validate().expect("valid config");
+    let batch = cfg.data.batch_size as u64;
+    let cut = 3u64;
+    assert!(cut * batch < TRAIN as u64, "the cut is mid-epoch");
+    let pki = ps_tests::TestPki::new(1);
+
+    // Runs the worker against a fresh server (restored from the checkpoint
+    // when there is one), stopped cleanly with a final checkpoint.
+    let phase = |cfg: ClusterConfig, store: Arc<dyn ObjectStore>| {
+        let pki = &pki;
+        let prefix = prefix.clone();
+        actix::System::new().block_on(async move {
+            let mut cfg = cfg;
+            let server = ps_tests::start_loopback_server(&cfg, pki).await;
+            cfg.cluster.servers = vec![server.local_addr().to_string()];
+            let report = tokio::time::timeout(
+                ps_tests::CLUSTER_TIMEOUT,
+                ps_worker::run::run_worker(&cfg, pki.options(0), store, prefix),
+            )
+            .await
+            .expect("the worker finishes in time")
+            .expect("worker run");
+            server.shutdown().await;
+            report
+        })
+    };
+    let mut first = cfg.clone();
+    first.training.max_steps = cut;
+    let before = phase(first, raw.clone());
+    assert_eq!(before.steps, cut);
+
+    let sim = Arc::new(SimStore::new(raw, SimSettings::instant()));
+    let after = phase(cfg, sim.clone());
+    assert_eq!(after.start_step, cut);
+    let samples_after = TRAIN as u64 - cut * batch;
+    let gets = sim.stats().gets;
+    assert_eq!(
+        gets,
+        1 + TEST as u64 + samples_after,
+        "manifest + test split + the samples from the resume step on"
+    );
+    let counted: u64 = after.epochs.iter().map(|e| e.bucket_get_attempts).sum();
+    assert_eq!(counted, gets, "the report counts every GET the bucket saw");
+    let data: u64 = after.epochs.iter().map(|e| e.bucket_data_gets).sum();
+    assert_eq!(data, samples_after);
 }

@@ -1183,3 +1183,61 @@ fn a_resumed_worker_fetches_only_from_the_resume_step() {
     let data: u64 = after.epochs.iter().map(|e| e.bucket_data_gets).sum();
     assert_eq!(data, samples_after);
 }
+
+/// A worker stopped by `max_steps` while its loader still has GETs in
+/// flight: its report counts every GET the bucket saw, those the stop cut
+/// short included (the epochs' counters only cover batches it reached).
+#[test]
+fn gets_in_flight_at_a_stop_are_counted() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let spec = SyntheticSpec {
+        train: 512,
+        test: 16,
+        ..SyntheticSpec::default()
+    };
+    let prefix = Path::from("st");
+    let raw = Arc::new(InMemory::new());
+    let (tr, te) = synthetic(&spec);
+    let options = WriteOptions {
+        layout: Layout::PerSample,
+        records_per_shard: 64,
+    };
+    rt.block_on(write_dataset_with(
+        raw.as_ref(),
+        &prefix,
+        "st",
+        spec.features,
+        spec.classes,
+        &tr,
+        &te,
+        &options,
+    ))
+    .expect("write dataset");
+    // A slow first byte keeps many GETs in flight at once.
+    let sim = Arc::new(SimStore::new(
+        raw,
+        SimSettings {
+            first_byte: Duration::from_millis(20),
+            ..SimSettings::instant()
+        },
+    ));
+    let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 2);
+    cfg.cluster.workers = 1;
+    cfg.training.max_steps = 2;
+    cfg.loader.lookahead_batches = 0;
+    cfg.loader.lookahead_samples = 512;
+    cfg.validate().expect("valid config");
+    let reports = ps_tests::run_cluster(cfg, sim.clone(), prefix).expect("cluster run");
+    let r = &reports[0];
+    assert_eq!(r.steps, 2);
+    let gets = sim.stats().gets;
+    assert_eq!(r.bucket_gets_sent, gets, "every GET the bucket saw");
+    let in_epochs: u64 = r.epochs.iter().map(|e| e.bucket_get_attempts).sum();
+    assert!(
+        in_epochs < gets,
+        "the stop cut GETs short ({in_epochs} in the epochs, {gets} sent)"
+    );
+}

@@ -290,6 +290,12 @@ pub struct WorkerReport {
     pub stop_reason: StopReason,
     /// Wall seconds of training (first step to last), evaluation left out.
     pub train_s: f64,
+    /// Every GET request this worker sent to the bucket (start-up reads,
+    /// the loader's, failed ones and those still in flight when it stopped),
+    /// counted by the store wrapper as each is sent and read once the
+    /// loader's tasks are finished; the epochs' counters cover only the
+    /// GETs whose batches were reached.
+    pub bucket_gets_sent: u64,
 }
 
 #[derive(Default)]
@@ -594,7 +600,11 @@ async fn run_rank(
             plan,
             num_params,
         };
-        train(cfg, &opts, &trainer, test, run).await
+        let mut report = train(cfg, &opts, &trainer, test, run).await?;
+        // The loader has stopped (its tasks are finished or aborted): no
+        // GET is sent after this.
+        report.bucket_gets_sent = counted.counts().gets;
+        Ok(report)
     }
     .await;
     trainer_arbiter.stop();
@@ -828,6 +838,8 @@ async fn train(
     }
     let train_s = evals.train_s();
     bar.finish_and_clear();
+    // Stop the prefetching: the GETs it has sent are all counted then.
+    loader.stop().await;
     let summary = exchange.leave().await?;
 
     // A worker that joined a finished run trained no epoch: evaluate anyway.
@@ -864,6 +876,7 @@ async fn train(
         evals: evals.points,
         stop_reason: stopping.unwrap_or(StopReason::Epochs),
         train_s,
+        bucket_gets_sent: 0,
     })
 }
 

@@ -1241,3 +1241,43 @@ fn gets_in_flight_at_a_stop_are_counted() {
         "the stop cut GETs short ({in_epochs} in the epochs, {gets} sent)"
     );
 }
+
+/// A dataset without a test split trains and reports "no test split"
+/// (NaN, `null` in the JSONL), never an accuracy of 0%; asking for a target
+/// accuracy on it is refused at start-up, naming the setting.
+#[test]
+fn a_dataset_without_a_test_split_reports_none() {
+    let spec = SyntheticSpec {
+        train: 256,
+        test: 0,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = ps_tests::synthetic_bucket_blocking(&spec);
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 1);
+    cfg.cluster.workers = 1;
+    cfg.training.metrics_dir = dir.path().display().to_string();
+    cfg.validate().expect("valid config");
+    let reports =
+        ps_tests::run_cluster(cfg.clone(), store.clone(), prefix.clone()).expect("cluster run");
+    let r = &reports[0];
+    assert!(r.final_accuracy.is_nan(), "{}", r.final_accuracy);
+    assert!(r.epochs.iter().all(|e| e.test_accuracy.is_nan()));
+    assert_eq!(
+        ps_worker::run::accuracy_text(r.final_accuracy, 2),
+        "no test split"
+    );
+    let jsonl = std::fs::read_to_string(dir.path().join("worker-0.jsonl")).unwrap();
+    let line: serde_json::Value = serde_json::from_str(jsonl.lines().next().unwrap()).unwrap();
+    assert!(line["test_accuracy"].is_null(), "{line}");
+
+    cfg.training.target_accuracy = 0.9;
+    cfg.training.metrics_dir = String::new();
+    let err = ps_tests::run_cluster(cfg, store, prefix)
+        .expect_err("a target accuracy needs a test split")
+        .to_string();
+    assert!(
+        err.contains("training.target_accuracy") && err.contains("has none"),
+        "{err}"
+    );
+}

@@ -966,8 +966,9 @@ impl TieredCache {
         kept
     }
 
-    /// Saves the disk tier's index now (it is also saved every few hundred
-    /// writes and when the cache is dropped).
+    /// Saves the disk tier's index now (it is also saved every
+    /// [`INDEX_SAVE_PERIOD`] while files change, and when the cache is
+    /// dropped).
     pub fn save_index(&self) {
         if let Some(disk) = &self.disk {
             disk.save_index();

@@ -167,17 +167,24 @@ async fn stop_requested(stop: &Option<tokio::sync::watch::Receiver<bool>>) {
     std::future::pending::<()>().await
 }
 
-/// `wait`'s output, or `None` when the stop signal comes first: a bucket
-/// outage, a server being retried or a slow reply do not hold a stop up.
+/// How long a wait may still take once the stop signal came: the current
+/// step ends normally when it can.
+const WAIT_GRACE: Duration = Duration::from_secs(5);
+
+/// `wait`'s output, or `None` when the stop signal comes first and `wait`
+/// does not end within [`WAIT_GRACE`] after it: a bucket outage, a server
+/// being redialled or a stuck reply do not hold a stop up.
 async fn until_stop<T>(
     stop: &Option<tokio::sync::watch::Receiver<bool>>,
     wait: impl std::future::Future<Output = T>,
 ) -> Option<T> {
+    tokio::pin!(wait);
     tokio::select! {
         biased;
-        out = wait => Some(out),
-        () = stop_requested(stop) => None,
+        out = &mut wait => return Some(out),
+        () = stop_requested(stop) => {}
     }
+    tokio::time::timeout(WAIT_GRACE, wait).await.ok()
 }
 
 /// Stopped by a signal during a wait: say goodbye if the servers answer
@@ -1356,11 +1363,22 @@ mod tests {
         // Nothing to stop on: the wait's own result.
         assert_eq!(until_stop(&None, async { 7 }).await, Some(7));
         let forever = std::future::pending::<u32>();
-        let waiting = tokio::spawn(async move { until_stop(&stop, forever).await });
+        let stop_for_forever = stop.clone();
+        let waiting = tokio::spawn(async move { until_stop(&stop_for_forever, forever).await });
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished());
+        // A wait that ends within the grace after the stop keeps its result.
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<u32>();
+        let finishing = tokio::spawn(async move { until_stop(&stop, done_rx).await });
+        tokio::task::yield_now().await;
+        let t0 = tokio::time::Instant::now();
         tx.send_replace(true);
+        tokio::time::sleep(WAIT_GRACE / 2).await;
+        let _ = done_tx.send(5);
+        assert_eq!(finishing.await.expect("the finishing task"), Some(Ok(5)));
+        // One that does not is cut short at the grace's end.
         assert_eq!(waiting.await.expect("the wait task"), None);
+        assert!(t0.elapsed() >= WAIT_GRACE, "{:?}", t0.elapsed());
     }
 
     /// Lets the other tasks of the `LocalSet` run until `done` holds (a

@@ -214,15 +214,11 @@ fn sigterm(child: &Child) {
     assert!(status.success());
 }
 
-#[test]
-fn sigterm_during_a_bucket_outage_exits_143() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), &closed_port(), |cfg| {
-        cfg.data.url = "s3://stratus-exits/ds".into();
-        // Far beyond the test's bound: only the signal can end the wait.
-        cfg.loader.outage_budget_s = 3600.0;
-    });
-    let mut child = outage_worker(&config).spawn().expect("start ps-worker");
+/// Start `cmd`, wait for a stderr line containing `ready` (the event that
+/// says the worker is in the wait under test), send SIGTERM, and return
+/// the exit status and every stderr line.
+fn sigterm_once(mut cmd: Command, ready: &str) -> (std::process::ExitStatus, String) {
+    let mut child = cmd.spawn().expect("start ps-worker");
     let stderr = child.stderr.take().expect("piped stderr");
     let (tx, lines) = mpsc::channel();
     std::thread::spawn(move || {
@@ -233,20 +229,19 @@ fn sigterm_during_a_bucket_outage_exits_143() {
             }
         }
     });
-    // The event: the worker logs the outage it waits out.
     let mut log = Vec::new();
     loop {
         match lines.recv_timeout(RUN_BOUND) {
             Ok(line) => {
-                let outage = line.contains("bucket unreachable");
+                let seen = line.contains(ready);
                 log.push(line);
-                if outage {
+                if seen {
                     break;
                 }
             }
             Err(e) => {
                 let _ = child.kill();
-                panic!("no outage logged ({e}):\n{}", log.join("\n"));
+                panic!("no `{ready}` logged ({e}):\n{}", log.join("\n"));
             }
         }
     }
@@ -264,9 +259,42 @@ fn sigterm_during_a_bucket_outage_exits_143() {
         .expect("reap ps-worker");
     let log = log.join("\n");
     assert!(!log.contains("panicked"), "{log}");
+    (status, log)
+}
+
+#[test]
+fn sigterm_during_a_bucket_outage_exits_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &closed_port(), |cfg| {
+        cfg.data.url = "s3://stratus-exits/ds".into();
+        // Far beyond the test's bound: only the signal can end the wait.
+        cfg.loader.outage_budget_s = 3600.0;
+    });
+    // The event: the worker logs the outage it waits out.
+    let (status, log) = sigterm_once(outage_worker(&config), "bucket unreachable");
     assert_eq!(status.code(), Some(143), "{log}");
     assert!(
         log.contains("stopped by a signal at step 0 while waiting for the dataset manifest"),
+        "{log}"
+    );
+}
+
+#[test]
+fn sigterm_while_a_server_is_redialled_exits_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = write_dataset(dir.path());
+    let config = write_config(dir.path(), &closed_port(), |cfg| {
+        // Far beyond the test's bound: only the signal can end the wait.
+        cfg.server.connect_timeout_secs = 3600;
+        cfg.data.url = url;
+    });
+    let mut cmd = ps_worker(&config);
+    cmd.env("STRATUS_LOG", "warn,ps_worker::comm=debug");
+    // The event: the worker logs a failed dial it will retry.
+    let (status, log) = sigterm_once(cmd, "connect failed, retrying");
+    assert_eq!(status.code(), Some(143), "{log}");
+    assert!(
+        log.contains("stopped by a signal at step 0 while waiting for the servers (joining)"),
         "{log}"
     );
 }

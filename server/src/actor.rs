@@ -47,7 +47,20 @@ pub struct ShardActor {
     last_written: Option<u64>,
     /// `Shutdown`s waiting for the checkpoint writes to end.
     stop_waiters: Vec<oneshot::Sender<Option<u64>>>,
+    /// Checkpoint writes that failed, in all and since the last success.
+    checkpoint_failures: u64,
+    failures_in_a_row: u32,
+    /// Whether a write failed after `Shutdown` (the final checkpoint).
+    final_checkpoint_failed: bool,
+    /// Failed writes in a row allowed before `give_up` is called.
+    max_failures: u32,
+    /// Stops the server with the message (see [`Self::with_checkpoint_limit`]).
+    give_up: Option<GiveUp>,
 }
+
+/// What a shard calls when its checkpoints keep failing: stops the server
+/// with the message.
+pub type GiveUp = Box<dyn Fn(String) + Send>;
 
 impl ShardActor {
     pub fn new(
@@ -68,6 +81,49 @@ impl ShardActor {
             cpu: Duration::ZERO,
             last_written: None,
             stop_waiters: Vec::new(),
+            checkpoint_failures: 0,
+            failures_in_a_row: 0,
+            final_checkpoint_failed: false,
+            max_failures: u32::MAX,
+            give_up: None,
+        }
+    }
+
+    /// Once more than `max_failures` checkpoint writes in a row have failed
+    /// (`server.checkpoint_max_failures`), call `give_up` with a message
+    /// that names the shard, the count and the last error: a checkpoint
+    /// location that cannot be written must not let a run end as if it
+    /// had been saved.
+    pub fn with_checkpoint_limit(mut self, max_failures: u32, give_up: GiveUp) -> Self {
+        self.max_failures = max_failures;
+        self.give_up = Some(give_up);
+        self
+    }
+
+    /// A checkpoint write failed: count it, and past the limit give up.
+    fn checkpoint_failed(&mut self, shard: u32, version: u64, error: String) {
+        self.checkpoint_failures += 1;
+        self.failures_in_a_row = self.failures_in_a_row.saturating_add(1);
+        // A `Shutdown` waits for this write: it was the final checkpoint
+        // (or the write before it, which the final one follows).
+        if !self.stop_waiters.is_empty() {
+            self.final_checkpoint_failed = true;
+        }
+        tracing::error!(
+            shard,
+            version,
+            failed = self.checkpoint_failures,
+            in_a_row = self.failures_in_a_row,
+            limit = self.max_failures,
+            "checkpoint failed: {error}"
+        );
+        if self.failures_in_a_row > self.max_failures {
+            if let Some(give_up) = &self.give_up {
+                give_up(format!(
+                    "shard {shard}: {} checkpoint writes in a row failed, more than server.checkpoint_max_failures = {} (last, version {version}: {error})",
+                    self.failures_in_a_row, self.max_failures
+                ));
+            }
         }
     }
 
@@ -119,10 +175,15 @@ impl ShardActor {
                 Ok(()) => {
                     tracing::info!(shard, version, "checkpoint published");
                     actor.last_written = Some(version);
+                    actor.failures_in_a_row = 0;
+                    // The write a `Shutdown` waits for succeeded.
+                    if !actor.stop_waiters.is_empty() {
+                        actor.final_checkpoint_failed = false;
+                    }
                     true
                 }
                 Err(e) => {
-                    tracing::error!(shard, version, "checkpoint failed: {e}");
+                    actor.checkpoint_failed(shard, version, e.to_string());
                     false
                 }
             };
@@ -281,6 +342,8 @@ pub struct ShardStatus {
     /// dense updates on the rayon pool (`stats.update_pool_cpu`).
     pub cpu: Duration,
     pub recovery: Option<RecoveryReport>,
+    /// Checkpoint writes that failed over the shard's life.
+    pub checkpoint_failures: u64,
 }
 
 #[derive(Message)]
@@ -300,6 +363,7 @@ impl Handler<GetStatus> for ShardActor {
             waiting_replies: self.replies.len(),
             cpu: self.cpu + self.core.stats().update_pool_cpu,
             recovery: self.core.recovery_report().cloned(),
+            checkpoint_failures: self.checkpoint_failures,
         })
     }
 }
@@ -314,6 +378,10 @@ pub struct ShardCounters {
     /// As [`ShardStatus::cpu`].
     pub cpu: Duration,
     pub memory: ShardMemory,
+    /// Checkpoint writes that failed over the shard's life.
+    pub checkpoint_failures: u64,
+    /// Whether the final checkpoint (after `Shutdown`) failed.
+    pub final_checkpoint_failed: bool,
 }
 
 #[derive(Message)]
@@ -329,6 +397,8 @@ impl Handler<GetCounters> for ShardActor {
             stats: self.core.stats(),
             cpu: self.cpu + self.core.stats().update_pool_cpu,
             memory: self.core.memory(),
+            checkpoint_failures: self.checkpoint_failures,
+            final_checkpoint_failed: self.final_checkpoint_failed,
         })
     }
 }

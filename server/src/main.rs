@@ -6,15 +6,19 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use ps_shared::cli::{describe_error, init_logging, stop_signal};
+use ps_server::net::ServerError;
+use ps_shared::cli::{
+    describe_error, exit_code, init_logging, stop_signal, ExitCode, UsageError, EXIT_CODES_HELP,
+};
 use ps_shared::config::ClusterConfig;
 use ps_shared::pki::{ensure_cluster_pki, Existing, PkiPaths};
 use ps_shared::transport::read_pem;
+use ps_shared::transport::TransportError;
 
 /// Stratus parameter server: serves this process's shards of the flat
 /// parameter space to the workers over QUIC (TLS 1.3).
 #[derive(Parser, Debug)]
-#[command(name = "ps-server", version, about, long_about = None)]
+#[command(name = "ps-server", version, about, long_about = None, after_help = EXIT_CODES_HELP)]
 struct Cli {
     /// Cluster config (TOML); the embedded configs/local.toml when omitted.
     #[arg(long, short, global = true, env = "STRATUS_CONFIG")]
@@ -57,13 +61,43 @@ enum Command {
     ShowConfig,
 }
 
+/// A clean stop on SIGTERM or SIGINT: final checkpoints written, workers
+/// told; the process exits with the signal's code.
+#[derive(Debug, thiserror::Error)]
+#[error("stopped by {0}")]
+struct StoppedBy(&'static str);
+
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("ps-server: error: {}", describe_error(e.as_ref()));
-        std::process::exit(1);
+    match run() {
+        Ok(()) => {}
+        Err(e) => {
+            let code = exit_code(e.as_ref(), classify_exit);
+            match e.downcast_ref::<StoppedBy>() {
+                Some(stopped) => eprintln!("ps-server: {stopped}"),
+                None => eprintln!("ps-server: error: {}", describe_error(e.as_ref())),
+            }
+            std::process::exit(code.code());
+        }
     }
 }
 
+/// The server's part of the one mapping from errors to exit codes (see
+/// [`ps_shared::cli::exit_code`], which knows the shared error types).
+fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
+    if let Some(StoppedBy(name)) = e.downcast_ref::<StoppedBy>() {
+        return Some(ExitCode::for_signal(name));
+    }
+    match e.downcast_ref::<ServerError>()? {
+        ServerError::BadIndex { .. }
+        | ServerError::Shards(_)
+        | ServerError::Bind { .. }
+        | ServerError::CheckpointStore { .. }
+        | ServerError::Transport(
+            TransportError::Tls(_) | TransportError::Io { .. } | TransportError::Limits(_),
+        ) => Some(ExitCode::Config),
+        _ => None,
+    }
+}
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging(&cli.log, "info");
@@ -140,15 +174,17 @@ fn exists(p: &Path) -> bool {
 
 fn serve(cfg: &ClusterConfig, index: usize, listen: Option<SocketAddr>) -> anyhow::Result<()> {
     let Some(entry) = cfg.cluster.servers.get(index) else {
-        bail!(
+        bail!(UsageError(format!(
             "--index {index}: cluster.servers lists only {} server(s)",
             cfg.cluster.servers.len()
-        );
+        )));
     };
     let listen = match listen {
         Some(a) => a,
-        None => entry.parse().with_context(|| {
-            format!("cluster.servers[{index}] = `{entry}` is not an IP:port; pass --listen")
+        None => entry.parse().map_err(|_| {
+            UsageError(format!(
+                "cluster.servers[{index}] = `{entry}` is not an IP:port; pass --listen"
+            ))
         })?,
     };
     if cfg.tls.generate_if_missing {
@@ -162,12 +198,12 @@ fn serve(cfg: &ClusterConfig, index: usize, listen: Option<SocketAddr>) -> anyho
         .into_iter()
         .any(|p| !exists(p))
     {
-        bail!(
+        bail!(UsageError(format!(
             "TLS certificate {}, key {} or CA {} is missing (run `ps-server certs` or set tls.generate_if_missing)",
             cfg.tls.cert.display(),
             cfg.tls.key.display(),
             cfg.tls.ca.display()
-        );
+        )));
     }
     let tls = ps_server::net::ServerTls {
         cert_pem: read_pem(&cfg.tls.cert)?,
@@ -175,21 +211,37 @@ fn serve(cfg: &ClusterConfig, index: usize, listen: Option<SocketAddr>) -> anyho
         ca_pem: read_pem(&cfg.tls.ca)?,
     };
     let system = actix::System::new();
-    system.block_on(async move {
-        let server = ps_server::net::start(cfg, index, listen, &tls).await?;
+    // Errors leave the runtime as values; the runtime is dropped after.
+    let stopped = system.block_on(async move {
+        let server = ps_server::net::start(cfg, index, listen, &tls)
+            .await
+            .with_context(|| {
+                format!(
+                    "starting server {index} on {listen} (TLS files {}, {}, {})",
+                    cfg.tls.cert.display(),
+                    cfg.tls.key.display(),
+                    cfg.tls.ca.display()
+                )
+            })?;
         let stop = tokio::select! {
             _ = server.decided() => None,
             name = stop_signal() => Some(name),
         };
         match stop {
-            None => server.wait().await.map_err(|e| anyhow::anyhow!("{e}"))?,
+            None => {
+                server.wait().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                anyhow::Ok(None)
+            }
             Some(name) => {
                 tracing::info!("{name}: writing final checkpoints and telling the workers");
                 let saved = server.shutdown().await;
                 tracing::info!(?saved, "stopped; checkpointed versions per shard");
+                anyhow::Ok(Some(name))
             }
         }
-        anyhow::Ok(())
     })?;
-    Ok(())
+    match stopped {
+        Some(name) => Err(StoppedBy(name).into()),
+        None => Ok(()),
+    }
 }

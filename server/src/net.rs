@@ -45,8 +45,8 @@ use ps_shared::shard::ShardMap;
 use ps_shared::transport::{self, read_frame, write_frame, EndpointLimits, TransportError};
 
 use crate::actor::{
-    CheckpointTarget, Deliver, GetStatus, MemberNews, ShardActor, ShardRequest, ShardStatus,
-    Shutdown,
+    CheckpointTarget, Deliver, GetCounters, GetStatus, MemberNews, ShardActor, ShardRequest,
+    ShardStatus, Shutdown,
 };
 use crate::checkpoint::{load_latest, CheckpointError, DataSplit};
 use crate::core::{ConnId, CoreSettings, ShardCore, ShardSetup};
@@ -197,15 +197,55 @@ impl RunningServer {
     /// goodbye, an error when no worker joined in time or every worker has
     /// been gone too long. Then closes the endpoint and stops the shards.
     pub async fn wait(mut self) -> Result<(), ServerExit> {
-        let outcome = match self.outcome.wait_for(|o| o.is_some()).await {
+        let mut outcome = match self.outcome.wait_for(|o| o.is_some()).await {
             Ok(o) => o.clone().unwrap_or(Ok(())),
             Err(_) => Err(ServerExit("server state dropped".into())),
         };
-        // Let the last replies leave: workers close after their goodbye.
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.endpoint.wait_idle()).await;
-        self.endpoint.close(close::BYE.into(), b"done");
+        if outcome.is_ok() {
+            outcome = self.final_checkpoints().await;
+        }
+        match &outcome {
+            Ok(()) => {
+                // Let the last replies leave: workers close after their goodbye.
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(5), self.endpoint.wait_idle()).await;
+                self.endpoint.close(close::BYE.into(), b"done");
+            }
+            // Stop serving at once (checkpoints that keep failing must not
+            // let training go on unsaved): workers still training see the
+            // server gone.
+            Err(e) => self.endpoint.close(close::ABORTED.into(), e.0.as_bytes()),
+        }
         self.teardown().await;
         outcome
+    }
+
+    /// The run is complete (every worker said goodbye): every shard writes
+    /// a final checkpoint of the state it ends in (when checkpoints are
+    /// configured), so that a rerun starts from the end and not from the
+    /// last periodic checkpoint. A final write that fails is an error.
+    async fn final_checkpoints(&self) -> Result<(), ServerExit> {
+        let stops = self.ctx.shards.iter().map(|(shard, addr)| async move {
+            let saved = addr.send(Shutdown).await.ok().flatten();
+            let failed = match addr.send(GetCounters).await {
+                Ok(c) => c.final_checkpoint_failed,
+                Err(_) => true,
+            };
+            (*shard, saved, failed)
+        });
+        let mut ends = futures::future::join_all(stops).await;
+        ends.sort_unstable();
+        let failed: Vec<u32> = ends.iter().filter(|e| e.2).map(|e| e.0).collect();
+        if !failed.is_empty() {
+            return Err(ServerExit(format!(
+                "the final checkpoint of shard(s) {failed:?} could not be written (see the checkpoint errors above); a rerun would resume from an older one"
+            )));
+        }
+        let saved: Vec<(u32, Option<u64>)> = ends.iter().map(|e| (e.0, e.1)).collect();
+        if saved.iter().any(|(_, v)| v.is_some()) {
+            tracing::info!(?saved, "run complete: final checkpoints written");
+        }
+        Ok(())
     }
 
     /// Stop the I/O threads and release the socket before returning, so the
@@ -297,6 +337,25 @@ impl RunningServer {
     }
 }
 
+/// How a shard whose checkpoints keep failing stops the server: the first
+/// decision to stop stands.
+fn checkpoint_give_up(
+    outcome: watch::Sender<Option<Result<(), ServerExit>>>,
+) -> crate::actor::GiveUp {
+    Box::new(move |message: String| {
+        let decided = outcome.send_if_modified(|o| {
+            if o.is_some() {
+                return false;
+            }
+            *o = Some(Err(ServerExit(message.clone())));
+            true
+        });
+        if decided {
+            tracing::error!("{message}; shutting down");
+        }
+    })
+}
+
 /// Local tensor boundaries of `range` given the model's global tensor ranges.
 fn segments_within(range: &Range<usize>, tensors: &[Range<usize>]) -> Vec<Range<usize>> {
     tensors
@@ -310,7 +369,7 @@ fn segments_within(range: &Range<usize>, tensors: &[Range<usize>]) -> Vec<Range<
 }
 
 fn secs(v: f64) -> Duration {
-    Duration::from_secs_f64(v.max(0.0))
+    ps_shared::config::secs(v)
 }
 
 /// The transport limits both ends use.
@@ -429,6 +488,7 @@ pub async fn start(
         }
     };
     let settings = CoreSettings { data, ..settings };
+    let (outcome_tx, outcome_rx) = watch::channel(None);
     let mut shards = HashMap::new();
     let mut welcome = Vec::new();
     let mut arbiters = Vec::new();
@@ -456,8 +516,11 @@ pub async fn start(
         waiting.insert(shard as u32, waiting_rx);
         let arbiter = Arbiter::new();
         let target = checkpoints.clone();
+        let give_up = checkpoint_give_up(outcome_tx.clone());
+        let max_failures = s.checkpoint_max_failures;
         let addr = ShardActor::start_in_arbiter(&arbiter.handle(), move |_| {
             ShardActor::new(core, target, tick, version_tx, waiting_tx)
+                .with_checkpoint_limit(max_failures, give_up)
         });
         arbiters.push(arbiter);
         shards.insert(shard as u32, addr);
@@ -474,7 +537,7 @@ pub async fn start(
         .build()
         .map_err(ServerError::Runtime)?;
     let limits = endpoint_limits(cfg);
-    let endpoint = {
+    let bound = {
         let _guard = io.enter();
         transport::server_endpoint(listen, &tls.cert_pem, &tls.key_pem, &tls.ca_pem, &limits)
             .map_err(|e| match e {
@@ -483,9 +546,26 @@ pub async fn start(
                     source,
                 },
                 other => ServerError::Transport(other),
-            })?
+            })
+            .and_then(|endpoint| {
+                let addr = endpoint.local_addr().map_err(TransportError::from)?;
+                Ok((endpoint, addr))
+            })
     };
-    let local_addr = endpoint.local_addr().map_err(TransportError::from)?;
+    let (endpoint, local_addr) = match bound {
+        Ok(bound) => bound,
+        Err(e) => {
+            // A runtime dropped inside this async fn would panic ("Cannot
+            // drop a runtime in a context where blocking is not allowed")
+            // and hide `e`: let it and the shard arbiters go without
+            // blocking.
+            io.shutdown_background();
+            for arbiter in &arbiters {
+                arbiter.stop();
+            }
+            return Err(e);
+        }
+    };
     let now = Instant::now();
     let membership = Membership::new(
         MembershipSettings {
@@ -505,7 +585,6 @@ pub async fn start(
         },
         now,
     );
-    let (outcome_tx, outcome_rx) = watch::channel(None);
     let ctx = Arc::new(Ctx {
         index: index as u32,
         workers: cfg.cluster.workers as u32,

@@ -1,4 +1,5 @@
-//! The binaries' edge: logging setup, one-line error reports, stop signals.
+//! The binaries' edge: logging setup, one-line error reports, exit codes,
+//! stop signals.
 //!
 //! ```
 //! use ps_shared::cli::describe_error;
@@ -7,6 +8,114 @@
 //! ```
 
 use std::error::Error;
+
+use crate::config::ConfigError;
+use crate::pki::PkiError;
+use crate::transport::TransportError;
+
+/// How a `ps-server` or `ps-worker` process ends: one code per kind of end,
+/// the same in both binaries (the README's "Exit codes" table and
+/// [`EXIT_CODES_HELP`] list them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExitCode {
+    /// The run finished.
+    Ok,
+    /// Any other error.
+    Failed,
+    /// The config, a command-line argument, or a TLS file is invalid;
+    /// also a port that cannot be bound.
+    Config,
+    /// A peer could not be reached within its timeout.
+    Unreachable,
+    /// The data bucket stayed unreachable past `loader.outage_budget_s`.
+    BucketOutage,
+    /// Training diverged (a non-finite loss).
+    Diverged,
+    /// The job was stopped by a sample that could not be decoded
+    /// (`data.on_bad_sample = "stop"`), on this rank or another.
+    JobStopped,
+    /// Stopped by SIGINT (Ctrl-C).
+    Interrupted,
+    /// Stopped by SIGTERM.
+    Terminated,
+}
+
+impl ExitCode {
+    /// The process exit status.
+    pub fn code(self) -> i32 {
+        match self {
+            ExitCode::Ok => 0,
+            ExitCode::Failed => 1,
+            ExitCode::Config => 2,
+            ExitCode::Unreachable => 3,
+            ExitCode::BucketOutage => 4,
+            ExitCode::Diverged => 5,
+            ExitCode::JobStopped => 6,
+            ExitCode::Interrupted => 130,
+            ExitCode::Terminated => 143,
+        }
+    }
+
+    /// The code of a stop signal, by the name [`stop_signal`] returns.
+    pub fn for_signal(name: &str) -> Self {
+        if name == "SIGTERM" {
+            ExitCode::Terminated
+        } else {
+            ExitCode::Interrupted
+        }
+    }
+}
+
+/// The exit codes, for `--help` (`after_help`).
+pub const EXIT_CODES_HELP: &str = "Exit codes:
+  0    finished
+  1    other error
+  2    invalid config, argument or TLS file, or a port that cannot be bound
+  3    a server or peer unreachable within its timeout
+  4    the data bucket unreachable past loader.outage_budget_s
+  5    training diverged
+  6    job stopped by a sample that cannot be decoded (data.on_bad_sample = \"stop\")
+  130  stopped by SIGINT
+  143  stopped by SIGTERM";
+
+/// The exit code of an error: the first error in its chain that
+/// `classify` (the binary's own error types) or this crate's types name
+/// decides; [`ExitCode::Failed`] when none does.
+pub fn exit_code(
+    e: &(dyn Error + 'static),
+    classify: impl Fn(&(dyn Error + 'static)) -> Option<ExitCode>,
+) -> ExitCode {
+    let mut cause: Option<&(dyn Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if let Some(code) = classify(c).or_else(|| shared_exit_code(c)) {
+            return code;
+        }
+        cause = c.source();
+    }
+    ExitCode::Failed
+}
+
+/// The exit codes of the shared crate's errors.
+fn shared_exit_code(e: &(dyn Error + 'static)) -> Option<ExitCode> {
+    if e.is::<ConfigError>() || e.is::<PkiError>() || e.is::<UsageError>() {
+        return Some(ExitCode::Config);
+    }
+    match e.downcast_ref::<TransportError>()? {
+        TransportError::Tls(_) | TransportError::Io { .. } | TransportError::Limits(_) => {
+            Some(ExitCode::Config)
+        }
+        TransportError::Connect { .. } | TransportError::ConnectTimeout { .. } => {
+            Some(ExitCode::Unreachable)
+        }
+        _ => None,
+    }
+}
+
+/// A usage error the binaries raise themselves (a flag that does not fit
+/// the config): exit code 2, as clap's own.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
 
 /// Log to stderr with a tracing filter (`info`, `warn`, `ps_server=debug`, ...);
 /// an unparsable filter falls back to `fallback`.
@@ -69,6 +178,63 @@ mod tests {
     #[derive(Debug, thiserror::Error)]
     #[error("starting server")]
     struct Adds(#[source] std::io::Error);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("loading the config")]
+    struct Loading(#[source] ConfigError);
+
+    #[test]
+    fn exit_codes_come_from_the_first_known_error_of_the_chain() {
+        let config = ConfigError::OutOfRange {
+            field: "server.heartbeat_secs".into(),
+            value: "0".into(),
+            range: "0.01..=600".into(),
+        };
+        assert_eq!(exit_code(&config, |_| None), ExitCode::Config);
+        let wrapped = Loading(config);
+        assert_eq!(exit_code(&wrapped, |_| None), ExitCode::Config);
+        let tls = TransportError::Tls("no certificate in PEM".into());
+        assert_eq!(exit_code(&tls, |_| None), ExitCode::Config);
+        let unreachable = TransportError::ConnectTimeout {
+            addr: "127.0.0.1:1".into(),
+            timeout: std::time::Duration::from_secs(1),
+        };
+        assert_eq!(exit_code(&unreachable, |_| None), ExitCode::Unreachable);
+        // The binary's own classification comes first.
+        assert_eq!(
+            exit_code(&tls, |_| Some(ExitCode::Diverged)),
+            ExitCode::Diverged
+        );
+        let other = std::io::Error::other("disk full");
+        assert_eq!(exit_code(&other, |_| None), ExitCode::Failed);
+        let usage = UsageError("--node 9".into());
+        assert_eq!(exit_code(&usage, |_| None), ExitCode::Config);
+    }
+
+    #[test]
+    fn exit_codes_are_distinct_and_documented() {
+        let all = [
+            ExitCode::Ok,
+            ExitCode::Failed,
+            ExitCode::Config,
+            ExitCode::Unreachable,
+            ExitCode::BucketOutage,
+            ExitCode::Diverged,
+            ExitCode::JobStopped,
+            ExitCode::Interrupted,
+            ExitCode::Terminated,
+        ];
+        let codes: std::collections::BTreeSet<i32> = all.iter().map(|c| c.code()).collect();
+        assert_eq!(codes.len(), all.len());
+        for code in codes {
+            assert!(
+                EXIT_CODES_HELP.contains(&format!("\n  {code} ")),
+                "{code} missing from the help"
+            );
+        }
+        assert_eq!(ExitCode::for_signal("SIGTERM").code(), 143);
+        assert_eq!(ExitCode::for_signal("SIGINT").code(), 130);
+    }
 
     #[test]
     fn causes_are_joined_once() {

@@ -15,7 +15,9 @@
 use std::borrow::Cow;
 use std::hash::Hasher;
 use std::net::SocketAddr;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +54,13 @@ pub enum ConfigError {
         field: Cow<'static, str>,
         message: String,
     },
+    /// A time, size or count outside the range the field allows.
+    #[error("invalid config value {field} = {value} is out of range {range}")]
+    OutOfRange {
+        field: Cow<'static, str>,
+        value: String,
+        range: String,
+    },
 }
 
 fn invalid(field: impl Into<Cow<'static, str>>, message: impl Into<String>) -> ConfigError {
@@ -59,6 +68,81 @@ fn invalid(field: impl Into<Cow<'static, str>>, message: impl Into<String>) -> C
         field: field.into(),
         message: message.into(),
     }
+}
+
+/// A field value whose range can be checked and shown in a message.
+pub trait RangeValue: PartialOrd + Copy {
+    /// The value as a message shows it (`1e19`, `0.1`, `86400`).
+    fn show(self) -> String;
+}
+
+impl RangeValue for f64 {
+    fn show(self) -> String {
+        // Debug keeps the exponent of very large and small values.
+        let text = format!("{self:?}");
+        match text.strip_suffix(".0") {
+            Some(whole) => whole.to_string(),
+            None => text,
+        }
+    }
+}
+
+impl RangeValue for f32 {
+    fn show(self) -> String {
+        f64::from(self).show()
+    }
+}
+
+macro_rules! range_value_int {
+    ($($t:ty),*) => {$(
+        impl RangeValue for $t {
+            fn show(self) -> String {
+                self.to_string()
+            }
+        }
+    )*};
+}
+range_value_int!(u32, u64, usize);
+
+/// `value` must lie in `range` (NaN never does); the error names the field,
+/// the value and the range: "server.request_timeout_secs = 1e19 is out of
+/// range 0.1..=86400".
+pub fn check_range<T: RangeValue>(
+    field: impl Into<Cow<'static, str>>,
+    value: T,
+    range: RangeInclusive<T>,
+) -> Result<(), ConfigError> {
+    if range.contains(&value) {
+        return Ok(());
+    }
+    Err(ConfigError::OutOfRange {
+        field: field.into(),
+        value: value.show(),
+        range: format!("{}..={}", range.start().show(), range.end().show()),
+    })
+}
+
+/// Longest duration [`secs`] returns: ten years.
+pub const MAX_DURATION_SECS: f64 = 10.0 * 365.0 * 86_400.0;
+
+/// Seconds as a [`Duration`], without the panics of
+/// `Duration::from_secs_f64`: NaN and negative values give zero, values
+/// beyond [`MAX_DURATION_SECS`] (or infinite) are capped there. Validated
+/// configs never reach either end; code that builds a config by hand
+/// cannot crash a timer with it.
+///
+/// ```
+/// use ps_shared::config::secs;
+/// assert_eq!(secs(1.5).as_millis(), 1500);
+/// assert_eq!(secs(f64::NAN), std::time::Duration::ZERO);
+/// assert_eq!(secs(-3.0), std::time::Duration::ZERO);
+/// assert!(secs(1e19) <= std::time::Duration::from_secs(400_000_000));
+/// ```
+pub fn secs(v: f64) -> Duration {
+    if v.is_nan() || v <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(v.min(MAX_DURATION_SECS)).unwrap_or(Duration::ZERO)
 }
 
 /// The whole cluster's configuration.
@@ -140,6 +224,20 @@ impl Default for ClusterSection {
             workers_per_node: 1,
             token: "stratus-dev-token".into(),
         }
+    }
+}
+
+impl ClusterSection {
+    /// Ranges of the counts not checked against other fields.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range("cluster.servers (count)", self.servers.len(), 1..=4096)?;
+        check_range(
+            "cluster.shards_per_server",
+            self.shards_per_server,
+            1..=1024,
+        )?;
+        check_range("cluster.workers", self.workers, 1..=4096)?;
+        check_range("cluster.workers_per_node", self.workers_per_node, 1..=1024)
     }
 }
 
@@ -250,6 +348,28 @@ impl Default for ModelSection {
             width: 1.0,
             bn_calibration_batches: 8,
         }
+    }
+}
+
+impl ModelSection {
+    /// Sizes of the model: widths and counts, each bounded so that no
+    /// product of two of them overflows or asks for more memory than a
+    /// host has.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range("model.input", self.input, 1..=1 << 26)?;
+        check_range("model.classes", self.classes, 2..=1 << 20)?;
+        check_range("model.in_channels", self.in_channels, 1..=4096)?;
+        for (i, &w) in self.hidden.iter().enumerate() {
+            check_range(format!("model.hidden[{i}]"), w, 1..=1 << 20)?;
+        }
+        for (i, &w) in self.conv.iter().enumerate() {
+            check_range(format!("model.conv[{i}]"), w, 1..=1 << 16)?;
+        }
+        check_range(
+            "model.bn_calibration_batches",
+            self.bn_calibration_batches,
+            1..=100_000,
+        )
     }
 }
 
@@ -472,6 +592,15 @@ pub struct DataSection {
     pub augment: AugmentSection,
 }
 
+impl DataSection {
+    /// Batch and prefetch sizes.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range("data.batch_size", self.batch_size, 1..=1 << 20)?;
+        check_range("data.prefetch_batches", self.prefetch_batches, 1..=65_536)?;
+        check_range("data.decode_threads", self.decode_threads, 1..=256)
+    }
+}
+
 /// What the loader does with a sample it cannot decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -548,6 +677,22 @@ impl Default for TrainingSection {
             max_steps: 0,
             overlap: false,
         }
+    }
+}
+
+impl TrainingSection {
+    /// Step and epoch counts.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range("training.epochs", self.epochs, 1..=1_000_000)?;
+        check_range("training.eval_every", self.eval_every, 0..=1 << 40)?;
+        check_range("training.max_steps", self.max_steps, 0..=1 << 48)
+    }
+}
+
+impl CompressionSection {
+    /// Step counts (the fractions are checked by [`Self::validate`]).
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range("compression.warmup_steps", self.warmup_steps, 0..=1 << 40)
     }
 }
 
@@ -777,6 +922,10 @@ pub struct ServerSection {
     pub checkpoint_url: String,
     /// Checkpoint every N updates of a shard (0 disables).
     pub checkpoint_every: u64,
+    /// Checkpoint writes of one shard that may fail in a row (each is
+    /// logged, counted and retried at the next checkpoint); one more stops
+    /// the server with an error. A failed final checkpoint always does.
+    pub checkpoint_max_failures: u32,
     /// Stop the server once every worker has said goodbye.
     pub exit_when_done: bool,
     /// Largest frame accepted on the wire, in bytes.
@@ -822,6 +971,7 @@ impl Default for ServerSection {
             max_requests_per_sec: 2000,
             checkpoint_url: String::new(),
             checkpoint_every: 0,
+            checkpoint_max_failures: 3,
             exit_when_done: true,
             max_frame_bytes: 256 << 20,
             connect_timeout_secs: 30,
@@ -838,6 +988,91 @@ impl Default for ServerSection {
             io_threads: 2,
         }
     }
+}
+
+impl ServerSection {
+    /// Time fields in seconds and their ranges: below the low end a timer
+    /// spins (a heartbeat of 1e-10 s hangs the run), above the high end a
+    /// deadline overflows the clock (a request timeout of 1e19 s panics the
+    /// shards).
+    const SECONDS: [(&'static str, RangeInclusive<f64>); 8] = [
+        ("server.heartbeat_secs", 0.01..=600.0),
+        ("server.worker_timeout_secs", 0.02..=86_400.0),
+        ("server.idle_timeout_secs", 0.02..=86_400.0),
+        ("server.hello_timeout_secs", 0.1..=3_600.0),
+        ("server.request_timeout_secs", 0.1..=86_400.0),
+        ("server.join_timeout_secs", 0.1..=604_800.0),
+        ("server.all_gone_grace_secs", 0.1..=604_800.0),
+        ("server.recovery_window_secs", 0.1..=3_600.0),
+    ];
+
+    fn seconds(&self) -> [f64; 8] {
+        [
+            self.heartbeat_secs,
+            self.worker_timeout_secs,
+            self.idle_timeout_secs,
+            self.hello_timeout_secs,
+            self.request_timeout_secs,
+            self.join_timeout_secs,
+            self.all_gone_grace_secs,
+            self.recovery_window_secs,
+        ]
+    }
+
+    /// Every time, size and count field against its range.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        for ((field, range), value) in Self::SECONDS.into_iter().zip(self.seconds()) {
+            check_range(field, value, range)?;
+        }
+        check_range(
+            "server.connect_timeout_secs",
+            self.connect_timeout_secs,
+            1..=86_400,
+        )?;
+        check_range(
+            "server.max_frame_bytes",
+            self.max_frame_bytes,
+            4096..=1 << 31,
+        )?;
+        check_range(
+            "server.max_requests_per_sec",
+            self.max_requests_per_sec,
+            0..=1_000_000,
+        )?;
+        check_range("server.max_connections", self.max_connections, 1..=65_536)?;
+        check_range(
+            "server.max_unauthenticated",
+            self.max_unauthenticated,
+            1..=65_536,
+        )?;
+        check_range("server.staleness", self.staleness, 0..=1_000_000)?;
+        check_range(
+            "server.checkpoint_every",
+            self.checkpoint_every,
+            0..=1 << 40,
+        )?;
+        check_range(
+            "server.checkpoint_max_failures",
+            self.checkpoint_max_failures,
+            0..=1000,
+        )?;
+        check_range("server.max_grad_norm", self.max_grad_norm, 0.0..=f32::MAX)?;
+        check_range("server.io_threads", self.io_threads, 1..=256)
+    }
+}
+
+/// The loader's sizes that [`LoaderSection::validate`] bounds only from
+/// below.
+fn check_loader_ranges(l: &LoaderSection) -> Result<(), ConfigError> {
+    check_range("loader.lookahead_batches", l.lookahead_batches, 0..=1 << 20)?;
+    check_range("loader.lookahead_samples", l.lookahead_samples, 0..=1 << 26)?;
+    check_range(
+        "loader.max_inflight_mb",
+        l.max_inflight_mb,
+        0.001..=1_048_576.0,
+    )?;
+    check_range("loader.max_request_kb", l.max_request_kb, 1..=1 << 20)?;
+    check_range("loader.outage_budget_s", l.outage_budget_s, 0.0..=86_400.0)
 }
 
 impl ClusterConfig {
@@ -899,6 +1134,8 @@ impl ClusterConfig {
 
     /// Check every value; the error names the field and the rule.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        // Ranges first: the rules below compute with these values.
+        self.check_ranges()?;
         let c = &self.cluster;
         if c.servers.is_empty() {
             return Err(invalid(
@@ -1187,6 +1424,18 @@ impl ClusterConfig {
         Ok(())
     }
 
+    /// Every time, size and count field against its range (see the
+    /// `RANGES` tables next to each section).
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        self.cluster.check_ranges()?;
+        self.model.check_ranges()?;
+        self.data.check_ranges()?;
+        self.training.check_ranges()?;
+        self.compression.check_ranges()?;
+        self.server.check_ranges()?;
+        check_loader_ranges(&self.loader)
+    }
+
     /// The configuration as TOML with the token redacted (for `show-config`).
     pub fn to_redacted_toml(&self) -> Result<String, ConfigError> {
         let mut shown = self.clone();
@@ -1351,6 +1600,162 @@ mod tests {
         let compressor = cfg.compression.compressor(8).expect("a top-k compressor");
         assert_eq!(compressor.config(), &cfg.compression);
         assert_eq!(compressor.residual().len(), 8);
+    }
+
+    /// The error `text` (a config) gives, as a string; panics when it loads.
+    fn refused(text: &str) -> String {
+        match ClusterConfig::from_toml_str(text) {
+            Ok(_) => panic!("accepted:\n{text}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn time_fields_out_of_range_are_refused_by_name() {
+        assert_eq!(
+            refused("[server]\nrequest_timeout_secs = 1e19\n"),
+            "invalid config value server.request_timeout_secs = 1e19 is out of range 0.1..=86400"
+        );
+        assert_eq!(
+            refused("[server]\nheartbeat_secs = 1e-10\n"),
+            "invalid config value server.heartbeat_secs = 1e-10 is out of range 0.01..=600"
+        );
+        // Every seconds field, with values beyond either end, NaN and the
+        // infinities.
+        for (field, range) in ServerSection::SECONDS {
+            let name = field.strip_prefix("server.").expect("a server field");
+            for value in [
+                "1e19",
+                "-1.0",
+                "0.0",
+                "nan",
+                "inf",
+                "-inf",
+                &format!("{}", range.end() * 2.0),
+                &format!("{}", range.start() / 2.0),
+            ] {
+                let e = refused(&format!("[server]\n{name} = {value}\n"));
+                assert!(
+                    e.contains(&format!("{field} = ")) && e.contains("is out of range"),
+                    "{field} = {value}: {e}"
+                );
+            }
+            // Both ends are allowed (with the heartbeat low enough for the
+            // timeouts that must be twice it).
+            for value in [range.start(), range.end()] {
+                let text = format!("[server]\nheartbeat_secs = 0.01\n{name} = {value:?}\n");
+                if let Err(e) = ClusterConfig::from_toml_str(&text) {
+                    assert!(!e.to_string().contains("out of range"), "{text}: {e}");
+                }
+            }
+        }
+        assert!(refused("[server]\nconnect_timeout_secs = 0\n")
+            .contains("server.connect_timeout_secs = 0 is out of range 1..=86400"));
+        assert!(refused("[loader]\noutage_budget_s = 1e12\n").contains("loader.outage_budget_s"));
+    }
+
+    #[test]
+    fn size_fields_out_of_range_are_refused_by_name() {
+        for (text, field) in [
+            (
+                "[server]\nmax_frame_bytes = 1099511627776\n",
+                "server.max_frame_bytes",
+            ),
+            ("[data]\nbatch_size = 0\n", "data.batch_size"),
+            ("[data]\nbatch_size = 4194304\n", "data.batch_size"),
+            (
+                "[data]\nprefetch_batches = 1000000\n",
+                "data.prefetch_batches",
+            ),
+            ("[model]\nhidden = [128, 1073741824]\n", "model.hidden[1]"),
+            ("[model]\ninput = 1099511627776\n", "model.input"),
+            (
+                "[loader]\nmax_request_kb = 1099511627776\n",
+                "loader.max_request_kb",
+            ),
+            (
+                "[loader]\nmax_inflight_mb = 1e300\n",
+                "loader.max_inflight_mb",
+            ),
+            (
+                "[loader]\nlookahead_samples = 1099511627776\n",
+                "loader.lookahead_samples",
+            ),
+        ] {
+            let e = refused(text);
+            assert!(
+                e.contains(&format!("{field} = ")) && e.contains("is out of range"),
+                "{text}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn count_fields_out_of_range_are_refused_by_name() {
+        for (text, field) in [
+            ("[training]\nepochs = 0\n", "training.epochs"),
+            ("[training]\nepochs = 1000000000\n", "training.epochs"),
+            ("[cluster]\nworkers = 5000\n", "cluster.workers"),
+            (
+                "[server]\ncheckpoint_max_failures = 5000\n",
+                "server.checkpoint_max_failures",
+            ),
+            (
+                "[server]\nmax_connections = 1000000\n",
+                "server.max_connections",
+            ),
+            ("[server]\nio_threads = 0\n", "server.io_threads"),
+            (
+                "[compression]\nwarmup_steps = 18446744073709551615\n",
+                "compression.warmup_steps",
+            ),
+        ] {
+            let e = refused(text);
+            assert!(
+                e.contains(&format!("{field} = ")) && e.contains("is out of range"),
+                "{text}: {e}"
+            );
+        }
+        let cfg = ClusterConfig::embedded_default().unwrap();
+        assert_eq!(cfg.server.checkpoint_max_failures, 3);
+    }
+
+    #[test]
+    fn every_shipped_config_is_in_range() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files = Vec::new();
+        for dir in [
+            "configs",
+            "deploy/kubernetes/base",
+            "deploy/kubernetes/overlays/scale",
+        ] {
+            for entry in std::fs::read_dir(root.join(dir)).expect(dir) {
+                let path = entry.expect("a directory entry").path();
+                let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                // Simulation files are not cluster configs.
+                if name.ends_with(".toml") && !name.starts_with("simulate") {
+                    files.push(path);
+                }
+            }
+        }
+        assert!(files.len() >= 7, "{files:?}");
+        for path in &files {
+            ClusterConfig::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
+    }
+
+    #[test]
+    fn seconds_convert_without_panicking() {
+        assert_eq!(secs(0.25), Duration::from_millis(250));
+        for v in [f64::NAN, -1.0, -0.0, 0.0, f64::NEG_INFINITY] {
+            assert_eq!(secs(v), Duration::ZERO, "{v}");
+        }
+        let cap = Duration::from_secs_f64(MAX_DURATION_SECS);
+        for v in [1e19, 1e300, f64::INFINITY, f64::MAX] {
+            assert_eq!(secs(v), cap, "{v}");
+        }
+        // A capped deadline can still be added to the clock.
+        assert!(std::time::Instant::now().checked_add(cap).is_some());
     }
 
     #[test]

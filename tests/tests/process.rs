@@ -405,3 +405,167 @@ fn a_killed_server_process_restarts_and_no_update_is_lost() {
         );
     });
 }
+
+/// A config under `dir` on a free loopback port (see [`config`]), changed
+/// by `edit`, written to `dir/cluster.toml` with the certificates that
+/// `ps-server certs` writes. Returns the binary, the config, its path and
+/// the token.
+fn prepared(
+    dir: &Path,
+    edit: impl FnOnce(&mut ClusterConfig),
+) -> (PathBuf, ClusterConfig, PathBuf, String) {
+    let bin = server_binary();
+    let port = {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port");
+        socket.local_addr().expect("its address").port()
+    };
+    let mut cfg = config(dir, port);
+    edit(&mut cfg);
+    cfg.validate().expect("valid config");
+    let config_path = dir.join("cluster.toml");
+    std::fs::write(&config_path, cfg.to_redacted_toml().expect("toml")).expect("write config");
+    let token = cfg.cluster.token.clone();
+    let certs = Command::new(&bin)
+        .arg("--config")
+        .arg(&config_path)
+        .arg("certs")
+        .env(TOKEN_ENV, &token)
+        .output()
+        .expect("run ps-server certs");
+    assert!(
+        certs.status.success(),
+        "ps-server certs: {}",
+        String::from_utf8_lossy(&certs.stderr)
+    );
+    (bin, cfg, config_path, token)
+}
+
+/// The run's checkpoint store (`server.checkpoint_url`).
+fn checkpoint_store(
+    cfg: &ClusterConfig,
+) -> (
+    std::sync::Arc<dyn object_store::ObjectStore>,
+    object_store::path::Path,
+) {
+    ps_shared::bucket::open_bucket(&cfg.server.checkpoint_url).expect("checkpoint store")
+}
+
+#[test]
+fn a_completed_run_ends_with_a_final_checkpoint() {
+    // Periodic checkpoints at 20 and 40; the run ends at 50.
+    const STEPS: u64 = 50;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (bin, cfg, config_path, token) = prepared(dir.path(), |cfg| {
+        cfg.training.max_steps = STEPS;
+    });
+    assert_ne!(STEPS % cfg.server.checkpoint_every, 0);
+    let spec = SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    };
+    let system = actix::System::new();
+    system.block_on(async move {
+        let (store, prefix) = synthetic_bucket(&spec).await;
+        let mut server = ServerProcess::start(&bin, &config_path, &token);
+        server
+            .wait_for("listening", |log| {
+                lines_with(log, "ps-server listening").next().is_some()
+            })
+            .await;
+        let (a, b) = tokio::time::timeout(
+            RUN_LIMIT,
+            futures::future::join(
+                run_worker(&cfg, options(&cfg, 0), store.clone(), prefix.clone()),
+                run_worker(&cfg, options(&cfg, 1), store.clone(), prefix.clone()),
+            ),
+        )
+        .await
+        .expect("the run finished in time");
+        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
+        assert_eq!((a.steps, b.steps), (STEPS, STEPS));
+        let (exited, log) = server.exit().await;
+        assert!(exited.success(), "ps-server: {exited:?}\n{}", log.join("\n"));
+        assert!(
+            lines_with(&log, "run complete: final checkpoints written")
+                .next()
+                .is_some(),
+            "{}",
+            log.join("\n")
+        );
+        // What a rerun would resume from: the end, not step 40.
+        let (ckpts, ckpt_prefix) = checkpoint_store(&cfg);
+        let mut versions = Vec::new();
+        for shard in 0..cfg.total_shards() as u32 {
+            let latest = ps_server::checkpoint::load_latest(&ckpts, &ckpt_prefix, shard)
+                .await
+                .expect("readable checkpoint")
+                .expect("a checkpoint of every shard");
+            versions.push(latest.version);
+        }
+        assert_eq!(versions, vec![STEPS; cfg.total_shards()]);
+        println!(
+            "process: a run of {STEPS} steps with checkpoint_every = {} ended with checkpoints at versions {versions:?}",
+            cfg.server.checkpoint_every
+        );
+    });
+}
+
+#[test]
+fn checkpoints_that_cannot_be_written_fail_the_run() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (bin, cfg, config_path, token) = prepared(dir.path(), |cfg| {
+        cfg.server.checkpoint_every = 5;
+        cfg.server.checkpoint_max_failures = 1;
+        // A run far longer than it takes the writes to fail.
+        cfg.training.epochs = 40;
+        // The workers give up on the stopped server soon.
+        cfg.server.connect_timeout_secs = 2;
+    });
+    let spec = SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    };
+    let system = actix::System::new();
+    system.block_on(async move {
+        let (store, prefix) = synthetic_bucket(&spec).await;
+        let mut server = ServerProcess::start(&bin, &config_path, &token);
+        server
+            .wait_for("listening", |log| {
+                lines_with(log, "ps-server listening").next().is_some()
+            })
+            .await;
+        // The checkpoint directory becomes a plain file: every write under
+        // it fails (also for root, which permissions would not stop).
+        let checkpoints = dir.path().join("checkpoints");
+        std::fs::remove_dir_all(&checkpoints).expect("remove the checkpoint dir");
+        std::fs::write(&checkpoints, b"not a directory").expect("a file in its place");
+        let (a, b) = tokio::time::timeout(
+            RUN_LIMIT,
+            futures::future::join(
+                run_worker(&cfg, options(&cfg, 0), store.clone(), prefix.clone()),
+                run_worker(&cfg, options(&cfg, 1), store.clone(), prefix.clone()),
+            ),
+        )
+        .await
+        .expect("the workers ended in time");
+        let (exited, log) = server.exit().await;
+        let text = log.join("\n");
+        assert_eq!(exited.code(), Some(1), "ps-server: {exited:?}\n{text}");
+        let failed = lines_with(&log, "checkpoint failed").count();
+        assert!(failed >= 2, "{text}");
+        assert!(
+            text.contains("checkpoint writes in a row failed, more than server.checkpoint_max_failures = 1"),
+            "{text}"
+        );
+        // The run did not end as a success anywhere.
+        assert!(a.is_err() && b.is_err(), "{a:?} {b:?}");
+        println!(
+            "process: checkpoints under a file: {failed} failed writes logged, ps-server exit code {:?}, workers: {} / {}",
+            exited.code(),
+            a.err().map(|e| e.to_string()).unwrap_or_default(),
+            b.err().map(|e| e.to_string()).unwrap_or_default()
+        );
+    });
+}

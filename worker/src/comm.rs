@@ -294,12 +294,12 @@ impl Comm {
             server_name: cfg.tls.server_name.clone(),
             tls,
             limits: EndpointLimits {
-                idle_timeout: Duration::from_secs_f64(cfg.server.idle_timeout_secs),
-                keep_alive: Duration::from_secs_f64(cfg.server.heartbeat_secs),
+                idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
+                keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
                 max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
             },
             connect_timeout: Duration::from_secs(cfg.server.connect_timeout_secs),
-            request_timeout: Duration::from_secs_f64(cfg.server.request_timeout_secs),
+            request_timeout: ps_shared::config::secs(cfg.server.request_timeout_secs),
             max_frame: cfg.server.max_frame_bytes,
         };
         let mut data: Option<DataStart> = None;
@@ -356,7 +356,7 @@ impl Comm {
             held: RefCell::new(vec![None; map.num_shards()]),
             recoveries: Cell::new(0),
             round_trips: Cell::new(0),
-            heartbeat: Duration::from_secs_f64(cfg.server.heartbeat_secs),
+            heartbeat: ps_shared::config::secs(cfg.server.heartbeat_secs),
             map,
             route,
             f16: cfg.compression.f16_values,

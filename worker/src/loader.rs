@@ -261,8 +261,8 @@ impl RetryPolicy {
         Self {
             backoff: Duration::from_millis(l.retry_backoff_ms),
             max_backoff: Duration::from_millis(l.retry_max_backoff_ms),
-            outage_budget: Duration::from_secs_f64(l.outage_budget_s),
-            request_timeout: Duration::from_secs_f64(l.request_timeout_s),
+            outage_budget: ps_shared::config::secs(l.outage_budget_s),
+            request_timeout: ps_shared::config::secs(l.request_timeout_s),
             seed: cfg.data.seed ^ u64::from(rank).rotate_left(32),
         }
     }
@@ -274,8 +274,8 @@ impl Default for RetryPolicy {
         Self {
             backoff: Duration::from_millis(d.retry_backoff_ms),
             max_backoff: Duration::from_millis(d.retry_max_backoff_ms),
-            outage_budget: Duration::from_secs_f64(d.outage_budget_s),
-            request_timeout: Duration::from_secs_f64(d.request_timeout_s),
+            outage_budget: ps_shared::config::secs(d.outage_budget_s),
+            request_timeout: ps_shared::config::secs(d.request_timeout_s),
             seed: 1,
         }
     }

@@ -11,18 +11,20 @@ use ps_dataset::{
     ImportOptions, InputFormat, LabelColumn, Layout, Normalize, SyntheticSpec, TestSplit,
     WriteOptions,
 };
-use ps_shared::cli::{describe_error, init_logging, stop_signal};
+use ps_shared::cli::{
+    describe_error, exit_code, init_logging, stop_signal, ExitCode, UsageError, EXIT_CODES_HELP,
+};
 use ps_shared::config::ClusterConfig;
 use ps_shared::pki::CertPair;
 use ps_shared::simulate::Simulation;
 use ps_shared::transport::read_pem;
 use ps_worker::comm::WorkerTls;
-use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions};
+use ps_worker::run::{classify_exit, run_node, run_worker, WorkerError, WorkerOptions};
 
 /// Stratus worker: trains its share of each step with candle, pushes compressed
 /// gradients to the parameter servers over QUIC and pulls the new parameters.
 #[derive(Parser, Debug)]
-#[command(name = "ps-worker", version, about, long_about = None)]
+#[command(name = "ps-worker", version, about, long_about = None, after_help = EXIT_CODES_HELP)]
 struct Cli {
     /// Cluster config (TOML); the embedded configs/local.toml when omitted.
     #[arg(long, short, global = true, env = "STRATUS_CONFIG")]
@@ -257,10 +259,24 @@ struct ImportArgs {
 
 mod images_cmd;
 
+/// How long a worker may take to finish its step and say goodbye after
+/// SIGTERM or Ctrl-C before the process exits anyway: inside Kubernetes'
+/// default 30 s grace period.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(25);
+
+/// The stop signal received, if any (its name decides the exit code).
+static SIGNAL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("ps-worker: error: {}", describe_error(e.as_ref()));
-        std::process::exit(1);
+        // A run that a signal stopped ends with the signal's code, whatever
+        // error the stop left behind; a bad config stays a bad config.
+        let code = match (exit_code(e.as_ref(), classify_exit), SIGNAL.get()) {
+            (ExitCode::Config, _) | (_, None) => exit_code(e.as_ref(), classify_exit),
+            (_, Some(name)) => ExitCode::for_signal(name),
+        };
+        std::process::exit(code.code());
     }
 }
 
@@ -314,21 +330,21 @@ fn run() -> anyhow::Result<()> {
             let wpn = cfg.cluster.workers_per_node as u32;
             let ranks: Vec<u32> = match node {
                 Some(n) if (n as usize) < cfg.nodes() => (n * wpn..(n + 1) * wpn).collect(),
-                Some(n) => bail!(
+                Some(n) => bail!(UsageError(format!(
                     "--node {n}: the cluster has {} nodes (cluster.workers = {} / cluster.workers_per_node = {wpn})",
                     cfg.nodes(),
                     cfg.cluster.workers
-                ),
-                None if wpn > 1 => bail!(
+                ))),
+                None if wpn > 1 => bail!(UsageError(format!(
                     "cluster.workers_per_node = {wpn}: start each node with --node N (N in 0..{}), which runs its {wpn} ranks together",
                     cfg.nodes()
-                ),
-                None if rank as usize >= cfg.cluster.max_ranks() => bail!(
+                ))),
+                None if rank as usize >= cfg.cluster.max_ranks() => bail!(UsageError(format!(
                     "--rank {rank}: the cluster admits ranks 0..{} (cluster.workers = {}, cluster.max_workers = {})",
                     cfg.cluster.max_ranks(),
                     cfg.cluster.workers,
                     cfg.cluster.max_workers
-                ),
+                ))),
                 None => vec![rank],
             };
             train(cfg, node, ranks, !no_progress, report, simulation)
@@ -377,21 +393,51 @@ fn train(
         });
     }
     let system = actix::System::new();
+    // Errors leave the runtime as values: nothing inside it may end the
+    // process or drop a runtime.
     let outcomes = system.block_on(async {
-        // SIGTERM or Ctrl-C: finish the current step, say goodbye, stop.
+        // A CA that is not PEM or a key that does not match its certificate
+        // is a config error now, not a server "unreachable" for
+        // server.connect_timeout_secs.
+        check_tls(&cfg, &options)?;
+        let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
+        // SIGTERM or Ctrl-C: finish the current step (or cut a wait for the
+        // bucket or a server short), say goodbye, stop.
         actix::spawn(async move {
             let name = stop_signal().await;
+            let _ = SIGNAL.set(name);
             eprintln!("ps-worker: {name}: finishing the current step and saying goodbye");
             let _ = stop_tx.send(true);
+            let _ = stopped_tx.send(name);
         });
-        match node {
-            Some(n) => run_node(&cfg, n, options, store, prefix).await,
-            None => {
-                let opts = options.remove(0);
-                vec![run_worker(&cfg, opts, store, prefix).await]
+        let runs = async {
+            match node {
+                Some(n) => run_node(&cfg, n, options, store, prefix).await,
+                None => {
+                    let opts = options.remove(0);
+                    vec![run_worker(&cfg, opts, store, prefix).await]
+                }
             }
+        };
+        // The run ends by itself, or within STOP_GRACE of a signal.
+        let deadline = async {
+            match stopped_rx.await {
+                Ok(name) => {
+                    tokio::time::sleep(STOP_GRACE).await;
+                    name
+                }
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            outcomes = runs => anyhow::Ok(outcomes),
+            name = deadline => bail!(
+                "{name}: the worker did not stop within {} s; exiting without a goodbye",
+                STOP_GRACE.as_secs()
+            ),
         }
     });
+    let outcomes = outcomes?;
     let mut reports = Vec::new();
     for outcome in outcomes {
         reports.push(outcome.map_err(|e| match e {
@@ -439,6 +485,31 @@ fn train(
         };
         std::fs::write(&path, json)
             .with_context(|| format!("writing report {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Build each rank's TLS client setup once before connecting: a CA that is
+/// not PEM or a key that does not match its certificate is refused here,
+/// naming the files.
+fn check_tls(cfg: &ClusterConfig, options: &[WorkerOptions]) -> anyhow::Result<()> {
+    let limits = ps_shared::transport::EndpointLimits {
+        idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
+        keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
+        max_bidi_streams: 16,
+    };
+    for o in options {
+        let (cert, key) = cfg.tls.worker_paths(o.rank);
+        ps_shared::transport::client_endpoint(&o.tls.ca_pem, &o.tls.identity, false, &limits)
+            .with_context(|| {
+                format!(
+                    "rank {}: TLS files {} (tls.ca), {} and {} (tls.worker_cert, tls.worker_key)",
+                    o.rank,
+                    cfg.tls.ca.display(),
+                    cert.display(),
+                    key.display()
+                )
+            })?;
     }
     Ok(())
 }

@@ -39,7 +39,6 @@ use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::{Rc, Weak};
-use std::time::Duration;
 
 use futures::channel::oneshot;
 
@@ -353,7 +352,7 @@ impl Node {
     fn spawn_heartbeats(self: &Rc<Self>, comm: &Rc<Comm>) {
         let weak: Weak<Node> = Rc::downgrade(self);
         let comm = Rc::downgrade(comm);
-        let every = Duration::from_secs_f64(self.cfg.server.heartbeat_secs);
+        let every = ps_shared::config::secs(self.cfg.server.heartbeat_secs);
         actix::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;

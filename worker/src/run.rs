@@ -22,6 +22,7 @@ use serde::Serialize;
 
 use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
+use ps_shared::cli::ExitCode;
 use ps_shared::config::{ClusterConfig, OnBadSample};
 use ps_shared::countstore::{CountingStore, GetCounts};
 use ps_shared::dataplane::CostModel;
@@ -66,6 +67,14 @@ pub enum WorkerError {
     Crashed(u64),
     #[error("stopped by a signal at step {0}; said goodbye to the servers")]
     Interrupted(u64),
+    /// The stop signal came while the worker waited (for the bucket, a
+    /// server, or a reply): the wait was cut short.
+    #[error("stopped by a signal at step {step} while waiting for {waiting_for}; {}", if *.goodbye { "said goodbye to the servers" } else { "left without a goodbye (the servers drop it after server.worker_timeout_secs)" })]
+    StoppedWaiting {
+        step: u64,
+        waiting_for: &'static str,
+        goodbye: bool,
+    },
     #[error("sampler: {0}")]
     Sampler(String),
     #[error("cannot write metrics to {path}: {source}")]
@@ -73,6 +82,132 @@ pub enum WorkerError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+impl WorkerError {
+    /// The exit code this error decides by itself (see
+    /// [`ps_shared::cli::ExitCode`]); `None` leaves it to its causes.
+    pub fn exit_code(&self) -> Option<ExitCode> {
+        match self {
+            WorkerError::Mismatch(_) | WorkerError::Sampler(_) => Some(ExitCode::Config),
+            WorkerError::Interrupted(_) | WorkerError::StoppedWaiting { .. } => {
+                Some(ExitCode::Terminated)
+            }
+            WorkerError::Trainer(TrainerError::Diverged(_)) => Some(ExitCode::Diverged),
+            _ => None,
+        }
+    }
+}
+
+/// The worker's part of the one mapping from errors to exit codes: its own
+/// error types, for [`ps_shared::cli::exit_code`] (which knows the shared
+/// ones: config, TLS files, transport).
+///
+/// ```
+/// use ps_shared::cli::{exit_code, ExitCode};
+/// use ps_worker::run::{classify_exit, WorkerError};
+/// let e = WorkerError::Interrupted(7);
+/// assert_eq!(exit_code(&e, classify_exit), ExitCode::Terminated);
+/// ```
+pub fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
+    if let Some(w) = e.downcast_ref::<WorkerError>() {
+        return w.exit_code();
+    }
+    if let Some(t) = e.downcast_ref::<TrainerError>() {
+        return matches!(t, TrainerError::Diverged(_)).then_some(ExitCode::Diverged);
+    }
+    if let Some(c) = e.downcast_ref::<CommError>() {
+        return match c {
+            CommError::Unreachable { .. } | CommError::Deadline { .. } => {
+                Some(ExitCode::Unreachable)
+            }
+            _ => None,
+        };
+    }
+    if let Some(l) = e.downcast_ref::<LoaderError>() {
+        return match l {
+            LoaderError::Outage { .. } => Some(ExitCode::BucketOutage),
+            LoaderError::Fetch { source, .. } => bad_sample_code(source),
+            LoaderError::Dataset(d) => bad_sample_code(d),
+            _ => None,
+        };
+    }
+    if let Some(d) = e.downcast_ref::<DatasetError>() {
+        return bad_sample_code(d);
+    }
+    None
+}
+
+/// A sample that cannot be decoded (`data.on_bad_sample = "stop"`) stops
+/// the job.
+fn bad_sample_code(e: &DatasetError) -> Option<ExitCode> {
+    matches!(
+        e,
+        DatasetError::Corrupt {
+            permanent: true,
+            ..
+        }
+    )
+    .then_some(ExitCode::JobStopped)
+}
+
+/// How long a worker stopped by a signal during a wait tries to say
+/// goodbye before it leaves without one.
+const GOODBYE_GRACE: Duration = Duration::from_secs(5);
+
+/// Resolves once `stop` turns true; never when there is no stop channel
+/// (or its sender is gone).
+async fn stop_requested(stop: &Option<tokio::sync::watch::Receiver<bool>>) {
+    if let Some(rx) = stop {
+        let mut rx = rx.clone();
+        if rx.wait_for(|s| *s).await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending::<()>().await
+}
+
+/// How long a wait may still take once the stop signal came: the current
+/// step ends normally when it can.
+const WAIT_GRACE: Duration = Duration::from_secs(5);
+
+/// `wait`'s output, or `None` when the stop signal comes first and `wait`
+/// does not end within [`WAIT_GRACE`] after it: a bucket outage, a server
+/// being redialled or a stuck reply do not hold a stop up.
+async fn until_stop<T>(
+    stop: &Option<tokio::sync::watch::Receiver<bool>>,
+    wait: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::pin!(wait);
+    tokio::select! {
+        biased;
+        out = &mut wait => return Some(out),
+        () = stop_requested(stop) => {}
+    }
+    tokio::time::timeout(WAIT_GRACE, wait).await.ok()
+}
+
+/// Stopped by a signal during a wait: say goodbye if the servers answer
+/// within [`GOODBYE_GRACE`], then end with [`WorkerError::StoppedWaiting`].
+async fn stop_during_wait(
+    exchange: Option<&Exchange>,
+    rank: u32,
+    step: u64,
+    waiting_for: &'static str,
+) -> WorkerError {
+    tracing::warn!(rank, step, "stop signal while waiting for {waiting_for}");
+    let goodbye = match exchange {
+        Some(x) => matches!(
+            tokio::time::timeout(GOODBYE_GRACE, x.leave()).await,
+            Ok(Ok(_))
+        ),
+        None => false,
+    };
+    WorkerError::StoppedWaiting {
+        step,
+        waiting_for,
+        goodbye,
+    }
 }
 
 /// How to run one worker.
@@ -452,11 +587,12 @@ async fn run_rank(
     let retry = RetryPolicy::from_config(cfg, rank);
     let outage = OutageLog::default();
     let manifest_object = prefix.clone().join(ps_dataset::MANIFEST_NAME).to_string();
-    let (opened, attempts) = retry
-        .run(&manifest_object, &outage, || {
-            DatasetReader::open(store.clone(), prefix.clone())
-        })
-        .await;
+    let opening = retry.run(&manifest_object, &outage, || {
+        DatasetReader::open(store.clone(), prefix.clone())
+    });
+    let Some((opened, attempts)) = until_stop(&opts.stop, opening).await else {
+        return Err(stop_during_wait(None, rank, 0, "the dataset manifest").await);
+    };
     let reader = startup_read(opened, &manifest_object, attempts)?;
     let manifest_gets = counted.counts();
     let reader = if reader.layout().is_images() {
@@ -484,9 +620,10 @@ async fn run_rank(
             manifest.name, manifest.features, manifest.classes, cfg.model.input, cfg.model.classes
         )));
     }
-    let (test, attempts) = retry
-        .run("the test split", &outage, || reader.fetch_all(Split::Test))
-        .await;
+    let reading = retry.run("the test split", &outage, || reader.fetch_all(Split::Test));
+    let Some((test, attempts)) = until_stop(&opts.stop, reading).await else {
+        return Err(stop_during_wait(None, rank, 0, "the test split").await);
+    };
     let test = Arc::new(startup_read(test, "the test split", attempts)?);
     // A dataset without a test split trains, but is never reported as 0%
     // accurate: its evaluations say "no test split" (see `accuracy_text`).
@@ -553,20 +690,27 @@ async fn run_rank(
         // stands and at which step this worker continues: a worker that
         // rejoins a run under way fetches nothing before that step.
         let settings = LoaderSettings::from_config(cfg, &manifest, rank);
-        let (exchange, start_params, start_step, data) = match node {
-            None => {
-                let link = &opts.simulation.link;
-                let comm = Comm::connect_over(cfg, rank, opts.tls.clone(), params, link).await?;
-                let data = comm.data_start();
-                let comm = CommActor::new(comm).start();
-                let (start_params, start_step, _) = comm.send(Join).await??;
-                (Exchange::Flat(comm), start_params, start_step, data)
-            }
-            Some(member) => {
-                let (start_params, start_step, data) = member.join(params).await?;
-                (Exchange::Node(member), start_params, start_step, data)
+        let joining = async {
+            match node {
+                None => {
+                    let link = &opts.simulation.link;
+                    let comm =
+                        Comm::connect_over(cfg, rank, opts.tls.clone(), params, link).await?;
+                    let data = comm.data_start();
+                    let comm = CommActor::new(comm).start();
+                    let (start_params, start_step, _) = comm.send(Join).await??;
+                    Ok::<_, WorkerError>((Exchange::Flat(comm), start_params, start_step, data))
+                }
+                Some(member) => {
+                    let (start_params, start_step, data) = member.join(params).await?;
+                    Ok((Exchange::Node(member), start_params, start_step, data))
+                }
             }
         };
+        let Some(joined) = until_stop(&opts.stop, joining).await else {
+            return Err(stop_during_wait(None, rank, 0, "the servers (joining)").await);
+        };
+        let (exchange, start_params, start_step, data) = joined?;
         trainer.send(ApplyUpdates(start_params)).await??;
         trainer.send(SetStep(start_step)).await?;
         // The servers say where the sample stream stands: global step
@@ -698,7 +842,13 @@ async fn train(
         let next = match (stopping, lookahead.take()) {
             (Some(_), _) => None,
             (None, Some(next)) => next,
-            (None, None) => loader.next().await?,
+            (None, None) => match until_stop(&opts.stop, loader.next()).await {
+                Some(next) => next?,
+                None => {
+                    bar.finish_and_clear();
+                    return Err(stop_during_wait(Some(&exchange), rank, step, "data").await);
+                }
+            },
         };
         let waited = t_wait.elapsed();
         let finished_epoch = match &next {
@@ -753,7 +903,11 @@ async fn train(
             // gradient on the parameters held now (one step stale), unless
             // it opens a new epoch, which is evaluated first.
             let t_wait = Instant::now();
-            let next = loader.next().await?;
+            let Some(next) = until_stop(&opts.stop, loader.next()).await else {
+                bar.finish_and_clear();
+                return Err(stop_during_wait(Some(&exchange), rank, step, "data").await);
+            };
+            let next = next?;
             acc.wait += t_wait.elapsed();
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {
@@ -765,7 +919,12 @@ async fn train(
             lookahead = Some(next);
         }
         let t_comm = Instant::now();
-        let (updates, traffic) = reply.await?;
+        let Some(replied) = until_stop(&opts.stop, reply).await else {
+            bar.finish_and_clear();
+            let waiting_for = "the servers' reply to a step";
+            return Err(stop_during_wait(Some(&exchange), rank, step, waiting_for).await);
+        };
+        let (updates, traffic) = replied?;
         acc.comm += t_comm.elapsed();
         if let Some(tx) = &opts.trained {
             let _ = tx.send(TrainedBatch {
@@ -1180,6 +1339,96 @@ fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result
 mod tests {
     use super::*;
     use ps_dataset::Batch;
+
+    #[test]
+    fn worker_errors_map_to_their_exit_codes() {
+        use ps_shared::cli::exit_code;
+        let code = |e: WorkerError| exit_code(&e, classify_exit);
+        let dataset = |permanent| DatasetError::Corrupt {
+            object: "train/00001.tar".into(),
+            message: "cannot decode".into(),
+            permanent,
+        };
+        assert_eq!(
+            code(WorkerError::Mismatch("input".into())),
+            ExitCode::Config
+        );
+        assert_eq!(
+            code(WorkerError::Loader(LoaderError::Outage {
+                object: "manifest.json".into(),
+                attempts: 9,
+                failing_s: 120.0,
+                source: Box::new(DatasetError::Invalid("refused".into())),
+            })),
+            ExitCode::BucketOutage
+        );
+        assert_eq!(
+            code(WorkerError::Trainer(TrainerError::Diverged(f32::NAN))),
+            ExitCode::Diverged
+        );
+        assert_eq!(
+            code(WorkerError::Loader(LoaderError::Fetch {
+                object: "train/00001.tar".into(),
+                attempts: 1,
+                source: Box::new(dataset(true)),
+            })),
+            ExitCode::JobStopped
+        );
+        assert_eq!(
+            code(WorkerError::Loader(LoaderError::Dataset(dataset(true)))),
+            ExitCode::JobStopped
+        );
+        // A short body (a cut connection) is not a bad sample.
+        assert_eq!(
+            code(WorkerError::Loader(LoaderError::Dataset(dataset(false)))),
+            ExitCode::Failed
+        );
+        assert_eq!(
+            code(WorkerError::Comm(CommError::Unreachable {
+                addr: "127.0.0.1:7400".into(),
+                secs: 30,
+                last: "refused".into(),
+            })),
+            ExitCode::Unreachable
+        );
+        assert_eq!(code(WorkerError::Interrupted(3)), ExitCode::Terminated);
+        let waiting = WorkerError::StoppedWaiting {
+            step: 3,
+            waiting_for: "data",
+            goodbye: false,
+        };
+        assert!(
+            waiting.to_string().contains("while waiting for data"),
+            "{waiting}"
+        );
+        assert_eq!(code(waiting), ExitCode::Terminated);
+        assert_eq!(code(WorkerError::Crashed(3)), ExitCode::Failed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_cuts_a_wait_short() {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let stop = Some(rx);
+        // Nothing to stop on: the wait's own result.
+        assert_eq!(until_stop(&None, async { 7 }).await, Some(7));
+        let forever = std::future::pending::<u32>();
+        let stop_for_forever = stop.clone();
+        let waiting = tokio::spawn(async move { until_stop(&stop_for_forever, forever).await });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        // A wait that ends within the grace after the stop keeps its result.
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<u32>();
+        let finishing = tokio::spawn(async move { until_stop(&stop, done_rx).await });
+        tokio::task::yield_now().await;
+        let t0 = tokio::time::Instant::now();
+        tx.send_replace(true);
+        tokio::time::sleep(WAIT_GRACE / 2).await;
+        let _ = done_tx.send(5);
+        assert_eq!(finishing.await.expect("the finishing task"), Some(Ok(5)));
+        // One that does not is cut short at the grace's end.
+        assert_eq!(waiting.await.expect("the wait task"), None);
+        assert!(t0.elapsed() >= WAIT_GRACE, "{:?}", t0.elapsed());
+    }
 
     /// Lets the other tasks of the `LocalSet` run until `done` holds (a
     /// bounded number of turns; nothing waits on the clock).

@@ -666,6 +666,7 @@ mod tests {
             round_trips: 2,
             live_workers: 4,
             density: Some(0.01),
+            next_step: 7,
         };
         let replies = fan_out(Ok((updates, traffic)), 3);
         assert_eq!(replies.len(), 3);
@@ -675,8 +676,8 @@ mod tests {
             assert_eq!(u.len(), 1);
             assert_eq!(u[0].offset, 4);
             assert_eq!(
-                (t.round_trips, t.live_workers, t.density),
-                (2, 4, Some(0.01))
+                (t.round_trips, t.live_workers, t.density, t.next_step),
+                (2, 4, Some(0.01), 7)
             );
             pushed += t.pushed;
             pulled += t.pulled;

@@ -563,6 +563,15 @@ async fn run_rank(
         let plan = sampler
             .plan_from(cfg.data.batch_size, cfg.training.epochs, origin)
             .map_err(|e| WorkerError::Sampler(e.to_string()))?;
+        // A worker declared dead while the cluster went on moves to the
+        // cluster's step: a new loader at that place in the sample order.
+        let restart: LoaderAt = {
+            let (reader, sampler, settings) = (reader.clone(), sampler.clone(), settings.clone());
+            Box::new(move |step| {
+                let settings = settings.clone().resume_from(origin).starting_at(step);
+                Ok(Loader::start(reader.clone(), sampler.clone(), settings)?)
+            })
+        };
         let loader = if start_step > 0 || data.step > 0 || data.samples > 0 {
             let point = plan.resume_point(start_step.max(data.step));
             tracing::info!(
@@ -584,6 +593,7 @@ async fn run_rank(
             startup,
             exchange,
             loader,
+            restart,
             start_step,
             plan,
             num_params,
@@ -594,6 +604,9 @@ async fn run_rank(
     trainer_arbiter.stop();
     result
 }
+
+/// Builds a loader that begins at the given global step.
+type LoaderAt = Box<dyn Fn(u64) -> Result<Loader, WorkerError>>;
 
 /// What the training loop works with.
 struct Run {
@@ -608,6 +621,8 @@ struct Run {
     /// node even with the batch long ready; a ready batch is taken here
     /// without yielding.
     loader: Loader,
+    /// A loader starting at a given step (to follow the cluster's step).
+    restart: LoaderAt,
     start_step: u64,
     plan: RankPlan,
     num_params: usize,
@@ -626,6 +641,7 @@ async fn train(
         startup,
         exchange,
         loader,
+        restart,
         start_step,
         plan,
         num_params,
@@ -787,6 +803,24 @@ async fn train(
         evals.pulled += traffic.pulled;
         acc.density_sum += traffic.density.unwrap_or(out.density);
         step += 1;
+        if traffic.next_step > step {
+            // The servers declared this worker dead and went on without it
+            // (it was paused or cut off past server.worker_timeout_secs):
+            // it now holds the cluster's parameters, and trains the
+            // cluster's step and samples from here, up to the same end.
+            tracing::warn!(
+                rank,
+                from = step,
+                to = traffic.next_step,
+                "rejoined the cluster at its step"
+            );
+            step = traffic.next_step;
+            loader = restart(step)?;
+            lookahead = None;
+            precomputed = None;
+            trainer.send(SetStep(step)).await?;
+            bar.set_position(step);
+        }
         if opts.crash_after_steps == Some(step) {
             exchange.abort().await?;
             bar.finish_and_clear();

@@ -1118,6 +1118,43 @@ mod tests {
     }
 
     #[test]
+    fn an_exchange_past_its_budget_gives_up_and_forgets_its_replies() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0, 1], t0);
+        let budget = c.settings().budget;
+        assert_eq!(budget, Duration::from_secs(50), "10 s + 2 x 20 s");
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        c.handle(
+            Event::Reply {
+                token: s[0].0,
+                shard: 0,
+                params: params(1, 1),
+            },
+            t0,
+        );
+        assert!(c.handle(Event::Tick, t0 + budget).is_empty());
+        let acts = c.handle(Event::Tick, t0 + budget + Duration::from_millis(1));
+        assert!(
+            matches!(&acts[..], [Action::GiveUp(GiveUp::OutOfTime { .. })]),
+            "{acts:?}"
+        );
+        assert!(!c.busy());
+        assert_eq!(
+            c.versions(),
+            &[Some(0), Some(0)],
+            "back to what the trainer holds"
+        );
+        assert_eq!(c.start_step(), 0);
+        // A late reply of the exchange given up changes nothing.
+        let late = Event::Reply {
+            token: s[1].0,
+            shard: 1,
+            params: params(1, 1),
+        };
+        assert!(c.handle(late, t0 + budget * 2).is_empty());
+    }
+
+    #[test]
     fn a_link_that_stays_down_gives_up_naming_it() {
         let t0 = Instant::now();
         let mut c = joined(vec![0, 1], t0);
@@ -1426,7 +1463,10 @@ mod tests {
 
             fn answer(&mut self, token: Token, shard: ShardId) -> Result<(), String> {
                 let v = self.version[shard];
-                if v > self.pushed_step[shard] {
+                // The shard tells the worker it applied the step pushed
+                // (a reply to a request no longer awaited tells it nothing:
+                // a retry then is a duplicate the shard answers).
+                if v > self.pushed_step[shard] && self.core.awaited(shard, token) {
                     self.applied[shard] = true;
                 }
                 self.feed(Event::Reply {

@@ -182,6 +182,8 @@ pub struct Comm {
     /// Borrowed only between awaits.
     core: RefCell<ClientCore>,
     heartbeat: Duration,
+    /// Heartbeats are off (fault injection: a paused worker).
+    silent: std::cell::Cell<bool>,
     f16: bool,
     link: LinkLimiter,
     params: ParamSource,
@@ -314,6 +316,7 @@ impl Comm {
             dialer,
             core: RefCell::new(ClientCore::new(settings)),
             heartbeat: Duration::from_secs_f64(cfg.server.heartbeat_secs),
+            silent: std::cell::Cell::new(false),
             map,
             route,
             f16: cfg.compression.f16_values,
@@ -536,12 +539,13 @@ impl Comm {
         // The exchange's time budget is enforced even while every request
         // waits for its own deadline.
         let budget = self.core.borrow().settings().budget;
-        let deadline = now() + budget;
+        let started = now();
+        let mut actions = self.core.borrow_mut().handle(start, started);
+        let deadline = started + budget + Duration::from_millis(1);
         inflight.push(Box::pin(async move {
             sleep_until(deadline).await;
             Event::Tick
         }));
-        let mut actions = self.core.borrow_mut().handle(start, now());
         loop {
             for action in actions.drain(..) {
                 match action {
@@ -692,8 +696,18 @@ impl Comm {
         self.core.borrow_mut().handle(Event::Applied, now());
     }
 
-    /// Send a heartbeat on every connection (errors are left to the next exchange).
+    /// Stop (`true`) or resume heartbeats: fault injection, what a paused
+    /// process looks like to the servers.
+    pub fn silence(&self, on: bool) {
+        self.silent.set(on);
+    }
+
+    /// Send a heartbeat on every connection (errors are left to the next
+    /// exchange); none while silenced.
     pub async fn heartbeat(&self) {
+        if self.silent.get() {
+            return;
+        }
         let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
         for conn in conns {
             let call = transport::call(&conn, &Request::Heartbeat, self.dialer.max_frame);
@@ -891,6 +905,18 @@ impl Handler<StepExchange> for CommActor {
     fn handle(&mut self, msg: StepExchange, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
         Box::pin(async move { comm.step(msg.grad).await })
+    }
+}
+
+/// Stop or resume heartbeats (fault injection: a paused worker).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Silence(pub bool);
+
+impl Handler<Silence> for CommActor {
+    type Result = ();
+    fn handle(&mut self, msg: Silence, _: &mut Context<Self>) {
+        self.comm.silence(msg.0);
     }
 }
 

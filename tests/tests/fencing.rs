@@ -12,16 +12,23 @@
 //! step, and must come back with the cluster's parameters and step instead
 //! of pushing. The test waits on events (replies, steps), never on a sleep;
 //! the only timer is rank 0's heartbeat cadence, as a live worker's.
+//!
+//! A second test runs two whole workers (`run_worker`) to `training.max_steps`
+//! and pauses one of them past the worker timeout: it must come back at the
+//! cluster's step, train the cluster's samples from there, and stop with the
+//! others at the same step.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
+use ps_dataset::SyntheticSpec;
 use ps_shared::config::CompressionKind;
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
 use ps_shared::transport::{self, EndpointLimits};
-use ps_tests::{hello, start_loopback_server, test_config, TestPki};
+use ps_tests::{hello, start_loopback_server, synthetic_bucket_blocking, test_config, TestPki};
 use ps_worker::comm::{Comm, Outgoing, ParamSource, ShardUpdate, Traffic};
+use ps_worker::run::{run_worker, WorkerOptions};
 
 /// Steps both ranks take before rank 1 freezes.
 const FREEZE: u64 = 3;
@@ -233,6 +240,91 @@ fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
             t.next_step,
             versions[0],
             server_params.len()
+        );
+    });
+}
+
+#[test]
+fn a_paused_worker_rejoins_the_run_at_the_clusters_step() {
+    ps_tests::log_from_env();
+    // 4096 samples in batches of 64 over 2 workers: 32 steps an epoch.
+    const MAX: u64 = 100;
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, 4);
+    cfg.training.max_steps = MAX;
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 1.0;
+    cfg.validate().expect("valid config");
+    let pki = TestPki::new(2);
+    let (store, prefix) = synthetic_bucket_blocking(&SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    });
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = start_loopback_server(&cfg, &pki).await;
+        cfg.cluster.servers = vec![server.local_addr().to_string()];
+        let (steps_tx, mut steps0) = tokio::sync::watch::channel(0);
+        let (go, resume) = tokio::sync::watch::channel(false);
+        let (trained_tx, mut trained) = tokio::sync::mpsc::unbounded_channel();
+        let o0 = WorkerOptions {
+            steps_done: Some(steps_tx),
+            ..pki.options(0)
+        };
+        let o1 = WorkerOptions {
+            pause_after_steps: Some((FREEZE, resume)),
+            trained: Some(trained_tx),
+            ..pki.options(1)
+        };
+        let w0 = run_worker(&cfg, o0, store.clone(), prefix.clone());
+        let w1 = run_worker(&cfg, o1, store.clone(), prefix.clone());
+        let release = async {
+            // Rank 0 gets past step FREEZE only once the server dropped the
+            // paused rank 1; then rank 1 wakes up.
+            steps0
+                .wait_for(|s| *s >= FREEZE + 2)
+                .await
+                .expect("rank 0 reports its steps");
+            go.send_replace(true);
+        };
+        let (r0, r1, ()) = within("the run", futures::future::join3(w0, w1, release)).await;
+        let (r0, r1) = (r0.expect("rank 0 trains"), r1.expect("rank 1 trains"));
+        let mut steps = Vec::new();
+        while let Ok(b) = trained.try_recv() {
+            steps.push(b.step);
+        }
+        // Rank 1 trained steps 0..=FREEZE (the last one stale, not
+        // counted), then the cluster's steps from where it rejoined.
+        let stale = FREEZE as usize;
+        assert_eq!(&steps[..=stale], &(0..=FREEZE).collect::<Vec<_>>()[..]);
+        // (At MAX when rank 0 had finished before rank 1 was back.)
+        let rejoined = steps.get(stale + 1).copied().unwrap_or(MAX);
+        assert!(rejoined > FREEZE + 1, "rank 1 went on at the cluster's step, not its own: {steps:?}");
+        assert_eq!(
+            &steps[stale + 1..],
+            &(rejoined..MAX).collect::<Vec<_>>()[..],
+            "then every step of the cluster to the end, once"
+        );
+        assert_eq!((r0.steps, r1.steps), (MAX, MAX), "both stop at training.max_steps");
+        assert_eq!((r0.final_version, r1.final_version), (MAX, MAX));
+        assert!(r0.steps_short_of_workers > 0, "rank 0 trained alone meanwhile");
+        assert_eq!(
+            r0.final_accuracy, r1.final_accuracy,
+            "both hold the same parameters"
+        );
+        let status = server.status().await;
+        let versions: Vec<u64> = status.iter().map(|s| s.version).collect();
+        assert!(versions.iter().all(|v| *v == MAX), "versions {versions:?} after {MAX} steps");
+        let pushes: u64 = status.iter().map(|s| s.stats.pushes).sum();
+        let expected = status.len() as u64 * (MAX + FREEZE + (MAX - rejoined));
+        assert_eq!(pushes, expected, "rank 1's stale push was not counted");
+        within("the server's end", server.wait())
+            .await
+            .expect("the server ends cleanly once both finished");
+        println!(
+            "fencing: whole run, rank 1 paused after step {FREEZE} past server.worker_timeout_secs, rejoined at step {rejoined}; both stopped at step {MAX}, final version {} (steps {MAX}), pushes counted {pushes} of {expected}, final accuracy {:.4} on both",
+            versions[0], r0.final_accuracy
         );
     });
 }

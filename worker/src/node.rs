@@ -270,6 +270,13 @@ impl Node {
             .count()
     }
 
+    /// Stop or resume the node's heartbeats (fault injection: a paused node).
+    pub fn silence(&self, on: bool) {
+        if let Some(comm) = self.comm.borrow().as_ref() {
+            comm.silence(on);
+        }
+    }
+
     /// The node's link traffic so far (zero before it joined).
     pub fn link_stats(&self) -> LinkStats {
         self.comm

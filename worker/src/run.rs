@@ -31,7 +31,7 @@ use ps_shared::simulate::Simulation;
 
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
-    ShardUpdate, StepExchange, Traffic, WorkerTls,
+    ShardUpdate, Silence, StepExchange, Traffic, WorkerTls,
 };
 use crate::loader::{
     BatchPos, EpochDataStats, Loader, LoaderError, LoaderSettings, Outage, OutageLog, RetryFailure,
@@ -88,6 +88,10 @@ pub struct WorkerOptions {
     /// Fault injection: after this many steps drop every connection without
     /// a goodbye and stop, as a crashed worker would.
     pub crash_after_steps: Option<u64>,
+    /// Fault injection: after this many steps fall silent (no steps, no
+    /// heartbeats: what a paused process looks like to the servers) until
+    /// the receiver turns true, then go on.
+    pub pause_after_steps: Option<(u64, tokio::sync::watch::Receiver<bool>)>,
     /// Receives the number of steps done after every step (tests and
     /// tools wait on it instead of polling).
     pub steps_done: Option<tokio::sync::watch::Sender<u64>>,
@@ -412,6 +416,17 @@ impl Exchange {
         match self {
             Exchange::Flat(comm) => Ok(comm.send(Leave).await??),
             Exchange::Node(member) => Ok(member.leave().await?),
+        }
+    }
+
+    /// Stop or resume heartbeats (fault injection).
+    async fn silence(&self, on: bool) -> Result<(), WorkerError> {
+        match self {
+            Exchange::Flat(comm) => Ok(comm.send(Silence(on)).await?),
+            Exchange::Node(member) => {
+                member.node().silence(on);
+                Ok(())
+            }
         }
     }
 
@@ -820,6 +835,14 @@ async fn train(
             precomputed = None;
             trainer.send(SetStep(step)).await?;
             bar.set_position(step);
+        }
+        if let Some((after, resume)) = &opts.pause_after_steps {
+            if *after == step {
+                exchange.silence(true).await?;
+                let mut resume = resume.clone();
+                let _ = resume.wait_for(|go| *go).await;
+                exchange.silence(false).await?;
+            }
         }
         if opts.crash_after_steps == Some(step) {
             exchange.abort().await?;

@@ -285,6 +285,8 @@ pub struct CoreStats {
     pub clipped: u64,
     pub timeouts: u64,
     pub duplicate_pushes: u64,
+    /// Pushes refused as `Fenced`: for a step applied without their rank.
+    pub fenced: u64,
     /// CPU time of the dense updates' parallel work, summed over the rayon
     /// pool threads that ran it (the thread that feeds the core only waits
     /// for that work, so its own CPU time leaves it out).
@@ -335,6 +337,10 @@ pub struct ShardCore {
     pushed: BTreeSet<u32>,
     /// Next step per rank (ASP/SSP); kept for ranks that left.
     clocks: BTreeMap<u32, u64>,
+    /// The last step whose push from each rank was counted: a push for an
+    /// older step is a retry only when it is this one; any other was
+    /// applied without the rank (it was declared dead) and is fenced.
+    counted: BTreeMap<u32, u64>,
     changes: VecDeque<Option<Vec<u32>>>,
     moves_untouched: bool,
     parked: Vec<Parked>,
@@ -396,6 +402,7 @@ impl ShardCore {
             live: (0..setup.workers).map(|r| (r, None)).collect(),
             pushed: BTreeSet::new(),
             clocks: (0..setup.workers).map(|w| (w, 0)).collect(),
+            counted: BTreeMap::new(),
             changes: VecDeque::new(),
             moves_untouched,
             parked: Vec::new(),
@@ -1066,8 +1073,23 @@ impl ShardCore {
             );
         }
         if step < expected {
-            // Already applied (a retry after a lost reply, or a rank that was
-            // dropped for that step): answer with the current parameters.
+            if self.counted.get(&rank) != Some(&step) {
+                // Applied without this rank: it was declared dead for that
+                // step (or never pushed it). Its gradient is stale; it must
+                // take the cluster's parameters and step (an offer) instead.
+                self.stats.refused += 1;
+                self.stats.fenced += 1;
+                return refuse(
+                    out,
+                    ErrorCode::Fenced,
+                    format!(
+                        "push for step {step}, but shard {} applied it without worker {rank} and expects step {expected}: offer your copy and continue at step {expected}",
+                        self.id()
+                    ),
+                );
+            }
+            // Already applied with this push (a retry after a lost reply):
+            // answer with the current parameters.
             self.stats.duplicate_pushes += 1;
             out.push(Action::Reply {
                 to: reply,
@@ -1083,6 +1105,7 @@ impl ShardCore {
                 } else {
                     self.accumulate(grad);
                     self.pushed.insert(rank);
+                    self.counted.insert(rank, step);
                 }
                 self.park(
                     reply,
@@ -1100,6 +1123,7 @@ impl ShardCore {
             }
             SyncMode::Asp | SyncMode::Ssp => {
                 self.accumulate(grad);
+                self.counted.insert(rank, step);
                 *self.clocks.entry(rank).or_insert(0) += 1;
                 let scale = 1.0 / self.live.len().max(1) as f32;
                 self.apply(scale, out);
@@ -1919,6 +1943,97 @@ mod tests {
             replies(&c.handle(step(6, 0, 1, sparse(vec![0], vec![1.0])), t0)).len(),
             2
         );
+    }
+
+    #[test]
+    fn a_rank_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
+        for mode in [SyncMode::Bsp, SyncMode::Asp] {
+            let (mut c, t0) = serving(2, 0.0, mode);
+            // Rank 1 falls silent before pushing step 0 and is dropped.
+            c.handle(
+                Event::Left {
+                    rank: 1,
+                    conn: Some(101),
+                },
+                t0,
+            );
+            // Rank 0 goes on alone: steps 0 and 1.
+            c.handle(step(1, 0, 0, sparse(vec![0], vec![1.0])), t0);
+            c.handle(step(2, 0, 1, sparse(vec![0], vec![1.0])), t0);
+            assert_eq!(c.version(), 2, "{mode:?}");
+            // Rank 1 comes back on a new connection with its stale step 0.
+            c.handle(Event::Joined { rank: 1, conn: 201 }, t0);
+            let stale = |reply, step| Event::Step {
+                reply,
+                conn: 201,
+                rank: 1,
+                step,
+                have_version: Some(0),
+                grad: sparse(vec![0], vec![50.0]),
+            };
+            let acts = c.handle(stale(3, 0), t0);
+            assert_eq!(
+                code(replies(&acts)[0].1),
+                Some(ErrorCode::Fenced),
+                "{mode:?}"
+            );
+            let acts = c.handle(stale(4, 1), t0);
+            assert_eq!(
+                code(replies(&acts)[0].1),
+                Some(ErrorCode::Fenced),
+                "{mode:?}"
+            );
+            assert_eq!(c.stats().fenced, 2);
+            assert_eq!(c.version(), 2, "a stale push changes nothing");
+            assert_eq!(c.params()[0], -2.0);
+            // Its offer gives it the cluster's parameters and step.
+            let acts = c.handle(
+                Event::Offer {
+                    reply: 5,
+                    conn: 201,
+                    rank: 1,
+                    version: 0,
+                    next_step: 0,
+                    values: vec![0.0; 8],
+                },
+                t0,
+            );
+            assert!(
+                matches!(
+                    replies(&acts)[..],
+                    [(
+                        5,
+                        Response::Params {
+                            version: 2,
+                            next_step: 2,
+                            ..
+                        }
+                    )]
+                ),
+                "{mode:?}: {acts:?}"
+            );
+            if mode == SyncMode::Bsp {
+                // Step 2 needs both ranks again.
+                let mut pushed = stale(6, 2);
+                if let Event::Step { have_version, .. } = &mut pushed {
+                    *have_version = Some(2);
+                }
+                assert!(replies(&c.handle(pushed, t0)).is_empty());
+                let acts = c.handle(step(7, 0, 2, sparse(vec![0], vec![1.0])), t0);
+                assert_eq!(replies(&acts).len(), 2);
+                assert_eq!(c.version(), 3);
+                // A retry of a push that was counted is still answered.
+                let mut retry = stale(8, 2);
+                if let Event::Step { have_version, .. } = &mut retry {
+                    *have_version = Some(2);
+                }
+                let acts = c.handle(retry, t0);
+                assert!(matches!(
+                    replies(&acts)[..],
+                    [(8, Response::Params { version: 3, .. })]
+                ));
+            }
+        }
     }
 
     #[test]

@@ -770,6 +770,43 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_dropped_for_silence_comes_back_only_on_a_new_connection() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(settings(2), t0);
+        for (conn, rank) in [(1, 0), (2, 1)] {
+            m.connection_opened(conn, t0).unwrap();
+            m.hello(conn, rank, &hello(rank, 2), t0).unwrap();
+        }
+        // Rank 1 is paused; rank 0 keeps talking.
+        assert!(m.request(1, secs(t0, 3)));
+        let acts = m.tick(secs(t0, 4));
+        assert_eq!(
+            acts,
+            vec![
+                MemberAction::Left {
+                    rank: 1,
+                    conn: Some(2),
+                    why: "silent for more than 3s (server.worker_timeout_secs)".into(),
+                },
+                MemberAction::Close {
+                    conn: 2,
+                    why: "silent too long".into(),
+                },
+            ]
+        );
+        assert_eq!(m.live(), BTreeSet::from([0]));
+        // It comes back on a new connection: a new admission, which the
+        // shards see as a join on that connection (its stale steps on it
+        // are then fenced by the shards).
+        m.connection_opened(3, secs(t0, 5)).unwrap();
+        let acts = m.hello(3, 1, &hello(1, 2), secs(t0, 5)).unwrap();
+        assert_eq!(acts, vec![MemberAction::Joined { rank: 1, conn: 3 }]);
+        // The old connection closing late changes nothing.
+        assert!(m.connection_closed(2, "evicted", secs(t0, 5)).is_empty());
+        assert_eq!(m.live(), BTreeSet::from([0, 1]));
+    }
+
+    #[test]
     fn ends_are_never_silent() {
         let t0 = Instant::now();
         // Nobody joins: an error after the join timeout.

@@ -322,6 +322,10 @@ pub enum ErrorCode {
     RankInUse,
     /// The worker's `cluster.workers` differs from the server's.
     WorkerCountMismatch,
+    /// A push for a step the shard applied without this worker (it was
+    /// declared dead for that step): offer your copy and go on at the step
+    /// the reply names.
+    Fenced,
 }
 
 /// A server's response.

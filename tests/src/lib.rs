@@ -69,6 +69,7 @@ impl TestPki {
             progress: false,
             epoch_lines: false,
             crash_after_steps: None,
+            pause_after_steps: None,
             stop: None,
             steps_done: None,
             trained: None,

@@ -279,6 +279,7 @@ fn options(cfg: &ClusterConfig, rank: u32) -> WorkerOptions {
         progress: false,
         epoch_lines: false,
         crash_after_steps: None,
+        pause_after_steps: None,
         stop: None,
         steps_done: None,
         trained: None,

@@ -6,22 +6,31 @@
 //! holds, and its reply carries the parameters for step `t + 1` (a sparse
 //! delta when that is cheaper). All shards go concurrently.
 //!
-//! Every request has a deadline. When a server is lost (its connection dies,
-//! or it closes with "shutting down"), the worker redials it for up to
-//! `server.connect_timeout_secs`, offers its copy of that server's shards
-//! (a restarted server rebuilds them from the workers' copies) and sends the
-//! step again; `Step` is idempotent on the server, so a retry never counts a
+//! `Comm` is a thin driver of the sans-IO [`ClientCore`]: it encodes each
+//! shard's request once per step, carries out the core's actions (QUIC
+//! calls under the request deadline, redials, timers on tokio's clock) and
+//! feeds the outcomes back. Every policy lives in the core: which refusal is
+//! retried and after how long, when a link is redialed, what is offered to a
+//! restarted server, when a step is complete and when to give up. When a
+//! server is lost (its connection dies, or it closes with "shutting down"),
+//! the worker redials it for up to `server.connect_timeout_secs`, offers its
+//! copy of that server's shards (a restarted server rebuilds them from the
+//! workers' copies) and sends the step again unless the shard already
+//! applied it; `Step` is idempotent on the server, so a retry never counts a
 //! push twice. A server that stays unreachable ends the run with an error
-//! naming it.
+//! naming it. A worker the servers declared dead is fenced: it takes the
+//! cluster's parameters and step ([`Traffic::next_step`]) instead of pushing
+//! its stale step.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix::prelude::*;
-use futures::future::{join_all, try_join_all};
+use futures::future::LocalBoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
 use quinn::Connection;
 
 use ps_shared::config::ClusterConfig;
@@ -34,6 +43,10 @@ use ps_shared::protocol::{
 use ps_shared::shard::ShardMap;
 use ps_shared::sparse::SparseGrad;
 use ps_shared::transport::{self, EndpointLimits, TransportError};
+
+use crate::client::{
+    Action, ClientCore, ClientSettings, Delivery, Event, GiveUp, Params, ShardId, Token,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
@@ -69,6 +82,9 @@ pub enum CommError {
     },
     #[error("gave up on step after {attempts} attempts: {last}")]
     GaveUp { attempts: u32, last: String },
+    /// Any other reason the client core gave up.
+    #[error(transparent)]
+    Client(GiveUp),
 }
 
 fn refused(what: &'static str, resp: Response) -> CommError {
@@ -82,31 +98,6 @@ fn refused(what: &'static str, resp: Response) -> CommError {
             what,
             reply: format!("{other:?}"),
         },
-    }
-}
-
-impl CommError {
-    /// Whether reconnecting and offering again may fix it.
-    fn needs_reconnect(&self) -> bool {
-        match self {
-            CommError::Transport(_) | CommError::Deadline { .. } => true,
-            CommError::Refused { code, .. } => matches!(
-                code,
-                ErrorCode::UnknownWorker | ErrorCode::ShuttingDown | ErrorCode::NotInitialized
-            ),
-            _ => false,
-        }
-    }
-
-    /// Whether simply sending the (idempotent) request again may fix it.
-    fn retry_as_is(&self) -> bool {
-        matches!(
-            self,
-            CommError::Refused {
-                code: ErrorCode::Timeout | ErrorCode::RateLimited,
-                ..
-            }
-        )
     }
 }
 
@@ -136,6 +127,10 @@ pub struct Traffic {
     /// Entries pushed / parameters, when the push was compressed away from
     /// the trainer (by the node aggregator); `None` for a worker's own push.
     pub density: Option<f64>,
+    /// The step the cluster expects next from this worker. After a step
+    /// `t` it is `t + 1`, unless the worker was declared dead and the
+    /// cluster went on without it: then the worker continues from here.
+    pub next_step: u64,
 }
 
 /// The worker's current flat parameters (what it offers a restarted server).
@@ -164,20 +159,6 @@ struct Dialer {
     max_frame: usize,
 }
 
-/// Attempts of one step before giving up (each may include a reconnect
-/// bounded by `server.connect_timeout_secs`).
-const MAX_ATTEMPTS: u32 = 8;
-
-/// What one shard's request left behind.
-struct ShardReply {
-    update: ParamUpdate,
-    version: u64,
-    next_step: u64,
-    live_workers: u32,
-    pushed: u64,
-    pulled: u64,
-}
-
 /// Where the servers say the sample stream stands (from their Welcome):
 /// global step `step` starts after `samples` samples of the run's stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -193,22 +174,16 @@ pub struct Comm {
     rank: u32,
     data: DataStart,
     links: RefCell<Vec<Link>>,
-    /// Serialises reconnects of one link.
-    dialing: Vec<futures::lock::Mutex<()>>,
     dialer: Dialer,
     map: ShardMap,
     /// Which link serves each shard.
     route: Vec<usize>,
-    /// The version of each shard the worker holds once it applied what the
-    /// last call returned.
-    versions: RefCell<Vec<Option<u64>>>,
-    /// The versions the trainer holds (applied), for offers.
-    held: RefCell<Vec<Option<u64>>>,
-    /// The step each shard expects from this worker next.
-    next_steps: RefCell<Vec<u64>>,
-    recoveries: Cell<u64>,
-    round_trips: Cell<u64>,
+    /// Every policy: versions, steps, retries, redials, recovery, fencing.
+    /// Borrowed only between awaits.
+    core: RefCell<ClientCore>,
     heartbeat: Duration,
+    /// Heartbeats are off (fault injection: a paused worker).
+    silent: std::cell::Cell<bool>,
     f16: bool,
     link: LinkLimiter,
     params: ParamSource,
@@ -224,34 +199,21 @@ fn update_bytes(u: &ParamUpdate) -> u64 {
     }
 }
 
-/// `newer` applied on top of `older` (both for the same shard).
-fn merge_updates(older: ParamUpdate, newer: ParamUpdate) -> ParamUpdate {
-    match (older, newer) {
-        (_, dense @ ParamUpdate::Dense(_)) => dense,
-        (ParamUpdate::Dense(mut base), ParamUpdate::Sparse { indices, values }) => {
-            for (i, v) in indices.iter().zip(values) {
-                if let Some(slot) = base.get_mut(*i as usize) {
-                    *slot = v;
-                }
-            }
-            ParamUpdate::Dense(base)
-        }
-        (
-            ParamUpdate::Sparse {
-                indices: ia,
-                values: va,
-            },
-            ParamUpdate::Sparse {
-                indices: ib,
-                values: vb,
-            },
-        ) => {
-            let mut merged: std::collections::BTreeMap<u32, f32> = ia.into_iter().zip(va).collect();
-            merged.extend(ib.into_iter().zip(vb));
-            let (indices, values) = merged.into_iter().unzip();
-            ParamUpdate::Sparse { indices, values }
-        }
-    }
+/// The core's clock: tokio's, so a paused test clock drives it too.
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+async fn sleep_until(at: std::time::Instant) {
+    tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await;
+}
+
+/// One shard's encoded push of the step under way, reused by every retry
+/// while the step and the version held stay the same.
+struct Frame {
+    step: u64,
+    have_version: Option<u64>,
+    bytes: Rc<Vec<u8>>,
 }
 
 impl Comm {
@@ -342,21 +304,19 @@ impl Comm {
                 data.batch, cfg.data.batch_size
             )));
         }
+        let settings = ClientSettings::new(
+            route.clone(),
+            dialer.connect_timeout,
+            dialer.request_timeout,
+        );
         Ok(Self {
             rank,
             data,
-            dialing: links
-                .iter()
-                .map(|_| futures::lock::Mutex::new(()))
-                .collect(),
             links: RefCell::new(links),
             dialer,
-            next_steps: RefCell::new(vec![0; map.num_shards()]),
-            versions: RefCell::new(vec![None; map.num_shards()]),
-            held: RefCell::new(vec![None; map.num_shards()]),
-            recoveries: Cell::new(0),
-            round_trips: Cell::new(0),
+            core: RefCell::new(ClientCore::new(settings)),
             heartbeat: ps_shared::config::secs(cfg.server.heartbeat_secs),
+            silent: std::cell::Cell::new(false),
             map,
             route,
             f16: cfg.compression.f16_values,
@@ -378,27 +338,22 @@ impl Comm {
     /// The step this worker continues from: 0 on a fresh run, the cluster's
     /// step (BSP) or the worker's own clock (ASP/SSP) when it rejoins.
     pub fn start_step(&self) -> u64 {
-        self.next_steps.borrow().iter().copied().min().unwrap_or(0)
+        self.core.borrow().start_step()
     }
 
-    /// Reconnections and re-offers so far.
+    /// Reconnections to a lost or restarted server so far.
     pub fn recoveries(&self) -> u64 {
-        self.recoveries.get()
+        self.core.borrow().recoveries()
     }
 
     /// The oldest shard version this worker holds.
     pub fn min_version(&self) -> u64 {
-        self.versions
-            .borrow()
-            .iter()
-            .map(|v| v.unwrap_or(0))
-            .min()
-            .unwrap_or(0)
+        self.core.borrow().min_version()
     }
 
     /// Round trips to shards so far.
     pub fn round_trips(&self) -> u64 {
-        self.round_trips.get()
+        self.core.borrow().round_trips()
     }
 
     /// The simulated link's accounting (a no-op link counts nothing).
@@ -411,27 +366,40 @@ impl Comm {
         (links[link].server.clone(), links[link].conn.clone())
     }
 
-    /// One request to a shard's server through the (simulated) link, under
-    /// the request deadline; returns the response and the request's size.
-    async fn exchange(
+    /// At `at`, send `frame` to `shard`'s server through the (simulated)
+    /// link, under the request deadline; the outcome as the core's event.
+    async fn call(
         &self,
-        shard: usize,
-        req: &Request,
+        token: Token,
+        shard: ShardId,
+        frame: Rc<Vec<u8>>,
+        at: std::time::Instant,
         what: &'static str,
-    ) -> Result<(Response, u64), CommError> {
+    ) -> Event {
+        sleep_until(at).await;
         let (server, conn) = self.conn_of(self.route[shard]);
-        let frame = encode_request(req).map_err(TransportError::from)?;
         self.link.send(frame.len() as u64).await;
-        self.round_trips.set(self.round_trips.get() + 1);
         let call = transport::call_raw(&conn, &frame, self.dialer.max_frame);
         let resp = match tokio::time::timeout(self.dialer.request_timeout, call).await {
-            Ok(r) => r?,
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => {
+                return Event::ConnLost {
+                    token,
+                    shard,
+                    error: format!("server {server}: {e}"),
+                }
+            }
             Err(_) => {
-                return Err(CommError::Deadline {
+                let e = CommError::Deadline {
                     addr: server,
                     what,
                     secs: self.dialer.request_timeout.as_secs_f64(),
-                })
+                };
+                return Event::ConnLost {
+                    token,
+                    shard,
+                    error: e.to_string(),
+                };
             }
         };
         let received = match &resp {
@@ -439,14 +407,6 @@ impl Comm {
             _ => 32,
         };
         self.link.receive(received).await;
-        Ok((resp, frame.len() as u64))
-    }
-
-    fn shard_reply(
-        what: &'static str,
-        resp: Response,
-        pushed: u64,
-    ) -> Result<ShardReply, CommError> {
         match resp {
             Response::Params {
                 version,
@@ -454,82 +414,45 @@ impl Comm {
                 live_workers,
                 update,
                 ..
-            } => Ok(ShardReply {
-                pulled: update_bytes(&update),
-                update,
-                version,
-                next_step,
-                live_workers,
-                pushed,
-            }),
-            other => Err(refused(what, other)),
+            } => Event::Reply {
+                token,
+                shard,
+                params: Params {
+                    version,
+                    next_step,
+                    live_workers,
+                    received: update_bytes(&update),
+                    update,
+                    sent: frame.len() as u64,
+                },
+            },
+            Response::Error { code, message } => Event::Refused {
+                token,
+                shard,
+                code,
+                message: format!("server {server}: {message}"),
+            },
+            other => Event::Refused {
+                token,
+                shard,
+                code: ErrorCode::Internal,
+                message: format!("server {server}: unexpected reply to {what}: {other:?}"),
+            },
         }
     }
 
-    /// Offer this worker's copy of `shard` (values from `params`) at the
-    /// version it holds; the reply is the shard's parameters.
-    async fn offer(&self, shard: usize, params: &[f32]) -> Result<ShardReply, CommError> {
-        let range = self.map.ranges()[shard].clone();
-        let req = Request::Offer {
-            shard: shard as u32,
-            version: self.versions.borrow()[shard].unwrap_or(0),
-            next_step: self.next_steps.borrow()[shard],
-            values: params[range].to_vec(),
-        };
-        let (resp, sent) = self.exchange(shard, &req, "offer").await?;
-        Self::shard_reply("offer", resp, sent)
-    }
-
-    /// Offer the initial (or current) parameters to every shard and return
-    /// the parameters every worker starts from.
-    pub async fn join(&self) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
-        let params = (self.params)().await;
-        let shards: Vec<usize> = (0..self.map.num_shards()).collect();
-        let replies = try_join_all(shards.iter().map(|&s| self.offer(s, &params))).await?;
-        let mut traffic = Traffic {
-            live_workers: u32::MAX,
-            ..Traffic::default()
-        };
-        let updates = self.absorb(
-            shards.into_iter().zip(replies).map(|(s, r)| (s, Some(r))),
-            &mut traffic,
-        );
-        Ok((updates, traffic))
-    }
-
-    /// Record replies and turn them into updates for the trainer.
-    fn absorb(
-        &self,
-        replies: impl Iterator<Item = (usize, Option<ShardReply>)>,
-        traffic: &mut Traffic,
-    ) -> Vec<ShardUpdate> {
-        let mut out = Vec::new();
-        for (shard, r) in replies {
-            let Some(r) = r else { continue };
-            self.versions.borrow_mut()[shard] = Some(r.version);
-            self.next_steps.borrow_mut()[shard] = r.next_step;
-            traffic.pushed += r.pushed;
-            traffic.pulled += r.pulled;
-            traffic.live_workers = traffic.live_workers.min(r.live_workers);
-            out.push(ShardUpdate {
-                offset: self.map.ranges()[shard].start,
-                update: r.update,
-            });
-        }
-        out
-    }
-
-    /// Replace the connection of `link` if it is dead: redial with backoff
-    /// (up to `server.connect_timeout_secs`) and say Hello. Returns whether
-    /// it reconnected.
-    /// `stopping`: the server said it is shutting down; wait (up to the
-    /// connect timeout) for it to close the connection, then redial.
-    async fn reconnect(&self, link: usize, stopping: bool) -> Result<bool, CommError> {
-        let _only_one = self.dialing[link].lock().await;
+    /// At `at`, make `link` usable: keep its connection when it is alive
+    /// (unless the server said it is shutting down: then wait up to the
+    /// connect timeout for it to close), else dial once and say Hello.
+    async fn redial(&self, link: usize, at: std::time::Instant, await_close: bool) -> Event {
+        sleep_until(at).await;
         let (server, conn) = self.conn_of(link);
         if conn.close_reason().is_none() {
-            if !stopping {
-                return Ok(false);
+            if !await_close {
+                return Event::Reconnected {
+                    link,
+                    redialed: false,
+                };
             }
             let _ = tokio::time::timeout(self.dialer.connect_timeout, conn.closed()).await;
         }
@@ -539,21 +462,205 @@ impl Comm {
             {
                 tracing::warn!(
                     server,
-                    "server is shutting down; waiting up to {:?} for it to come back",
-                    self.dialer.connect_timeout
+                    "server is shutting down; redialing until it is back"
                 );
             }
             reason => tracing::warn!(server, ?reason, "connection lost; reconnecting"),
         }
-        let (conn, _, _) = self.dialer.dial(&server).await?;
-        self.links.borrow_mut()[link].conn = conn;
-        self.recoveries.set(self.recoveries.get() + 1);
-        Ok(true)
+        match self.dialer.dial_once(&server).await {
+            Ok((conn, _, _)) => {
+                self.links.borrow_mut()[link].conn = conn;
+                Event::Reconnected {
+                    link,
+                    redialed: true,
+                }
+            }
+            Err(e) => Event::DialFailed {
+                link,
+                error: format!("server {server}: {e}"),
+            },
+        }
+    }
+
+    /// The request frame of an offer of `shard` from `params`.
+    fn offer_frame(
+        &self,
+        shard: usize,
+        version: u64,
+        next_step: u64,
+        params: &[f32],
+    ) -> Result<Rc<Vec<u8>>, CommError> {
+        let range = self.map.ranges()[shard].clone();
+        let values = params.get(range.clone()).ok_or_else(|| {
+            CommError::Layout(format!(
+                "the trainer's {} parameters do not cover shard {shard} ({range:?})",
+                params.len()
+            ))
+        })?;
+        let req = Request::Offer {
+            shard: shard as u32,
+            version,
+            next_step,
+            values: values.to_vec(),
+        };
+        Ok(Rc::new(encode_request(&req).map_err(TransportError::from)?))
+    }
+
+    /// The error the core's reason to give up is to the caller.
+    fn gave_up(&self, why: GiveUp) -> CommError {
+        match why {
+            GiveUp::Refused {
+                what,
+                code,
+                message,
+                ..
+            } => CommError::Refused {
+                what,
+                code,
+                message,
+            },
+            GiveUp::Exhausted { attempts, last, .. } => CommError::GaveUp { attempts, last },
+            GiveUp::Unreachable { link, secs, last } => CommError::Unreachable {
+                addr: self.links.borrow()[link].server.clone(),
+                secs: secs.round() as u64,
+                last,
+            },
+            other => CommError::Client(other),
+        }
+    }
+
+    /// Run one exchange (`start`: a join or a step whose per-shard
+    /// gradients are `grads`) to its end: carry out the core's actions and
+    /// feed their outcomes back.
+    async fn drive(&self, start: Event, grads: &[WireGrad]) -> Result<Delivery, CommError> {
+        let mut frames: Vec<Option<Frame>> = (0..self.route.len()).map(|_| None).collect();
+        let mut params: Option<Rc<Vec<f32>>> = None;
+        let mut inflight: FuturesUnordered<LocalBoxFuture<'_, Event>> = FuturesUnordered::new();
+        // The exchange's time budget is enforced even while every request
+        // waits for its own deadline.
+        let budget = self.core.borrow().settings().budget;
+        let started = now();
+        let mut actions = self.core.borrow_mut().handle(start, started);
+        let deadline = started + budget + Duration::from_millis(1);
+        inflight.push(Box::pin(async move {
+            sleep_until(deadline).await;
+            Event::Tick
+        }));
+        loop {
+            for action in actions.drain(..) {
+                match action {
+                    Action::Send {
+                        token,
+                        shard,
+                        step,
+                        have_version,
+                        at,
+                    } => {
+                        let reuse = frames[shard]
+                            .as_ref()
+                            .filter(|f| f.step == step && f.have_version == have_version)
+                            .map(|f| f.bytes.clone());
+                        let bytes = match reuse {
+                            Some(b) => b,
+                            None => {
+                                let grad = grads.get(shard).cloned().ok_or_else(|| {
+                                    CommError::Layout(format!("no gradient for shard {shard}"))
+                                })?;
+                                let req = Request::Step {
+                                    shard: shard as u32,
+                                    step,
+                                    have_version,
+                                    grad,
+                                };
+                                let bytes =
+                                    Rc::new(encode_request(&req).map_err(TransportError::from)?);
+                                frames[shard] = Some(Frame {
+                                    step,
+                                    have_version,
+                                    bytes: bytes.clone(),
+                                });
+                                bytes
+                            }
+                        };
+                        inflight.push(Box::pin(self.call(token, shard, bytes, at, "step")));
+                    }
+                    Action::Offer {
+                        token,
+                        shard,
+                        version,
+                        next_step,
+                        at,
+                    } => {
+                        // The trainer's parameters do not change during an
+                        // exchange: read them once.
+                        let values = match &params {
+                            Some(p) => p.clone(),
+                            None => {
+                                let p = Rc::new((self.params)().await);
+                                params = Some(p.clone());
+                                p
+                            }
+                        };
+                        let bytes = self.offer_frame(shard, version, next_step, &values)?;
+                        inflight.push(Box::pin(self.call(token, shard, bytes, at, "offer")));
+                    }
+                    Action::Reconnect {
+                        link,
+                        at,
+                        await_close,
+                    } => inflight.push(Box::pin(self.redial(link, at, await_close))),
+                    Action::Deliver(d) => return Ok(d),
+                    Action::GiveUp(why) => {
+                        tracing::warn!(rank = self.rank, "giving up: {why}");
+                        return Err(self.gave_up(why));
+                    }
+                }
+            }
+            let Some(event) = inflight.next().await else {
+                return Err(CommError::Unexpected {
+                    what: "exchange",
+                    reply: "the client waits for nothing".into(),
+                });
+            };
+            if let Event::Refused { code, message, .. } = &event {
+                tracing::warn!(rank = self.rank, ?code, "request refused: {message}");
+            }
+            actions = self.core.borrow_mut().handle(event, now());
+        }
+    }
+
+    /// Turn a delivery into updates for the trainer.
+    fn updates(&self, d: Delivery) -> (Vec<ShardUpdate>, Traffic) {
+        let traffic = Traffic {
+            pushed: d.pushed_bytes,
+            pulled: d.pulled_bytes,
+            round_trips: d.round_trips,
+            live_workers: d.live_workers,
+            density: None,
+            next_step: d.next_step,
+        };
+        let updates = d
+            .updates
+            .into_iter()
+            .map(|(shard, update)| ShardUpdate {
+                offset: self.map.ranges()[shard].start,
+                update,
+            })
+            .collect();
+        (updates, traffic)
+    }
+
+    /// Offer the initial (or current) parameters to every shard and return
+    /// the parameters every worker starts from.
+    pub async fn join(&self) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
+        let d = self.drive(Event::JoinRequested, &[]).await?;
+        Ok(self.updates(d))
     }
 
     /// Push this worker's gradient for its next step and return the
     /// parameters after it, one round trip per shard. Recovers from a lost or
-    /// restarted server (reconnect, offer, send the step again).
+    /// restarted server (reconnect, offer, send the step again), and moves
+    /// to the cluster's step when fenced ([`Traffic::next_step`]).
     pub async fn step(&self, grad: Outgoing) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
         let per_shard: Vec<WireGrad> = match grad {
             Outgoing::Sparse(g) => self
@@ -569,147 +676,38 @@ impl Comm {
                 .map(|part| WireGrad::Dense(WireValues::encode(part.to_vec(), self.f16)))
                 .collect(),
         };
-        let n = per_shard.len();
-        // The step this call pushes to each shard.
-        let pushed_steps: Vec<u64> = self.next_steps.borrow().clone();
-        let round_trips_before = self.round_trips.get();
-        let mut results: Vec<Option<ShardReply>> = (0..n).map(|_| None).collect();
-        let mut pending: Vec<usize> = (0..n).collect();
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
-            let per_shard = &per_shard;
-            let outcomes = join_all(pending.iter().map(|&s| async move {
-                let req = Request::Step {
-                    shard: s as u32,
-                    step: self.next_steps.borrow()[s],
-                    have_version: self.versions.borrow()[s],
-                    grad: per_shard[s].clone(),
-                };
-                let r = match self.exchange(s, &req, "step").await {
-                    Ok((resp, sent)) => Self::shard_reply("step", resp, sent),
-                    Err(e) => Err(e),
-                };
-                (s, r)
-            }))
-            .await;
-            let mut failed_links = std::collections::BTreeSet::new();
-            let mut stopping = std::collections::BTreeSet::new();
-            let mut retry = Vec::new();
-            let mut last = None;
-            for (s, r) in outcomes {
-                match r {
-                    Ok(reply) => {
-                        // Later replies supersede earlier ones of this call.
-                        self.versions.borrow_mut()[s] = Some(reply.version);
-                        self.next_steps.borrow_mut()[s] = reply.next_step;
-                        results[s] = Some(match results[s].take() {
-                            None => reply,
-                            Some(prev) => ShardReply {
-                                update: merge_updates(prev.update, reply.update),
-                                pushed: prev.pushed + reply.pushed,
-                                pulled: prev.pulled + reply.pulled,
-                                ..reply
-                            },
-                        });
-                    }
-                    Err(e) if e.needs_reconnect() => {
-                        if matches!(
-                            e,
-                            CommError::Refused {
-                                code: ErrorCode::ShuttingDown,
-                                ..
-                            }
-                        ) {
-                            stopping.insert(self.route[s]);
-                        }
-                        failed_links.insert(self.route[s]);
-                        last = Some(e.to_string());
-                    }
-                    Err(e) if e.retry_as_is() => {
-                        retry.push(s);
-                        last = Some(e.to_string());
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-            if failed_links.is_empty() && retry.is_empty() {
-                break;
-            }
-            if attempts >= MAX_ATTEMPTS {
-                return Err(CommError::GaveUp {
-                    attempts,
-                    last: last.unwrap_or_default(),
-                });
-            }
+        let d = self.drive(Event::StepRequested, &per_shard).await?;
+        if d.next_step > d.pushed_step + 1 {
             tracing::warn!(
                 rank = self.rank,
-                attempts,
-                "step needs a retry: {}",
-                last.unwrap_or_default()
+                pushed = d.pushed_step,
+                cluster = d.next_step,
+                fenced = d.fenced,
+                "the cluster went on without this worker; continuing at its step"
             );
-            // A lost server: reconnect, offer every shard it serves, then send
-            // the step again to each shard that has not applied it yet. A
-            // shard whose recovered copy is past this step (the server
-            // applied it and died before this worker had the reply) answers
-            // the offer with the parameters after it: that is this step's
-            // reply, and pushing the gradient again would count it twice.
-            let params = if failed_links.is_empty() {
-                Vec::new()
-            } else {
-                (self.params)().await
-            };
-            pending = retry;
-            let mut applied = std::collections::BTreeSet::new();
-            for link in failed_links {
-                self.reconnect(link, stopping.contains(&link)).await?;
-                let shards: Vec<usize> = (0..n).filter(|s| self.route[*s] == link).collect();
-                // The offers describe what the trainer holds: the versions
-                // before this call's replies.
-                for &s in &shards {
-                    if results[s].take().is_some() {
-                        self.versions.borrow_mut()[s] = self.held_before(s);
-                        self.next_steps.borrow_mut()[s] = pushed_steps[s];
-                    }
-                }
-                let offers = try_join_all(shards.iter().map(|&s| self.offer(s, &params))).await?;
-                for (&s, reply) in shards.iter().zip(offers) {
-                    self.versions.borrow_mut()[s] = Some(reply.version);
-                    self.next_steps.borrow_mut()[s] = reply.next_step;
-                    if reply.next_step > pushed_steps[s] {
-                        applied.insert(s);
-                    } else {
-                        pending.push(s);
-                    }
-                    results[s] = Some(reply);
-                }
-            }
-            pending.retain(|s| !applied.contains(s));
-            pending.sort_unstable();
-            pending.dedup();
         }
-        let mut traffic = Traffic {
-            live_workers: u32::MAX,
-            ..Traffic::default()
-        };
-        let updates = self.absorb(results.into_iter().enumerate(), &mut traffic);
+        let out = self.updates(d);
         self.commit();
-        traffic.round_trips = self.round_trips.get() - round_trips_before;
-        Ok((updates, traffic))
+        Ok(out)
     }
 
-    /// The version the trainer held for `shard` when the current call began.
-    fn held_before(&self, shard: usize) -> Option<u64> {
-        self.held.borrow()[shard]
-    }
-
-    /// The trainer applies what this call returned: remember it as held.
+    /// The trainer applies what the last call returned: remember it as held.
     pub(crate) fn commit(&self) {
-        *self.held.borrow_mut() = self.versions.borrow().clone();
+        self.core.borrow_mut().handle(Event::Applied, now());
     }
 
-    /// Send a heartbeat on every connection (errors are left to the next exchange).
+    /// Stop (`true`) or resume heartbeats: fault injection, what a paused
+    /// process looks like to the servers.
+    pub fn silence(&self, on: bool) {
+        self.silent.set(on);
+    }
+
+    /// Send a heartbeat on every connection (errors are left to the next
+    /// exchange); none while silenced.
     pub async fn heartbeat(&self) {
+        if self.silent.get() {
+            return;
+        }
         let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
         for conn in conns {
             let call = transport::call(&conn, &Request::Heartbeat, self.dialer.max_frame);
@@ -752,59 +750,91 @@ impl Comm {
     }
 }
 
+/// Why one dial failed, and whether trying again may help.
+enum DialFailure {
+    /// Not reachable (yet), or our previous connection is not yet seen dead.
+    Retry(String),
+    /// Refused for good (a wrong token, layout or protocol).
+    Fatal(CommError),
+}
+
 impl Dialer {
+    /// One attempt to connect and authenticate within the connect timeout.
+    async fn attempt(
+        &self,
+        server: &str,
+        left: Duration,
+    ) -> Result<(Connection, Vec<ShardRange>, DataStart), DialFailure> {
+        let attempt = async {
+            let addr = transport::resolve(server).await?;
+            let endpoint = transport::client_endpoint(
+                &self.tls.ca_pem,
+                &self.tls.identity,
+                addr.is_ipv6(),
+                &self.limits,
+            )?;
+            let conn = transport::connect(&endpoint, addr, &self.server_name, left).await?;
+            let (resp, _) = transport::call(&conn, &self.hello, self.max_frame).await?;
+            Ok::<_, CommError>((conn, resp))
+        };
+        match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await {
+            Ok(Ok((
+                conn,
+                Response::Welcome {
+                    shards,
+                    data_step,
+                    data_samples,
+                    data_batch,
+                    ..
+                },
+            ))) => {
+                let start = DataStart {
+                    step: data_step,
+                    samples: data_samples,
+                    batch: data_batch,
+                };
+                Ok((conn, shards, start))
+            }
+            Ok(Ok((
+                _,
+                Response::Error {
+                    code: ErrorCode::RankInUse,
+                    message,
+                },
+            ))) => Err(DialFailure::Retry(message)),
+            Ok(Ok((_, other))) => Err(DialFailure::Fatal(refused("hello", other))),
+            Ok(Err(e)) => Err(DialFailure::Retry(e.to_string())),
+            Err(_) => Err(DialFailure::Retry("timed out".to_string())),
+        }
+    }
+
+    /// One redial for the client core (which owns the backoff).
+    async fn dial_once(
+        &self,
+        server: &str,
+    ) -> Result<(Connection, Vec<ShardRange>, DataStart), String> {
+        self.attempt(server, self.connect_timeout)
+            .await
+            .map_err(|f| match f {
+                DialFailure::Retry(m) => m,
+                DialFailure::Fatal(e) => e.to_string(),
+            })
+    }
+
     /// Connect (with backoff, within the connect timeout) and authenticate;
     /// returns the shards the server owns and where the sample stream stands.
     async fn dial(
         &self,
         server: &str,
     ) -> Result<(Connection, Vec<ShardRange>, DataStart), CommError> {
-        let start = Instant::now();
+        let start = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(100);
         loop {
             let left = self.connect_timeout.saturating_sub(start.elapsed());
-            let attempt = async {
-                let addr = transport::resolve(server).await?;
-                let endpoint = transport::client_endpoint(
-                    &self.tls.ca_pem,
-                    &self.tls.identity,
-                    addr.is_ipv6(),
-                    &self.limits,
-                )?;
-                let conn = transport::connect(&endpoint, addr, &self.server_name, left).await?;
-                let (resp, _) = transport::call(&conn, &self.hello, self.max_frame).await?;
-                Ok::<_, CommError>((conn, resp))
-            };
-            let last = match tokio::time::timeout(left.max(Duration::from_millis(1)), attempt).await
-            {
-                Ok(Ok((
-                    conn,
-                    Response::Welcome {
-                        shards,
-                        data_step,
-                        data_samples,
-                        data_batch,
-                        ..
-                    },
-                ))) => {
-                    let start = DataStart {
-                        step: data_step,
-                        samples: data_samples,
-                        batch: data_batch,
-                    };
-                    return Ok((conn, shards, start));
-                }
-                // Our previous connection is not yet seen dead: try again.
-                Ok(Ok((
-                    _,
-                    Response::Error {
-                        code: ErrorCode::RankInUse,
-                        message,
-                    },
-                ))) => message,
-                Ok(Ok((_, other))) => return Err(refused("hello", other)),
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => "timed out".to_string(),
+            let last = match self.attempt(server, left).await {
+                Ok(done) => return Ok(done),
+                Err(DialFailure::Fatal(e)) => return Err(e),
+                Err(DialFailure::Retry(last)) => last,
             };
             if start.elapsed() + backoff > self.connect_timeout {
                 return Err(CommError::Unreachable {
@@ -875,6 +905,18 @@ impl Handler<StepExchange> for CommActor {
     fn handle(&mut self, msg: StepExchange, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
         Box::pin(async move { comm.step(msg.grad).await })
+    }
+}
+
+/// Stop or resume heartbeats (fault injection: a paused worker).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Silence(pub bool);
+
+impl Handler<Silence> for CommActor {
+    type Result = ();
+    fn handle(&mut self, msg: Silence, _: &mut Context<Self>) {
+        self.comm.silence(msg.0);
     }
 }
 

@@ -5,12 +5,14 @@
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
-//! * [`comm`]: `CommActor`, pushes and pulls over QUIC.
+//! * [`client`]: `ClientCore`, the sans-IO client: retries, redials, recovery, fencing.
+//! * [`comm`]: `CommActor`, pushes and pulls over QUIC (drives the `ClientCore`).
 //! * [`node`]: node-local aggregation, several ranks sharing one push.
 //! * [`run`]: one worker's whole training run, or a node's ranks.
 //! * [`plot`]: PNG charts of a run's per-epoch metrics (`ps-worker plot`).
 
 pub mod cache;
+pub mod client;
 pub mod comm;
 pub mod layers;
 pub mod loader;

@@ -386,6 +386,7 @@ fn train(
             progress: progress && node.is_none(),
             epoch_lines: true,
             crash_after_steps: None,
+            pause_after_steps: None,
             stop: Some(stop_rx.clone()),
             steps_done: None,
             trained: None,

@@ -269,6 +269,13 @@ impl Node {
             .count()
     }
 
+    /// Stop or resume the node's heartbeats (fault injection: a paused node).
+    pub fn silence(&self, on: bool) {
+        if let Some(comm) = self.comm.borrow().as_ref() {
+            comm.silence(on);
+        }
+    }
+
     /// The node's link traffic so far (zero before it joined).
     pub fn link_stats(&self) -> LinkStats {
         self.comm
@@ -665,6 +672,7 @@ mod tests {
             round_trips: 2,
             live_workers: 4,
             density: Some(0.01),
+            next_step: 7,
         };
         let replies = fan_out(Ok((updates, traffic)), 3);
         assert_eq!(replies.len(), 3);
@@ -674,8 +682,8 @@ mod tests {
             assert_eq!(u.len(), 1);
             assert_eq!(u[0].offset, 4);
             assert_eq!(
-                (t.round_trips, t.live_workers, t.density),
-                (2, 4, Some(0.01))
+                (t.round_trips, t.live_workers, t.density, t.next_step),
+                (2, 4, Some(0.01), 7)
             );
             pushed += t.pushed;
             pulled += t.pulled;

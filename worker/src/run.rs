@@ -32,7 +32,7 @@ use ps_shared::simulate::Simulation;
 
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
-    ShardUpdate, StepExchange, Traffic, WorkerTls,
+    ShardUpdate, Silence, StepExchange, Traffic, WorkerTls,
 };
 use crate::loader::{
     BatchPos, EpochDataStats, Loader, LoaderError, LoaderSettings, Outage, OutageLog, RetryFailure,
@@ -223,6 +223,10 @@ pub struct WorkerOptions {
     /// Fault injection: after this many steps drop every connection without
     /// a goodbye and stop, as a crashed worker would.
     pub crash_after_steps: Option<u64>,
+    /// Fault injection: after this many steps fall silent (no steps, no
+    /// heartbeats: what a paused process looks like to the servers) until
+    /// the receiver turns true, then go on.
+    pub pause_after_steps: Option<(u64, tokio::sync::watch::Receiver<bool>)>,
     /// Receives the number of steps done after every step (tests and
     /// tools wait on it instead of polling).
     pub steps_done: Option<tokio::sync::watch::Sender<u64>>,
@@ -556,6 +560,17 @@ impl Exchange {
         }
     }
 
+    /// Stop or resume heartbeats (fault injection).
+    async fn silence(&self, on: bool) -> Result<(), WorkerError> {
+        match self {
+            Exchange::Flat(comm) => Ok(comm.send(Silence(on)).await?),
+            Exchange::Node(member) => {
+                member.node().silence(on);
+                Ok(())
+            }
+        }
+    }
+
     async fn abort(&self) -> Result<(), WorkerError> {
         match self {
             Exchange::Flat(comm) => Ok(comm.send(Abort).await?),
@@ -720,6 +735,15 @@ async fn run_rank(
         let plan = sampler
             .plan_from(cfg.data.batch_size, cfg.training.epochs, origin)
             .map_err(|e| WorkerError::Sampler(e.to_string()))?;
+        // A worker declared dead while the cluster went on moves to the
+        // cluster's step: a new loader at that place in the sample order.
+        let restart: LoaderAt = {
+            let (reader, sampler, settings) = (reader.clone(), sampler.clone(), settings.clone());
+            Box::new(move |step| {
+                let settings = settings.clone().resume_from(origin).starting_at(step);
+                Ok(Loader::start(reader.clone(), sampler.clone(), settings)?)
+            })
+        };
         let loader = if start_step > 0 || data.step > 0 || data.samples > 0 {
             let point = plan.resume_point(start_step.max(data.step));
             tracing::info!(
@@ -740,6 +764,7 @@ async fn run_rank(
             startup,
             exchange,
             loader,
+            restart,
             start_step,
             plan,
             num_params,
@@ -755,6 +780,9 @@ async fn run_rank(
     result
 }
 
+/// Builds a loader that begins at the given global step.
+type LoaderAt = Box<dyn Fn(u64) -> Result<Loader, WorkerError>>;
+
 /// What the training loop works with.
 struct Run {
     /// The loader's record of bucket failures (the progress bar shows an
@@ -768,6 +796,8 @@ struct Run {
     /// node even with the batch long ready; a ready batch is taken here
     /// without yielding.
     loader: Loader,
+    /// A loader starting at a given step (to follow the cluster's step).
+    restart: LoaderAt,
     start_step: u64,
     plan: RankPlan,
     num_params: usize,
@@ -786,6 +816,7 @@ async fn train(
         startup,
         exchange,
         loader,
+        restart,
         start_step,
         plan,
         num_params,
@@ -962,6 +993,32 @@ async fn train(
         evals.pulled += traffic.pulled;
         acc.density_sum += traffic.density.unwrap_or(out.density);
         step += 1;
+        if traffic.next_step > step {
+            // The servers declared this worker dead and went on without it
+            // (it was paused or cut off past server.worker_timeout_secs):
+            // it now holds the cluster's parameters, and trains the
+            // cluster's step and samples from here, up to the same end.
+            tracing::warn!(
+                rank,
+                from = step,
+                to = traffic.next_step,
+                "rejoined the cluster at its step"
+            );
+            step = traffic.next_step;
+            loader = restart(step)?;
+            lookahead = None;
+            precomputed = None;
+            trainer.send(SetStep(step)).await?;
+            bar.set_position(step);
+        }
+        if let Some((after, resume)) = &opts.pause_after_steps {
+            if *after == step {
+                exchange.silence(true).await?;
+                let mut resume = resume.clone();
+                let _ = resume.wait_for(|go| *go).await;
+                exchange.silence(false).await?;
+            }
+        }
         if opts.crash_after_steps == Some(step) {
             exchange.abort().await?;
             bar.finish_and_clear();

@@ -1,0 +1,330 @@
+//! Generation fencing: a worker the servers declared dead (silent past
+//! `server.worker_timeout_secs`, as a paused process is) must not push its
+//! stale steps when it comes back, and must go on at the cluster's step, so
+//! that in BSP the final version equals the steps and every worker ends
+//! with the same parameters.
+//!
+//! Two BSP workers are driven step by step through [`Comm`] (the driver of
+//! the worker's `ClientCore`). Rank 1 freezes after a few steps: it sends
+//! nothing, not even heartbeats. Rank 0's next step waits at the barrier
+//! until the server drops rank 1, then goes on alone. A stale push for
+//! rank 1's step is refused as `Fenced`; rank 1 then resumes with its stale
+//! step, and must come back with the cluster's parameters and step instead
+//! of pushing. The test waits on events (replies, steps), never on a sleep;
+//! the only timer is rank 0's heartbeat cadence, as a live worker's.
+//!
+//! A second test runs two whole workers (`run_worker`) to `training.max_steps`
+//! and pauses one of them past the worker timeout: it must come back at the
+//! cluster's step, train the cluster's samples from there, and stop with the
+//! others at the same step.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use ps_dataset::SyntheticSpec;
+use ps_shared::config::CompressionKind;
+use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
+use ps_shared::transport::{self, EndpointLimits};
+use ps_tests::{hello, start_loopback_server, synthetic_bucket_blocking, test_config, TestPki};
+use ps_worker::comm::{Comm, Outgoing, ParamSource, ShardUpdate, Traffic};
+use ps_worker::run::{run_worker, WorkerOptions};
+
+/// Steps both ranks take before rank 1 freezes.
+const FREEZE: u64 = 3;
+/// The step the cluster is at when rank 1 resumes.
+const REJOIN: u64 = 8;
+/// The run's steps.
+const MAX_STEPS: u64 = 12;
+const LIMIT: Duration = Duration::from_secs(120);
+
+type Held = Rc<RefCell<Vec<f32>>>;
+
+fn apply(held: &Held, updates: Vec<ShardUpdate>) {
+    let mut p = held.borrow_mut();
+    for u in updates {
+        match u.update {
+            ParamUpdate::Dense(v) => p[u.offset..u.offset + v.len()].copy_from_slice(&v),
+            ParamUpdate::Sparse { indices, values } => {
+                for (i, v) in indices.into_iter().zip(values) {
+                    p[u.offset + i as usize] = v;
+                }
+            }
+        }
+    }
+}
+
+/// A deterministic gradient of `rank` for `step`.
+fn grad(n: usize, rank: u32, step: u64) -> Outgoing {
+    let g = 0.001 * f32::from(rank as u8 + 1) * (step as f32 + 1.0);
+    Outgoing::Dense((0..n).map(|i| g * ((i % 7) as f32 - 3.0)).collect())
+}
+
+async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LIMIT, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not end within {LIMIT:?}"))
+}
+
+#[test]
+fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
+    ps_tests::log_from_env();
+    let mut cfg = test_config(CompressionKind::None, 1.0, 1);
+    cfg.cluster.shards_per_server = 2;
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 1.0;
+    cfg.validate().expect("valid config");
+    let pki = TestPki::new(2);
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = start_loopback_server(&cfg, &pki).await;
+        let addr = server.local_addr();
+        cfg.cluster.servers = vec![addr.to_string()];
+        let n = cfg.model.num_params();
+        let held: Vec<Held> = (0..2)
+            .map(|_| Rc::new(RefCell::new(vec![0.05f32; n])))
+            .collect();
+        let source = |h: &Held| -> ParamSource {
+            let h = h.clone();
+            Rc::new(move || {
+                let v = h.borrow().clone();
+                Box::pin(async move { v })
+            })
+        };
+        let (c0, c1) = futures::future::join(
+            Comm::connect(&cfg, 0, pki.worker(0), source(&held[0])),
+            Comm::connect(&cfg, 1, pki.worker(1), source(&held[1])),
+        )
+        .await;
+        let (c0, c1) = (Rc::new(c0.expect("rank 0 connects")), c1.expect("rank 1 connects"));
+        // Rank 0 is alive throughout: it heartbeats as a worker does.
+        let beating = c0.clone();
+        let beat = Duration::from_secs_f64(cfg.server.heartbeat_secs);
+        let heartbeats = tokio::task::spawn_local(async move {
+            loop {
+                tokio::time::sleep(beat).await;
+                beating.heartbeat().await;
+            }
+        });
+        let (j0, j1) = futures::future::join(c0.join(), c1.join()).await;
+        apply(&held[0], j0.expect("rank 0 joins").0);
+        apply(&held[1], j1.expect("rank 1 joins").0);
+
+        let check = |t: &Traffic, step: u64, live: u32| {
+            assert_eq!(t.next_step, step + 1, "step {step}");
+            assert_eq!(t.live_workers, live, "step {step}");
+        };
+        for step in 0..FREEZE {
+            let (a, b) = within(
+                "a step of both",
+                futures::future::join(c0.step(grad(n, 0, step)), c1.step(grad(n, 1, step))),
+            )
+            .await;
+            let (a, b) = (a.expect("rank 0 steps"), b.expect("rank 1 steps"));
+            check(&a.1, step, 2);
+            check(&b.1, step, 2);
+            apply(&held[0], a.0);
+            apply(&held[1], b.0);
+        }
+
+        // Rank 1 freezes. Rank 0's next step waits at the barrier until the
+        // server declares rank 1 dead, then the cluster goes on without it.
+        for step in FREEZE..REJOIN {
+            let (u, t) = within("a step of rank 0 alone", c0.step(grad(n, 0, step)))
+                .await
+                .expect("rank 0 steps alone");
+            check(&t, step, 1);
+            apply(&held[0], u);
+        }
+
+        // A stale push of rank 1 (its step FREEZE, on a connection of its
+        // own) is refused as fenced, and changes nothing.
+        let before = server.status().await;
+        let tls = pki.worker(1);
+        let ep = transport::client_endpoint(
+            &tls.ca_pem,
+            &tls.identity,
+            false,
+            &EndpointLimits::default(),
+        )
+        .expect("client endpoint");
+        let raw = transport::connect(&ep, addr, "localhost", Duration::from_secs(10))
+            .await
+            .expect("connect");
+        let limit = cfg.server.max_frame_bytes;
+        let (resp, _) = transport::call(&raw, &hello(&cfg, 1), limit)
+            .await
+            .expect("hello");
+        assert!(matches!(resp, Response::Welcome { .. }), "{resp:?}");
+        let stale = Request::Step {
+            shard: 0,
+            step: FREEZE,
+            have_version: Some(FREEZE),
+            grad: WireGrad::Dense(WireValues::F32(vec![1e3; before[0].params.len()])),
+        };
+        let (resp, _) = transport::call(&raw, &stale, limit)
+            .await
+            .expect("stale push answered");
+        let fenced_message = match resp {
+            Response::Error {
+                code: ErrorCode::Fenced,
+                message,
+            } => message,
+            other => panic!("a stale push must be fenced, got {other:?}"),
+        };
+        assert!(
+            fenced_message.contains(&format!("expects step {REJOIN}")),
+            "{fenced_message}"
+        );
+        raw.close(0u32.into(), b"done");
+        raw.closed().await;
+        let after = server.status().await;
+        for (b, a) in before.iter().zip(&after) {
+            assert_eq!((a.version, &a.params), (b.version, &b.params));
+        }
+
+        // Rank 1 resumes with its stale step: it is not pushed; rank 1 takes
+        // the cluster's parameters and step.
+        let (u, t) = within("rank 1's stale step", c1.step(grad(n, 1, FREEZE)))
+            .await
+            .expect("rank 1 rejoins");
+        apply(&held[1], u);
+        assert_eq!(t.next_step, REJOIN, "rank 1 goes on at the cluster's step");
+        assert!(c1.recoveries() >= 1, "rank 1 redialed");
+        assert!(
+            *held[0].borrow() == *held[1].borrow(),
+            "rank 1 holds the cluster's parameters"
+        );
+
+        // Both go on in step to the end.
+        for step in REJOIN..MAX_STEPS {
+            let (a, b) = within(
+                "a step of both",
+                futures::future::join(c0.step(grad(n, 0, step)), c1.step(grad(n, 1, step))),
+            )
+            .await;
+            let (a, b) = (a.expect("rank 0 steps"), b.expect("rank 1 steps"));
+            check(&a.1, step, 2);
+            check(&b.1, step, 2);
+            apply(&held[0], a.0);
+            apply(&held[1], b.0);
+        }
+
+        let mut status = server.status().await;
+        status.sort_by_key(|s| s.shard);
+        let versions: Vec<u64> = status.iter().map(|s| s.version).collect();
+        assert!(
+            versions.iter().all(|v| *v == MAX_STEPS),
+            "final versions {versions:?}, steps {MAX_STEPS}"
+        );
+        let shards = status.len() as u64;
+        let pushes: u64 = status.iter().map(|s| s.stats.pushes).sum();
+        let expected_pushes = shards * (2 * FREEZE + (REJOIN - FREEZE) + 2 * (MAX_STEPS - REJOIN));
+        assert_eq!(pushes, expected_pushes, "no stale push was counted");
+        let fenced: u64 = status.iter().map(|s| s.stats.fenced).sum();
+        assert_eq!(fenced, 1);
+        let server_params: Vec<f32> = status.iter().flat_map(|s| s.params.clone()).collect();
+        assert!(*held[0].borrow() == server_params, "rank 0 holds the servers' parameters");
+        assert!(*held[1].borrow() == server_params, "rank 1 holds the servers' parameters");
+
+        heartbeats.abort();
+        let (b0, b1) = futures::future::join(c0.bye(), c1.bye()).await;
+        b0.expect("rank 0 leaves");
+        b1.expect("rank 1 leaves");
+        within("the server's end", server.wait())
+            .await
+            .expect("the server ends cleanly once both finished");
+        println!(
+            "fencing: rank 1 frozen at step {FREEZE}, dropped by the server, stale push refused as fenced, rejoined at step {}; final version {} after {MAX_STEPS} steps; pushes counted {pushes} of {expected_pushes} expected; both ranks hold the servers' {} parameters",
+            t.next_step,
+            versions[0],
+            server_params.len()
+        );
+    });
+}
+
+#[test]
+fn a_paused_worker_rejoins_the_run_at_the_clusters_step() {
+    ps_tests::log_from_env();
+    // 4096 samples in batches of 64 over 2 workers: 32 steps an epoch.
+    const MAX: u64 = 100;
+    let mut cfg = test_config(CompressionKind::Topk, 0.01, 4);
+    cfg.training.max_steps = MAX;
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 1.0;
+    cfg.validate().expect("valid config");
+    let pki = TestPki::new(2);
+    let (store, prefix) = synthetic_bucket_blocking(&SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    });
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = start_loopback_server(&cfg, &pki).await;
+        cfg.cluster.servers = vec![server.local_addr().to_string()];
+        let (steps_tx, mut steps0) = tokio::sync::watch::channel(0);
+        let (go, resume) = tokio::sync::watch::channel(false);
+        let (trained_tx, mut trained) = tokio::sync::mpsc::unbounded_channel();
+        let o0 = WorkerOptions {
+            steps_done: Some(steps_tx),
+            ..pki.options(0)
+        };
+        let o1 = WorkerOptions {
+            pause_after_steps: Some((FREEZE, resume)),
+            trained: Some(trained_tx),
+            ..pki.options(1)
+        };
+        let w0 = run_worker(&cfg, o0, store.clone(), prefix.clone());
+        let w1 = run_worker(&cfg, o1, store.clone(), prefix.clone());
+        let release = async {
+            // Rank 0 gets past step FREEZE only once the server dropped the
+            // paused rank 1; then rank 1 wakes up.
+            steps0
+                .wait_for(|s| *s >= FREEZE + 2)
+                .await
+                .expect("rank 0 reports its steps");
+            go.send_replace(true);
+        };
+        let (r0, r1, ()) = within("the run", futures::future::join3(w0, w1, release)).await;
+        let (r0, r1) = (r0.expect("rank 0 trains"), r1.expect("rank 1 trains"));
+        let mut steps = Vec::new();
+        while let Ok(b) = trained.try_recv() {
+            steps.push(b.step);
+        }
+        // Rank 1 trained steps 0..=FREEZE (the last one stale, not
+        // counted), then the cluster's steps from where it rejoined.
+        let stale = FREEZE as usize;
+        assert_eq!(&steps[..=stale], &(0..=FREEZE).collect::<Vec<_>>()[..]);
+        // (At MAX when rank 0 had finished before rank 1 was back.)
+        let rejoined = steps.get(stale + 1).copied().unwrap_or(MAX);
+        assert!(rejoined > FREEZE + 1, "rank 1 went on at the cluster's step, not its own: {steps:?}");
+        assert_eq!(
+            &steps[stale + 1..],
+            &(rejoined..MAX).collect::<Vec<_>>()[..],
+            "then every step of the cluster to the end, once"
+        );
+        assert_eq!((r0.steps, r1.steps), (MAX, MAX), "both stop at training.max_steps");
+        assert_eq!((r0.final_version, r1.final_version), (MAX, MAX));
+        assert!(r0.steps_short_of_workers > 0, "rank 0 trained alone meanwhile");
+        assert_eq!(
+            r0.final_accuracy, r1.final_accuracy,
+            "both hold the same parameters"
+        );
+        let status = server.status().await;
+        let versions: Vec<u64> = status.iter().map(|s| s.version).collect();
+        assert!(versions.iter().all(|v| *v == MAX), "versions {versions:?} after {MAX} steps");
+        let pushes: u64 = status.iter().map(|s| s.stats.pushes).sum();
+        let expected = status.len() as u64 * (MAX + FREEZE + (MAX - rejoined));
+        assert_eq!(pushes, expected, "rank 1's stale push was not counted");
+        within("the server's end", server.wait())
+            .await
+            .expect("the server ends cleanly once both finished");
+        println!(
+            "fencing: whole run, rank 1 paused after step {FREEZE} past server.worker_timeout_secs, rejoined at step {rejoined}; both stopped at step {MAX}, final version {} (steps {MAX}), pushes counted {pushes} of {expected}, final accuracy {:.4} on both",
+            versions[0], r0.final_accuracy
+        );
+    });
+}

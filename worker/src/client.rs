@@ -1,0 +1,1551 @@
+//! The worker's client as a sans-IO state machine: every policy of talking to
+//! the parameter servers, with no sockets, no tasks and no clock of its own.
+//!
+//! A [`ClientCore`] holds what the worker knows about each shard (the version
+//! it holds, the version the trainer applied, the step the shard expects
+//! next), the state of each link (one connection per server process) and the
+//! exchange under way: a join (an offer to every shard) or a step (a push to
+//! every shard). It is driven by [`Event`]s (a reply, a refusal, a lost
+//! connection, a redial that worked or failed) and answers with [`Action`]s
+//! (send a push, send an offer, redial a link at a given time, deliver the
+//! step's parameters, give up). The driver ([`crate::comm::Comm`]) does the
+//! IO and passes the time with every event, so retry delays, the attempt and
+//! time bounds and the recovery rules are tested without sockets.
+//!
+//! **Retries.** A refusal that says "later" (`RateLimited`, `Timeout`,
+//! `TooManyPending`) sends the same request again after a delay; a lost
+//! connection redials its link after a delay. Delays start at
+//! [`ClientSettings::first_delay`] and double up to
+//! [`ClientSettings::max_delay`]; a shard gets at most
+//! [`ClientSettings::max_attempts`] requests per exchange, a link is redialed
+//! for at most [`ClientSettings::connect_timeout`], and an exchange ends within
+//! [`ClientSettings::budget`]. Each request carries a [`Token`]: a reply whose
+//! token is no longer awaited (late, duplicated, or from a connection given
+//! up) is ignored.
+//!
+//! **Recovery.** After a redial the worker offers its copy of every shard of
+//! that link (a restarted server rebuilds its shards from the workers'
+//! copies). A shard whose reply to the offer is already past the step being
+//! pushed applied that step before it died (or the cluster went on without
+//! this worker): its reply is the step's result and the push is not sent
+//! again.
+//!
+//! **Fencing.** A worker the servers declared dead (silent past
+//! `server.worker_timeout_secs`) finds its push refused with `Fenced`, or its
+//! offer answered at a later step. It then takes the cluster's parameters and
+//! step: [`Delivery::next_step`] is beyond the step after the one pushed, and
+//! the driver moves its step counter and sample order there.
+//!
+//! ```
+//! use std::time::{Duration, Instant};
+//! use ps_shared::protocol::{ErrorCode, ParamUpdate};
+//! use ps_worker::client::{Action, ClientCore, ClientSettings, Event, Params};
+//!
+//! let settings = ClientSettings::new(vec![0], Duration::from_secs(30), Duration::from_secs(60));
+//! let mut core = ClientCore::new(settings);
+//! let t0 = Instant::now();
+//! // Join: one offer per shard; the reply is where the worker starts.
+//! let acts = core.handle(Event::JoinRequested, t0);
+//! let Action::Offer { token, .. } = acts[0] else { panic!() };
+//! let params = |version| Params { version, next_step: version, live_workers: 1, update: ParamUpdate::Dense(vec![0.0; 2]), sent: 40, received: 8 };
+//! let acts = core.handle(Event::Reply { token, shard: 0, params: params(0) }, t0);
+//! assert!(matches!(acts[..], [Action::Deliver(_)]));
+//! core.handle(Event::Applied, t0);
+//! // A step: the shard is busy, then answers.
+//! let acts = core.handle(Event::StepRequested, t0);
+//! let Action::Send { token, step: 0, .. } = acts[0] else { panic!() };
+//! let acts = core.handle(Event::Refused { token, shard: 0, code: ErrorCode::RateLimited, message: "busy".into() }, t0);
+//! let Action::Send { token, at, .. } = acts[0] else { panic!() };
+//! assert_eq!(at, t0 + Duration::from_millis(50), "a refusal that says later waits");
+//! let acts = core.handle(Event::Reply { token, shard: 0, params: params(1) }, at);
+//! let [Action::Deliver(d)] = &acts[..] else { panic!() };
+//! assert_eq!((d.next_step, d.pushed_step), (1, 0));
+//! ```
+
+use std::time::{Duration, Instant};
+
+use ps_shared::protocol::{ErrorCode, ParamUpdate};
+
+/// Index of a shard in the cluster's shard map.
+pub type ShardId = usize;
+/// Index of a link: one connection per server process.
+pub type LinkId = usize;
+/// Identifies one request in flight; a reply carrying a token no longer
+/// awaited is ignored.
+pub type Token = u64;
+
+/// Retry and routing policy of a [`ClientCore`].
+#[derive(Debug, Clone)]
+pub struct ClientSettings {
+    /// The link that serves each shard.
+    pub route: Vec<LinkId>,
+    /// Requests one shard gets in one exchange (the first one included).
+    pub max_attempts: u32,
+    /// The first retry delay; each further retry doubles it.
+    pub first_delay: Duration,
+    /// The longest retry delay.
+    pub max_delay: Duration,
+    /// How long a lost link is redialed before the exchange gives up
+    /// (`server.connect_timeout_secs`).
+    pub connect_timeout: Duration,
+    /// How long one exchange (a join or a step) may take in all.
+    pub budget: Duration,
+}
+
+/// Requests per shard and exchange, the first included.
+pub const MAX_ATTEMPTS: u32 = 8;
+
+impl ClientSettings {
+    /// The policy for `route` with the config's timeouts: retries from
+    /// 50 ms doubling to 2 s, [`MAX_ATTEMPTS`] requests per shard, links
+    /// redialed for `connect_timeout`, and an exchange budget of
+    /// `connect_timeout + 2 × request_timeout` (a push may wait a whole
+    /// request timeout at the barrier, be refused with `Timeout`, and wait
+    /// once more after a server came back).
+    pub fn new(route: Vec<LinkId>, connect_timeout: Duration, request_timeout: Duration) -> Self {
+        Self {
+            route,
+            max_attempts: MAX_ATTEMPTS,
+            first_delay: Duration::from_millis(50),
+            max_delay: Duration::from_secs(2),
+            connect_timeout,
+            budget: connect_timeout
+                .saturating_add(request_timeout)
+                .saturating_add(request_timeout),
+        }
+    }
+
+    /// The delay before retry number `n` (1 for the first retry): never
+    /// zero, doubling from `first_delay` up to `max_delay`.
+    pub fn delay(&self, n: u32) -> Duration {
+        let first = self.first_delay.max(Duration::from_millis(1));
+        let doubled = first.saturating_mul(1u32 << n.saturating_sub(1).min(20));
+        doubled.min(self.max_delay.max(first))
+    }
+}
+
+/// A shard's answer with parameters (a `Response::Params`), with the bytes
+/// the exchange moved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Params {
+    pub version: u64,
+    /// The step the shard expects from this worker next.
+    pub next_step: u64,
+    pub live_workers: u32,
+    pub update: ParamUpdate,
+    /// Bytes of the request.
+    pub sent: u64,
+    /// Bytes of the update in the reply.
+    pub received: u64,
+}
+
+/// An input to the core.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Offer the worker's copy of every shard and take the parameters the
+    /// cluster starts (or goes on) from.
+    JoinRequested,
+    /// Push this step's gradient to every shard (the driver holds each
+    /// shard's part).
+    StepRequested,
+    /// A shard answered the request `token` with parameters.
+    Reply {
+        token: Token,
+        shard: ShardId,
+        params: Params,
+    },
+    /// A shard refused the request `token`.
+    Refused {
+        token: Token,
+        shard: ShardId,
+        code: ErrorCode,
+        message: String,
+    },
+    /// The request `token` got no reply: its connection failed or its
+    /// deadline passed.
+    ConnLost {
+        token: Token,
+        shard: ShardId,
+        error: String,
+    },
+    /// `link` is usable again (`redialed`: on a new connection).
+    Reconnected { link: LinkId, redialed: bool },
+    /// One attempt to redial `link` failed.
+    DialFailed { link: LinkId, error: String },
+    /// Time passed: enforce the exchange's budget.
+    Tick,
+    /// The trainer applied what the last [`Action::Deliver`] carried.
+    Applied,
+}
+
+/// What one exchange delivers to the trainer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delivery {
+    /// New values per shard (merged when a shard answered more than once).
+    pub updates: Vec<(ShardId, ParamUpdate)>,
+    pub pushed_bytes: u64,
+    pub pulled_bytes: u64,
+    /// Requests sent in this exchange (offers and pushes, retries included).
+    pub round_trips: u64,
+    /// Fewest workers in any shard's barrier in the replies.
+    pub live_workers: u32,
+    /// The step pushed (the lowest over the shards); for a join, the step
+    /// the worker held before it.
+    pub pushed_step: u64,
+    /// The step the cluster expects next (the lowest over the shards).
+    /// Above `pushed_step + 1` after a step: the cluster went on without
+    /// this worker, which must move to this step.
+    pub next_step: u64,
+    /// Shards that refused the push as fenced (the worker had been declared
+    /// dead for that step).
+    pub fenced: usize,
+}
+
+/// Why an exchange ended without its parameters.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GiveUp {
+    #[error("shard {shard} refused the {what}: {code:?}: {message}")]
+    Refused {
+        shard: ShardId,
+        what: &'static str,
+        code: ErrorCode,
+        message: String,
+    },
+    #[error("shard {shard} still failed after {attempts} attempts: {last}")]
+    Exhausted {
+        shard: ShardId,
+        attempts: u32,
+        last: String,
+    },
+    #[error("the exchange took more than its {secs:.0} s budget (server.connect_timeout_secs + 2 x server.request_timeout_secs): {last}")]
+    OutOfTime { secs: f64, last: String },
+    #[error("link {link} could not be redialed within {secs:.0} s (server.connect_timeout_secs): {last}")]
+    Unreachable {
+        link: LinkId,
+        secs: f64,
+        last: String,
+    },
+    #[error("a {what} was requested while another exchange is under way")]
+    Busy { what: &'static str },
+}
+
+/// An output of the core.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// At `at`, push the step's gradient of `shard` as `step`, holding
+    /// `have_version` (the driver reuses its encoded frame while these stay
+    /// the same).
+    Send {
+        token: Token,
+        shard: ShardId,
+        step: u64,
+        have_version: Option<u64>,
+        at: Instant,
+    },
+    /// At `at`, offer the trainer's copy of `shard` (the driver supplies the
+    /// values) at `version`, pushing `next_step` next.
+    Offer {
+        token: Token,
+        shard: ShardId,
+        version: u64,
+        next_step: u64,
+        at: Instant,
+    },
+    /// At `at`, make `link` usable: when its connection is dead (or, with
+    /// `await_close`, once the server closed it), dial again; then report
+    /// [`Event::Reconnected`] or [`Event::DialFailed`].
+    Reconnect {
+        link: LinkId,
+        at: Instant,
+        await_close: bool,
+    },
+    /// The exchange is complete.
+    Deliver(Delivery),
+    /// The exchange failed for good.
+    GiveUp(GiveUp),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Join,
+    Step,
+}
+
+/// Where one shard stands in the exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// A push is out (or scheduled).
+    Pushing(Token),
+    /// An offer is out (or scheduled).
+    Offering(Token),
+    /// Its link is being redialed.
+    AwaitLink,
+    Done,
+}
+
+struct Exchange {
+    kind: Kind,
+    started: Instant,
+    /// The step pushed to each shard (the shard's next step at the start).
+    pushed_step: Vec<u64>,
+    phase: Vec<Phase>,
+    results: Vec<Option<Params>>,
+    /// Requests sent per shard.
+    attempts: Vec<u32>,
+    /// Refusals that said "later", per shard (for the delay).
+    waits: Vec<u32>,
+    round_trips: u64,
+    fenced: usize,
+    last_error: String,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct LinkState {
+    /// Since when the link is down (a redial is due or under way).
+    down_since: Option<Instant>,
+    /// Failed redials since it went down.
+    failures: u32,
+}
+
+/// The worker's view of the cluster and of the exchange under way.
+pub struct ClientCore {
+    s: ClientSettings,
+    /// The version of each shard the worker holds once it applied the last
+    /// delivery.
+    versions: Vec<Option<u64>>,
+    /// The versions the trainer applied (what offers describe).
+    held: Vec<Option<u64>>,
+    /// The step each shard expects from this worker next.
+    next_steps: Vec<u64>,
+    links: Vec<LinkState>,
+    exchange: Option<Exchange>,
+    next_token: Token,
+    recoveries: u64,
+    round_trips: u64,
+}
+
+/// `newer` applied on top of `older` (both for the same shard).
+pub fn merge_updates(older: ParamUpdate, newer: ParamUpdate) -> ParamUpdate {
+    match (older, newer) {
+        (_, dense @ ParamUpdate::Dense(_)) => dense,
+        (ParamUpdate::Dense(mut base), ParamUpdate::Sparse { indices, values }) => {
+            for (i, v) in indices.iter().zip(values) {
+                if let Some(slot) = base.get_mut(*i as usize) {
+                    *slot = v;
+                }
+            }
+            ParamUpdate::Dense(base)
+        }
+        (
+            ParamUpdate::Sparse {
+                indices: ia,
+                values: va,
+            },
+            ParamUpdate::Sparse {
+                indices: ib,
+                values: vb,
+            },
+        ) => {
+            let mut merged: std::collections::BTreeMap<u32, f32> = ia.into_iter().zip(va).collect();
+            merged.extend(ib.into_iter().zip(vb));
+            let (indices, values) = merged.into_iter().unzip();
+            ParamUpdate::Sparse { indices, values }
+        }
+    }
+}
+
+impl ClientCore {
+    pub fn new(settings: ClientSettings) -> Self {
+        let shards = settings.route.len();
+        let links = settings.route.iter().copied().max().map_or(0, |m| m + 1);
+        Self {
+            versions: vec![None; shards],
+            held: vec![None; shards],
+            next_steps: vec![0; shards],
+            links: vec![LinkState::default(); links],
+            exchange: None,
+            next_token: 1,
+            recoveries: 0,
+            round_trips: 0,
+            s: settings,
+        }
+    }
+
+    pub fn settings(&self) -> &ClientSettings {
+        &self.s
+    }
+
+    /// The version of each shard the worker holds.
+    pub fn versions(&self) -> &[Option<u64>] {
+        &self.versions
+    }
+
+    /// The step each shard expects next.
+    pub fn next_steps(&self) -> &[u64] {
+        &self.next_steps
+    }
+
+    /// The oldest shard version held.
+    pub fn min_version(&self) -> u64 {
+        self.versions
+            .iter()
+            .map(|v| v.unwrap_or(0))
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The step the worker continues from (the lowest over the shards).
+    pub fn start_step(&self) -> u64 {
+        self.next_steps.iter().copied().min().unwrap_or(0)
+    }
+
+    /// Links redialed on a new connection so far.
+    pub fn recoveries(&self) -> u64 {
+        self.recoveries
+    }
+
+    /// Requests sent so far.
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips
+    }
+
+    /// Whether an exchange is under way.
+    pub fn busy(&self) -> bool {
+        self.exchange.is_some()
+    }
+
+    /// Feed one event; returns what the driver must do.
+    pub fn handle(&mut self, event: Event, now: Instant) -> Vec<Action> {
+        let mut out = Vec::new();
+        match event {
+            Event::JoinRequested => self.start(Kind::Join, now, &mut out),
+            Event::StepRequested => self.start(Kind::Step, now, &mut out),
+            Event::Reply {
+                token,
+                shard,
+                params,
+            } => {
+                if self.awaited(shard, token) {
+                    self.reply(shard, params, now, &mut out);
+                }
+            }
+            Event::Refused {
+                token,
+                shard,
+                code,
+                message,
+            } => {
+                if self.awaited(shard, token) {
+                    self.refused(shard, code, message, now, &mut out);
+                }
+            }
+            Event::ConnLost {
+                token,
+                shard,
+                error,
+            } => {
+                if self.awaited(shard, token) {
+                    if let Some(x) = self.exchange.as_mut() {
+                        x.last_error = error;
+                    }
+                    self.link_lost(self.s.route[shard], false, now, &mut out);
+                }
+            }
+            Event::Reconnected { link, redialed } => {
+                self.reconnected(link, redialed, now, &mut out)
+            }
+            Event::DialFailed { link, error } => self.dial_failed(link, error, now, &mut out),
+            Event::Tick => self.check_budget(now, &mut out),
+            Event::Applied => self.held.clone_from(&self.versions),
+        }
+        out
+    }
+
+    fn token(&mut self) -> Token {
+        let t = self.next_token;
+        self.next_token += 1;
+        t
+    }
+
+    /// Whether `token` is the request `shard` waits for.
+    fn awaited(&self, shard: ShardId, token: Token) -> bool {
+        let Some(x) = &self.exchange else {
+            return false;
+        };
+        match x.phase.get(shard) {
+            Some(Phase::Pushing(t)) | Some(Phase::Offering(t)) => *t == token,
+            _ => false,
+        }
+    }
+
+    fn start(&mut self, kind: Kind, now: Instant, out: &mut Vec<Action>) {
+        if self.exchange.is_some() {
+            out.push(Action::GiveUp(GiveUp::Busy {
+                what: match kind {
+                    Kind::Join => "join",
+                    Kind::Step => "step",
+                },
+            }));
+            return;
+        }
+        let n = self.s.route.len();
+        self.exchange = Some(Exchange {
+            kind,
+            started: now,
+            pushed_step: self.next_steps.clone(),
+            phase: vec![Phase::Done; n],
+            results: vec![None; n],
+            attempts: vec![0; n],
+            waits: vec![0; n],
+            round_trips: 0,
+            fenced: 0,
+            last_error: String::new(),
+        });
+        for shard in 0..n {
+            if self.links[self.s.route[shard]].down_since.is_some() {
+                // A redial left over from an exchange that gave up.
+                self.set_phase(shard, Phase::AwaitLink);
+                continue;
+            }
+            match kind {
+                Kind::Join => self.send_offer(shard, now, out),
+                Kind::Step => self.send_push(shard, now, out),
+            }
+        }
+        for link in 0..self.links.len() {
+            if self.links[link].down_since.is_some() {
+                out.push(Action::Reconnect {
+                    link,
+                    at: now,
+                    await_close: false,
+                });
+            }
+        }
+        self.maybe_deliver(out);
+    }
+
+    fn set_phase(&mut self, shard: ShardId, phase: Phase) {
+        if let Some(x) = self.exchange.as_mut() {
+            x.phase[shard] = phase;
+        }
+    }
+
+    /// Count one more request for `shard`; `false` (after giving up) when
+    /// it has had its attempts.
+    fn attempt(&mut self, shard: ShardId, out: &mut Vec<Action>) -> bool {
+        let max = self.s.max_attempts.max(1);
+        let Some(x) = self.exchange.as_mut() else {
+            return false;
+        };
+        if x.attempts[shard] >= max {
+            let give_up = GiveUp::Exhausted {
+                shard,
+                attempts: x.attempts[shard],
+                last: x.last_error.clone(),
+            };
+            self.give_up(give_up, out);
+            return false;
+        }
+        x.attempts[shard] += 1;
+        x.round_trips += 1;
+        self.round_trips += 1;
+        true
+    }
+
+    fn send_push_at(&mut self, shard: ShardId, at: Instant, out: &mut Vec<Action>) {
+        if !self.attempt(shard, out) {
+            return;
+        }
+        let token = self.token();
+        self.set_phase(shard, Phase::Pushing(token));
+        out.push(Action::Send {
+            token,
+            shard,
+            step: self.next_steps[shard],
+            have_version: self.versions[shard],
+            at,
+        });
+    }
+
+    fn send_push(&mut self, shard: ShardId, now: Instant, out: &mut Vec<Action>) {
+        self.send_push_at(shard, now, out);
+    }
+
+    fn send_offer_at(&mut self, shard: ShardId, at: Instant, out: &mut Vec<Action>) {
+        if !self.attempt(shard, out) {
+            return;
+        }
+        let token = self.token();
+        self.set_phase(shard, Phase::Offering(token));
+        out.push(Action::Offer {
+            token,
+            shard,
+            version: self.versions[shard].unwrap_or(0),
+            next_step: self.next_steps[shard],
+            at,
+        });
+    }
+
+    fn send_offer(&mut self, shard: ShardId, now: Instant, out: &mut Vec<Action>) {
+        self.send_offer_at(shard, now, out);
+    }
+
+    fn reply(&mut self, shard: ShardId, params: Params, now: Instant, out: &mut Vec<Action>) {
+        let Some(x) = self.exchange.as_mut() else {
+            return;
+        };
+        let offered = matches!(x.phase[shard], Phase::Offering(_));
+        let pushed = x.pushed_step[shard];
+        let kind = x.kind;
+        self.versions[shard] = Some(params.version);
+        self.next_steps[shard] = params.next_step;
+        let next_step = params.next_step;
+        x.results[shard] = Some(match x.results[shard].take() {
+            None => params,
+            Some(prev) => Params {
+                update: merge_updates(prev.update, params.update),
+                sent: prev.sent + params.sent,
+                received: prev.received + params.received,
+                ..params
+            },
+        });
+        if offered && kind == Kind::Step && next_step <= pushed {
+            // The shard has not applied this step: push it (again).
+            self.send_push(shard, now, out);
+        } else {
+            self.set_phase(shard, Phase::Done);
+        }
+        self.maybe_deliver(out);
+    }
+
+    fn refused(
+        &mut self,
+        shard: ShardId,
+        code: ErrorCode,
+        message: String,
+        now: Instant,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(x) = self.exchange.as_mut() else {
+            return;
+        };
+        let offering = matches!(x.phase[shard], Phase::Offering(_));
+        x.last_error = format!("shard {shard}: {code:?}: {message}");
+        match code {
+            ErrorCode::RateLimited | ErrorCode::Timeout | ErrorCode::TooManyPending => {
+                x.waits[shard] += 1;
+                let delay = self.s.delay(x.waits[shard]);
+                let at = now + delay;
+                if at > x.started + self.s.budget {
+                    let last = x.last_error.clone();
+                    self.give_up(self.out_of_time(last), out);
+                    return;
+                }
+                if offering {
+                    self.send_offer_at(shard, at, out);
+                } else {
+                    self.send_push_at(shard, at, out);
+                }
+            }
+            ErrorCode::UnknownWorker | ErrorCode::ShuttingDown | ErrorCode::NotInitialized => {
+                let await_close = code == ErrorCode::ShuttingDown;
+                self.link_lost(self.s.route[shard], await_close, now, out);
+            }
+            ErrorCode::Fenced if !offering => {
+                // Declared dead for this step: take the cluster's parameters
+                // and step through an offer instead of pushing again.
+                x.fenced += 1;
+                self.send_offer(shard, now, out);
+            }
+            code => {
+                let what = if offering { "offer" } else { "step" };
+                self.give_up(
+                    GiveUp::Refused {
+                        shard,
+                        what,
+                        code,
+                        message,
+                    },
+                    out,
+                );
+            }
+        }
+    }
+
+    fn out_of_time(&self, last: String) -> GiveUp {
+        GiveUp::OutOfTime {
+            secs: self.s.budget.as_secs_f64(),
+            last,
+        }
+    }
+
+    /// `link` failed: every shard it serves waits for a redial, then offers
+    /// again what the trainer holds.
+    fn link_lost(&mut self, link: LinkId, await_close: bool, now: Instant, out: &mut Vec<Action>) {
+        let Some(x) = self.exchange.as_mut() else {
+            return;
+        };
+        for shard in 0..self.s.route.len() {
+            if self.s.route[shard] != link {
+                continue;
+            }
+            // Forget this exchange's replies from that link: the offers
+            // describe what the trainer holds.
+            if x.results[shard].take().is_some() {
+                self.versions[shard] = self.held[shard];
+                self.next_steps[shard] = x.pushed_step[shard];
+            }
+            x.phase[shard] = Phase::AwaitLink;
+        }
+        let state = &mut self.links[link];
+        if state.down_since.is_some() {
+            // A redial is already due.
+            return;
+        }
+        state.down_since = Some(now);
+        state.failures = 0;
+        let at = now + self.s.delay(1);
+        if at > x.started + self.s.budget {
+            let last = x.last_error.clone();
+            self.give_up(self.out_of_time(last), out);
+            return;
+        }
+        out.push(Action::Reconnect {
+            link,
+            at,
+            await_close,
+        });
+    }
+
+    fn reconnected(&mut self, link: LinkId, redialed: bool, now: Instant, out: &mut Vec<Action>) {
+        let Some(state) = self.links.get_mut(link) else {
+            return;
+        };
+        if state.down_since.take().is_none() {
+            return;
+        }
+        state.failures = 0;
+        if redialed {
+            self.recoveries += 1;
+        }
+        if self.exchange.is_none() {
+            return;
+        }
+        for shard in 0..self.s.route.len() {
+            let waiting = self
+                .exchange
+                .as_ref()
+                .is_some_and(|x| x.phase[shard] == Phase::AwaitLink);
+            if self.s.route[shard] == link && waiting {
+                self.send_offer(shard, now, out);
+            }
+        }
+        self.maybe_deliver(out);
+    }
+
+    fn dial_failed(&mut self, link: LinkId, error: String, now: Instant, out: &mut Vec<Action>) {
+        let Some(state) = self.links.get_mut(link) else {
+            return;
+        };
+        let Some(since) = state.down_since else {
+            return;
+        };
+        state.failures += 1;
+        let at = now + self.s.delay(state.failures + 1);
+        let failures = state.failures;
+        if at > since + self.s.connect_timeout {
+            self.give_up(
+                GiveUp::Unreachable {
+                    link,
+                    secs: self.s.connect_timeout.as_secs_f64(),
+                    last: error,
+                },
+                out,
+            );
+            return;
+        }
+        if let Some(x) = self.exchange.as_mut() {
+            x.last_error = error;
+            if at > x.started + self.s.budget {
+                let last = x.last_error.clone();
+                self.give_up(self.out_of_time(last), out);
+                return;
+            }
+        }
+        tracing::debug!(link, failures, "redial failed, trying again");
+        out.push(Action::Reconnect {
+            link,
+            at,
+            await_close: false,
+        });
+    }
+
+    fn check_budget(&mut self, now: Instant, out: &mut Vec<Action>) {
+        if let Some(x) = &self.exchange {
+            if now > x.started + self.s.budget {
+                let last = x.last_error.clone();
+                self.give_up(self.out_of_time(last), out);
+            }
+        }
+    }
+
+    /// End the exchange without parameters: what this exchange received is
+    /// forgotten, the worker holds what the trainer applied.
+    fn give_up(&mut self, why: GiveUp, out: &mut Vec<Action>) {
+        if let Some(x) = self.exchange.take() {
+            for shard in 0..self.s.route.len() {
+                if x.results[shard].is_some() {
+                    self.versions[shard] = self.held[shard];
+                    self.next_steps[shard] = x.pushed_step[shard];
+                }
+            }
+        }
+        out.push(Action::GiveUp(why));
+    }
+
+    fn maybe_deliver(&mut self, out: &mut Vec<Action>) {
+        let complete = self
+            .exchange
+            .as_ref()
+            .is_some_and(|x| x.phase.iter().all(|p| *p == Phase::Done));
+        if !complete {
+            return;
+        }
+        let Some(x) = self.exchange.take() else {
+            return;
+        };
+        let mut d = Delivery {
+            updates: Vec::new(),
+            pushed_bytes: 0,
+            pulled_bytes: 0,
+            round_trips: x.round_trips,
+            live_workers: u32::MAX,
+            pushed_step: x.pushed_step.iter().copied().min().unwrap_or(0),
+            next_step: self.start_step(),
+            fenced: x.fenced,
+        };
+        for (shard, r) in x.results.into_iter().enumerate() {
+            let Some(r) = r else { continue };
+            d.pushed_bytes += r.sent;
+            d.pulled_bytes += r.received;
+            d.live_workers = d.live_workers.min(r.live_workers);
+            d.updates.push((shard, r.update));
+        }
+        out.push(Action::Deliver(d));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(version: u64, next_step: u64) -> Params {
+        Params {
+            version,
+            next_step,
+            live_workers: 2,
+            update: ParamUpdate::Sparse {
+                indices: vec![version as u32],
+                values: vec![version as f32],
+            },
+            sent: 10,
+            received: 8,
+        }
+    }
+
+    fn core(route: Vec<LinkId>) -> ClientCore {
+        ClientCore::new(ClientSettings::new(
+            route,
+            Duration::from_secs(10),
+            Duration::from_secs(20),
+        ))
+    }
+
+    /// Join every shard at version 0.
+    fn joined(route: Vec<LinkId>, t0: Instant) -> ClientCore {
+        let mut c = core(route);
+        for a in c.handle(Event::JoinRequested, t0) {
+            if let Action::Offer { token, shard, .. } = a {
+                c.handle(
+                    Event::Reply {
+                        token,
+                        shard,
+                        params: params(0, 0),
+                    },
+                    t0,
+                );
+            }
+        }
+        c.handle(Event::Applied, t0);
+        assert!(!c.busy());
+        c
+    }
+
+    fn sends(acts: &[Action]) -> Vec<(Token, ShardId)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Send { token, shard, .. } | Action::Offer { token, shard, .. } => {
+                    Some((*token, *shard))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn retry_delays_double_from_50_ms_to_2_s_and_are_never_zero() {
+        let s = ClientSettings::new(vec![0], Duration::from_secs(1), Duration::from_secs(1));
+        let delays: Vec<u128> = (1..=8).map(|n| s.delay(n).as_millis()).collect();
+        assert_eq!(delays, vec![50, 100, 200, 400, 800, 1600, 2000, 2000]);
+        let zero = ClientSettings {
+            first_delay: Duration::ZERO,
+            max_delay: Duration::ZERO,
+            ..s
+        };
+        assert!(zero.delay(1) > Duration::ZERO && zero.delay(30) > Duration::ZERO);
+    }
+
+    #[test]
+    fn a_lost_link_is_redialed_and_offered_and_an_applied_step_not_pushed_again() {
+        let t0 = Instant::now();
+        // Shards 0 and 1 on link 0, shard 2 on link 1.
+        let mut c = joined(vec![0, 0, 1], t0);
+        let acts = c.handle(Event::StepRequested, t0);
+        let s = sends(&acts);
+        assert_eq!(s.len(), 3);
+        // Shard 0 answers, then link 0 dies under shard 1.
+        c.handle(
+            Event::Reply {
+                token: s[0].0,
+                shard: 0,
+                params: params(1, 1),
+            },
+            t0,
+        );
+        let acts = c.handle(
+            Event::ConnLost {
+                token: s[1].0,
+                shard: 1,
+                error: "reset".into(),
+            },
+            t0,
+        );
+        let [Action::Reconnect { link: 0, at, .. }] = acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(at, t0 + Duration::from_millis(50));
+        assert_eq!(
+            c.versions()[0],
+            Some(0),
+            "the reply of a lost link is forgotten"
+        );
+        // A late reply on the dead link is ignored.
+        assert!(c
+            .handle(
+                Event::Reply {
+                    token: s[1].0,
+                    shard: 1,
+                    params: params(1, 1),
+                },
+                at,
+            )
+            .is_empty());
+        let acts = c.handle(
+            Event::Reconnected {
+                link: 0,
+                redialed: true,
+            },
+            at,
+        );
+        let offers: Vec<_> = acts
+            .iter()
+            .filter_map(|a| match a {
+                Action::Offer {
+                    token,
+                    shard,
+                    version: 0,
+                    next_step: 0,
+                    ..
+                } => Some((*token, *shard)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(offers.len(), 2, "{acts:?}");
+        assert_eq!(c.recoveries(), 1);
+        // Shard 0 had applied step 0 (the offer's reply is past it); shard 1
+        // had not: only shard 1 is pushed again.
+        assert!(c
+            .handle(
+                Event::Reply {
+                    token: offers[0].0,
+                    shard: 0,
+                    params: params(1, 1),
+                },
+                at,
+            )
+            .is_empty());
+        let acts = c.handle(
+            Event::Reply {
+                token: offers[1].0,
+                shard: 1,
+                params: params(0, 0),
+            },
+            at,
+        );
+        let [Action::Send {
+            token,
+            shard: 1,
+            step: 0,
+            ..
+        }] = acts[..]
+        else {
+            panic!("{acts:?}")
+        };
+        c.handle(
+            Event::Reply {
+                token: s[2].0,
+                shard: 2,
+                params: params(1, 1),
+            },
+            at,
+        );
+        let acts = c.handle(
+            Event::Reply {
+                token,
+                shard: 1,
+                params: params(1, 1),
+            },
+            at,
+        );
+        let [Action::Deliver(d)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((d.pushed_step, d.next_step, d.updates.len()), (0, 1, 3));
+        // 3 pushes, 2 offers, 1 push again.
+        assert_eq!(d.round_trips, 6);
+    }
+
+    #[test]
+    fn a_fenced_worker_takes_the_clusters_step_without_pushing_again() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        let acts = c.handle(
+            Event::Refused {
+                token: s[0].0,
+                shard: 0,
+                code: ErrorCode::Fenced,
+                message: "dropped at step 0".into(),
+            },
+            t0,
+        );
+        let [Action::Offer {
+            token,
+            version: 0,
+            next_step: 0,
+            ..
+        }] = acts[..]
+        else {
+            panic!("{acts:?}")
+        };
+        let acts = c.handle(
+            Event::Reply {
+                token,
+                shard: 0,
+                params: params(40, 40),
+            },
+            t0,
+        );
+        let [Action::Deliver(d)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((d.pushed_step, d.next_step, d.fenced), (0, 40, 1));
+        assert_eq!(c.start_step(), 40);
+    }
+
+    #[test]
+    fn refusals_that_say_later_are_bounded_in_attempts_and_time() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0], t0);
+        let mut now = t0;
+        let mut acts = c.handle(Event::StepRequested, now);
+        let mut delays = Vec::new();
+        let why = loop {
+            match &acts[..] {
+                [Action::Send { token, at, .. }] => {
+                    delays.push(at.duration_since(now));
+                    now = *at;
+                    acts = c.handle(
+                        Event::Refused {
+                            token: *token,
+                            shard: 0,
+                            code: ErrorCode::Timeout,
+                            message: "barrier".into(),
+                        },
+                        now,
+                    );
+                }
+                [Action::GiveUp(why)] => break why.clone(),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert!(
+            matches!(why, GiveUp::Exhausted { attempts: 8, .. }),
+            "{why}"
+        );
+        assert_eq!(delays[0], Duration::ZERO, "the first push goes at once");
+        assert!(delays[1..].iter().all(|d| !d.is_zero()));
+        assert!(delays.windows(2).all(|w| w[1] >= w[0]), "{delays:?}");
+        assert!(!c.busy());
+        // An unknown refusal ends the step at once, naming it.
+        let s = sends(&c.handle(Event::StepRequested, now));
+        let acts = c.handle(
+            Event::Refused {
+                token: s[0].0,
+                shard: 0,
+                code: ErrorCode::WrongLength,
+                message: "3 values".into(),
+            },
+            now,
+        );
+        assert!(matches!(
+            &acts[..],
+            [Action::GiveUp(GiveUp::Refused {
+                code: ErrorCode::WrongLength,
+                ..
+            })]
+        ));
+    }
+
+    #[test]
+    fn an_exchange_past_its_budget_gives_up_and_forgets_its_replies() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0, 1], t0);
+        let budget = c.settings().budget;
+        assert_eq!(budget, Duration::from_secs(50), "10 s + 2 x 20 s");
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        c.handle(
+            Event::Reply {
+                token: s[0].0,
+                shard: 0,
+                params: params(1, 1),
+            },
+            t0,
+        );
+        assert!(c.handle(Event::Tick, t0 + budget).is_empty());
+        let acts = c.handle(Event::Tick, t0 + budget + Duration::from_millis(1));
+        assert!(
+            matches!(&acts[..], [Action::GiveUp(GiveUp::OutOfTime { .. })]),
+            "{acts:?}"
+        );
+        assert!(!c.busy());
+        assert_eq!(
+            c.versions(),
+            &[Some(0), Some(0)],
+            "back to what the trainer holds"
+        );
+        assert_eq!(c.start_step(), 0);
+        // A late reply of the exchange given up changes nothing.
+        let late = Event::Reply {
+            token: s[1].0,
+            shard: 1,
+            params: params(1, 1),
+        };
+        assert!(c.handle(late, t0 + budget * 2).is_empty());
+    }
+
+    #[test]
+    fn a_link_that_stays_down_gives_up_naming_it() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0, 1], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        let mut acts = c.handle(
+            Event::ConnLost {
+                token: s[1].0,
+                shard: 1,
+                error: "timed out".into(),
+            },
+            t0,
+        );
+        let mut dials = 0;
+        let why = loop {
+            match &acts[..] {
+                [Action::Reconnect { link: 1, at, .. }] => {
+                    dials += 1;
+                    acts = c.handle(
+                        Event::DialFailed {
+                            link: 1,
+                            error: "refused".into(),
+                        },
+                        *at,
+                    );
+                }
+                [Action::GiveUp(why)] => break why.clone(),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert!(matches!(why, GiveUp::Unreachable { link: 1, .. }), "{why}");
+        assert!((5..=12).contains(&dials), "{dials} dials in 10 s");
+    }
+
+    /// A simulated cluster behind the core: each shard's version (the
+    /// cluster's step), the last step of this worker it counted, and the
+    /// requests and redials the core asked for, resolved in an order and
+    /// with outcomes the property test picks.
+    mod sim {
+        use super::*;
+
+        #[derive(Debug, Clone)]
+        pub enum Pending {
+            Push {
+                token: Token,
+                shard: ShardId,
+                step: u64,
+                at: Instant,
+            },
+            Offer {
+                token: Token,
+                shard: ShardId,
+                at: Instant,
+            },
+            Dial {
+                link: LinkId,
+                at: Instant,
+            },
+        }
+
+        pub struct Sim {
+            pub core: ClientCore,
+            pub now: Instant,
+            /// The cluster's version of each shard.
+            pub version: Vec<u64>,
+            /// The last step of this worker each shard counted.
+            pub counted: Vec<Option<u64>>,
+            pub pending: Vec<Pending>,
+            /// Events already fed once (replayed as duplicates).
+            pub fed: Vec<Event>,
+            /// Per exchange: its step, its start, how it ended.
+            pub started: Instant,
+            pub pushed_step: Vec<u64>,
+            /// Shards that said they applied the step being pushed.
+            pub applied: Vec<bool>,
+            pub requests: Vec<u32>,
+            pub ended: Option<Result<Delivery, GiveUp>>,
+            pub delivered_versions: Vec<u64>,
+        }
+
+        impl Sim {
+            pub fn new(route: Vec<LinkId>) -> Self {
+                let t0 = Instant::now();
+                let n = route.len();
+                let core = ClientCore::new(ClientSettings::new(
+                    route,
+                    Duration::from_secs(10),
+                    Duration::from_secs(20),
+                ));
+                Self {
+                    core,
+                    now: t0,
+                    version: vec![0; n],
+                    counted: vec![None; n],
+                    pending: Vec::new(),
+                    fed: Vec::new(),
+                    started: t0,
+                    pushed_step: vec![0; n],
+                    applied: vec![false; n],
+                    requests: vec![0; n],
+                    ended: None,
+                    delivered_versions: vec![0; n],
+                }
+            }
+
+            /// Feed `event` and check what comes out against the rules.
+            pub fn feed(&mut self, event: Event) -> Result<(), String> {
+                let later = matches!(
+                    event,
+                    Event::Refused {
+                        code: ErrorCode::RateLimited | ErrorCode::Timeout,
+                        ..
+                    }
+                );
+                let acts = self.core.handle(event.clone(), self.now);
+                if matches!(
+                    event,
+                    Event::Reply { .. } | Event::Refused { .. } | Event::ConnLost { .. }
+                ) {
+                    self.fed.push(event);
+                }
+                let budget = self.core.settings().budget;
+                let max = self.core.settings().max_attempts;
+                for a in acts {
+                    match a {
+                        Action::Send {
+                            token,
+                            shard,
+                            step,
+                            at,
+                            ..
+                        } => {
+                            if self.applied[shard] && step <= self.pushed_step[shard] {
+                                return Err(format!(
+                                    "push of step {step} to shard {shard} after it applied step {}",
+                                    self.pushed_step[shard]
+                                ));
+                            }
+                            if step > self.version[shard] {
+                                return Err(format!("push of step {step} from the future"));
+                            }
+                            self.request(shard, at, later, budget, max)?;
+                            self.pending.push(Pending::Push {
+                                token,
+                                shard,
+                                step,
+                                at,
+                            });
+                        }
+                        Action::Offer {
+                            token, shard, at, ..
+                        } => {
+                            self.request(shard, at, later, budget, max)?;
+                            self.pending.push(Pending::Offer { token, shard, at });
+                        }
+                        Action::Reconnect { link, at, .. } => {
+                            if at < self.now {
+                                return Err("a redial in the past".into());
+                            }
+                            self.pending.push(Pending::Dial { link, at });
+                        }
+                        Action::Deliver(d) => {
+                            if self.ended.is_some() {
+                                return Err("an exchange ended twice".into());
+                            }
+                            for (shard, v) in self.core.versions().iter().enumerate() {
+                                let v = v.unwrap_or(0);
+                                if v < self.delivered_versions[shard] {
+                                    return Err(format!(
+                                        "shard {shard} went back from version {} to {v}",
+                                        self.delivered_versions[shard]
+                                    ));
+                                }
+                                self.delivered_versions[shard] = v;
+                            }
+                            if d.updates.len() != self.version.len() {
+                                return Err(format!(
+                                    "{} updates for {} shards",
+                                    d.updates.len(),
+                                    self.version.len()
+                                ));
+                            }
+                            self.ended = Some(Ok(d));
+                        }
+                        Action::GiveUp(why) => {
+                            if self.ended.is_some() {
+                                return Err("an exchange ended twice".into());
+                            }
+                            if why.to_string().is_empty() {
+                                return Err("a give-up without a reason".into());
+                            }
+                            self.ended = Some(Err(why));
+                        }
+                    }
+                }
+                Ok(())
+            }
+
+            fn request(
+                &mut self,
+                shard: ShardId,
+                at: Instant,
+                later: bool,
+                budget: Duration,
+                max: u32,
+            ) -> Result<(), String> {
+                if later && at <= self.now {
+                    return Err("a retry after a refusal that said later went at once".into());
+                }
+                if at > self.started + budget {
+                    return Err("a request scheduled past the budget".into());
+                }
+                self.requests[shard] += 1;
+                if self.requests[shard] > max {
+                    return Err(format!(
+                        "shard {shard} got {} requests",
+                        self.requests[shard]
+                    ));
+                }
+                Ok(())
+            }
+
+            pub fn begin(&mut self, event: Event) -> Result<(), String> {
+                self.started = self.now;
+                self.pushed_step = self.core.next_steps().to_vec();
+                self.applied = vec![false; self.version.len()];
+                self.requests = vec![0; self.version.len()];
+                self.ended = None;
+                self.feed(event)
+            }
+
+            /// Resolve pending item `i` with outcome `how` (0: the good
+            /// answer).
+            pub fn resolve(&mut self, i: usize, how: u8) -> Result<(), String> {
+                let p = self.pending.remove(i);
+                match p {
+                    Pending::Push {
+                        token,
+                        shard,
+                        step,
+                        at,
+                    } => {
+                        self.now = self.now.max(at);
+                        match how {
+                            1 => self.refuse(token, shard, ErrorCode::RateLimited),
+                            2 => self.refuse(token, shard, ErrorCode::Timeout),
+                            3 => self.feed(Event::ConnLost {
+                                token,
+                                shard,
+                                error: "lost".into(),
+                            }),
+                            4 => self.refuse(token, shard, ErrorCode::NotInitialized),
+                            _ => {
+                                let v = self.version[shard];
+                                if step == v {
+                                    self.counted[shard] = Some(step);
+                                    self.version[shard] += 1;
+                                } else if step < v && self.counted[shard] != Some(step) {
+                                    return self.refuse(token, shard, ErrorCode::Fenced);
+                                }
+                                self.answer(token, shard)
+                            }
+                        }
+                    }
+                    Pending::Offer { token, shard, at } => {
+                        self.now = self.now.max(at);
+                        match how {
+                            1 => self.refuse(token, shard, ErrorCode::RateLimited),
+                            3 => self.feed(Event::ConnLost {
+                                token,
+                                shard,
+                                error: "lost".into(),
+                            }),
+                            _ => self.answer(token, shard),
+                        }
+                    }
+                    Pending::Dial { link, at } => {
+                        self.now = self.now.max(at);
+                        if how == 1 || how == 3 {
+                            self.feed(Event::DialFailed {
+                                link,
+                                error: "refused".into(),
+                            })
+                        } else {
+                            self.feed(Event::Reconnected {
+                                link,
+                                redialed: true,
+                            })
+                        }
+                    }
+                }
+            }
+
+            fn refuse(
+                &mut self,
+                token: Token,
+                shard: ShardId,
+                code: ErrorCode,
+            ) -> Result<(), String> {
+                self.feed(Event::Refused {
+                    token,
+                    shard,
+                    code,
+                    message: format!("{code:?}"),
+                })
+            }
+
+            fn answer(&mut self, token: Token, shard: ShardId) -> Result<(), String> {
+                let v = self.version[shard];
+                // The shard tells the worker it applied the step pushed
+                // (a reply to a request no longer awaited tells it nothing:
+                // a retry then is a duplicate the shard answers).
+                if v > self.pushed_step[shard] && self.core.awaited(shard, token) {
+                    self.applied[shard] = true;
+                }
+                self.feed(Event::Reply {
+                    token,
+                    shard,
+                    params: Params {
+                        version: v,
+                        next_step: v,
+                        live_workers: 1,
+                        update: ParamUpdate::Dense(vec![v as f32]),
+                        sent: 4,
+                        received: 4,
+                    },
+                })
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(400))]
+
+        /// Random interleavings of replies, refusals, losses, redials,
+        /// duplicates, a cluster that goes on without the worker (fencing)
+        /// and server restarts: every exchange ends exactly once, within
+        /// its attempts and budget, with versions that never go back and
+        /// no push of a step a shard said it applied.
+        #[test]
+        fn every_exchange_ends_once_within_its_bounds(
+            route in proptest::collection::vec(0usize..3, 1..5),
+            exchanges in proptest::collection::vec(
+                proptest::collection::vec((proptest::prelude::any::<u16>(), 0u8..12), 0..40),
+                1..5,
+            ),
+        ) {
+            let mut sim = sim::Sim::new(route);
+            for (i, ops) in exchanges.into_iter().enumerate() {
+                let start = if i == 0 { Event::JoinRequested } else { Event::StepRequested };
+                sim.begin(start).map_err(proptest::test_runner::TestCaseError::fail)?;
+                for (pick, how) in ops {
+                    if sim.ended.is_some() {
+                        break;
+                    }
+                    let r = match how {
+                        // The cluster goes on without this worker.
+                        9 => {
+                            let s = pick as usize % sim.version.len();
+                            sim.version[s] += 1 + u64::from(pick % 4);
+                            Ok(())
+                        }
+                        // A duplicate or late reply.
+                        10 if !sim.fed.is_empty() => {
+                            let e = sim.fed[pick as usize % sim.fed.len()].clone();
+                            let acts = sim.core.handle(e, sim.now);
+                            if acts.is_empty() { Ok(()) } else { Err(format!("a stale event did {acts:?}")) }
+                        }
+                        _ if sim.pending.is_empty() => Ok(()),
+                        _ => {
+                            let i = pick as usize % sim.pending.len();
+                            sim.resolve(i, how)
+                        }
+                    };
+                    r.map_err(proptest::test_runner::TestCaseError::fail)?;
+                }
+                // Then everything answers well: the exchange must end.
+                let mut rounds = 0;
+                while sim.ended.is_none() {
+                    rounds += 1;
+                    proptest::prop_assert!(rounds < 1000, "no end after 1000 answers");
+                    proptest::prop_assert!(!sim.pending.is_empty(), "the exchange waits for nothing");
+                    sim.resolve(0, 0).map_err(proptest::test_runner::TestCaseError::fail)?;
+                }
+                if let Some(Ok(d)) = &sim.ended {
+                    // The worker holds the cluster's step afterwards.
+                    let cluster = sim.version.iter().copied().min().unwrap_or(0);
+                    proptest::prop_assert!(d.next_step <= cluster);
+                    sim.core.handle(Event::Applied, sim.now);
+                }
+                proptest::prop_assert!(!sim.core.busy());
+            }
+        }
+    }
+}

@@ -322,6 +322,8 @@ pub enum ErrorCode {
     RankInUse,
     /// The worker's `cluster.workers` differs from the server's.
     WorkerCountMismatch,
+    /// The rank already said goodbye (finished) in this run.
+    RankFinished,
 }
 
 /// A server's response.

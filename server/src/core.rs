@@ -21,10 +21,17 @@
 //! **Recovery.** Every shard starts by collecting `Offer`s: each worker offers
 //! its copy of the shard with the version it holds. In BSP every worker holds
 //! the parameters after each step, so a restarted server that lost everything
-//! rebuilds each shard from the newest version on which the copies agree,
-//! checked against the checkpoint when there is one; the checkpoint supplies
-//! the optimizer state. A fresh run is the same case with every copy at
-//! version 0.
+//! rebuilds each shard from the workers' copies. No single worker can steer
+//! it: a copy is adopted when a strict majority of the barrier's ranks agree
+//! on its version and content and the version is one the cluster can have
+//! reached since the checkpoint (or it fits one lost reply in BSP); else the
+//! checkpoint, else nothing (see [`ShardCore`]'s `choose_start`). The
+//! checkpoint supplies the optimizer state. A fresh run is the same case with
+//! every copy at version 0.
+//!
+//! **Pushes.** Each push is checked whole before it touches state, its norm
+//! against `max_grad_norm`, a ceiling and the median of recent pushes; an
+//! update is applied all or nothing.
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -55,6 +62,7 @@ use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
 use ps_shared::sparse::{topk_exact, SparseGrad};
+use rayon::prelude::*;
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
 use crate::optimizer::{check_update, fused_update_timed};
@@ -245,7 +253,8 @@ pub struct RecoveryReport {
     pub agreeing: usize,
     /// Offers at the chosen version that disagreed with the chosen copy.
     pub conflicting: usize,
-    /// The newest version anyone (a worker or the checkpoint) held.
+    /// The newest version the checkpoint or a copy not rejected held
+    /// (rejected copies cannot be checked, so they count for nothing).
     pub newest_known: u64,
     /// Updates that no surviving copy holds: `newest_known - version`.
     pub updates_lost: u64,
@@ -381,10 +390,8 @@ pub struct ShardCore {
     stopping: bool,
     /// The final checkpoint waits for the write under way at `Shutdown`.
     final_due: bool,
-    /// Norms of the last `NORM_WINDOW` pushes taken unscaled, and how many
-    /// pushes were taken in all (the anomaly check's warm-up).
-    recent_norms: VecDeque<f64>,
-    norms_taken: u64,
+    /// Norms of the recent pushes taken unscaled (the anomaly check).
+    recent_norms: NormWindow,
     /// The norm of the push `check_push` passed last (after any scaling),
     /// and the sum of those norms in the update under way: no entry of the
     /// aggregation buffer can exceed it.
@@ -393,7 +400,64 @@ pub struct ShardCore {
 }
 
 /// Pushes whose norms the anomaly check's median is taken over.
-const NORM_WINDOW: usize = 64;
+pub const NORM_WINDOW: usize = 64;
+
+/// Values per parallel piece of a push's norm.
+const NORM_CHUNK: usize = 1 << 16;
+
+/// The L2 norm of a push's values (f64 sums, so squares of large finite
+/// values do not overflow). Large pushes are summed in parallel pieces whose
+/// sums are added in order, so the result does not depend on the pool.
+pub fn push_norm(values: &WireValues) -> f64 {
+    fn squares(v: &[f32]) -> f64 {
+        if v.len() <= NORM_CHUNK {
+            return v.iter().map(|x| f64::from(*x).powi(2)).sum();
+        }
+        let pieces: Vec<f64> = v
+            .par_chunks(NORM_CHUNK)
+            .map(|c| c.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>())
+            .collect();
+        pieces.iter().sum()
+    }
+    match values {
+        WireValues::F32(v) => squares(v).sqrt(),
+        WireValues::F16(v) => squares(&ps_shared::sparse::values_from_f16(v)).sqrt(),
+    }
+}
+
+/// The norms of the last [`NORM_WINDOW`] pushes a shard took unscaled, for
+/// the anomaly check's median.
+#[derive(Debug, Clone, Default)]
+pub struct NormWindow {
+    norms: VecDeque<f64>,
+    taken: u64,
+}
+
+impl NormWindow {
+    pub fn push(&mut self, norm: f64) {
+        if self.norms.len() == NORM_WINDOW {
+            self.norms.pop_front();
+        }
+        self.norms.push_back(norm);
+        self.taken += 1;
+    }
+
+    /// The lower median of the window once `warmup` norms were taken;
+    /// `None` before, or when it is 0 (no scale to compare with).
+    pub fn median(&self, warmup: u64) -> Option<f64> {
+        if self.taken < warmup || self.norms.is_empty() {
+            return None;
+        }
+        let mut norms = [0.0f64; NORM_WINDOW];
+        let norms = &mut norms[..self.norms.len()];
+        for (slot, n) in norms.iter_mut().zip(&self.norms) {
+            *slot = *n;
+        }
+        let mid = (norms.len() - 1) / 2;
+        let (_, median, _) = norms.select_nth_unstable_by(mid, f64::total_cmp);
+        (*median > 0.0).then_some(*median)
+    }
+}
 
 /// The largest sum of push norms one update may hold: far from `f32::MAX`,
 /// so the aggregated gradient and the update from it stay finite.
@@ -463,8 +527,7 @@ impl ShardCore {
             recovered: None,
             stopping: false,
             final_due: false,
-            recent_norms: VecDeque::with_capacity(NORM_WINDOW),
-            norms_taken: 0,
+            recent_norms: NormWindow::default(),
             checked_norm: 0.0,
             agg_peak: 0.0,
             recovery: Some(Recovery {
@@ -833,6 +896,10 @@ impl ShardCore {
         let start = match self.choose_start(rec) {
             Ok(start) => start,
             Err(message) => {
+                if !self.parked.iter().any(|p| matches!(p.wait, Wait::Serving)) {
+                    // Told already; nobody waits.
+                    return;
+                }
                 tracing::error!(shard = self.id(), "{message}");
                 if let Some(rec) = self.recovery.as_mut() {
                     // A new window opens with the next offer.
@@ -1141,14 +1208,7 @@ impl ShardCore {
         if !finite(values) {
             return Err(refusal(ErrorCode::NonFinite, "gradient has NaN or inf"));
         }
-        let norm = match values {
-            WireValues::F32(v) => v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt(),
-            WireValues::F16(v) => ps_shared::sparse::values_from_f16(v)
-                .iter()
-                .map(|x| f64::from(*x).powi(2))
-                .sum::<f64>()
-                .sqrt(),
-        };
+        let norm = push_norm(values);
         // The tightest bound the push crosses: (norm to scale to, which).
         let mut crossed: Option<(f64, NormBound)> = None;
         let mut cross = |limit: f64, scale_to: f64, which: NormBound| {
@@ -1167,11 +1227,7 @@ impl ShardCore {
         }
         let Some((scale_to, which)) = crossed else {
             self.take_norm(norm)?;
-            self.recent_norms.push_back(norm);
-            if self.recent_norms.len() > NORM_WINDOW {
-                self.recent_norms.pop_front();
-            }
-            self.norms_taken += 1;
+            self.recent_norms.push(norm);
             return Ok(grad);
         };
         let why = match which {
@@ -1216,16 +1272,11 @@ impl ShardCore {
     /// over and the check is on; `None` when it is 0 (no scale to compare
     /// with).
     fn recent_median(&self) -> Option<f64> {
-        if self.settings.grad_anomaly_factor <= 0.0
-            || self.norms_taken < u64::from(self.settings.grad_anomaly_warmup)
-            || self.recent_norms.is_empty()
-        {
+        if self.settings.grad_anomaly_factor <= 0.0 {
             return None;
         }
-        let mut norms: Vec<f64> = self.recent_norms.iter().copied().collect();
-        let mid = (norms.len() - 1) / 2;
-        let (_, median, _) = norms.select_nth_unstable_by(mid, f64::total_cmp);
-        (*median > 0.0).then_some(*median)
+        self.recent_norms
+            .median(u64::from(self.settings.grad_anomaly_warmup))
     }
 
     /// Note the norm of a push about to be taken; refused when the sum of

@@ -409,14 +409,29 @@ const NORM_CHUNK: usize = 1 << 16;
 /// values do not overflow). Large pushes are summed in parallel pieces whose
 /// sums are added in order, so the result does not depend on the pool.
 pub fn push_norm(values: &WireValues) -> f64 {
+    /// Eight independent sums, so the loop vectorises (one sum in order
+    /// would wait on each addition); the same order every time.
+    fn piece(v: &[f32]) -> f64 {
+        let mut lanes = [0.0f64; 8];
+        let chunks = v.chunks_exact(8);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (lane, x) in lanes.iter_mut().zip(c) {
+                let x = f64::from(*x);
+                *lane += x * x;
+            }
+        }
+        let mut total: f64 = lanes.iter().sum();
+        for x in rest {
+            total += f64::from(*x) * f64::from(*x);
+        }
+        total
+    }
     fn squares(v: &[f32]) -> f64 {
         if v.len() <= NORM_CHUNK {
-            return v.iter().map(|x| f64::from(*x).powi(2)).sum();
+            return piece(v);
         }
-        let pieces: Vec<f64> = v
-            .par_chunks(NORM_CHUNK)
-            .map(|c| c.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>())
-            .collect();
+        let pieces: Vec<f64> = v.par_chunks(NORM_CHUNK).map(piece).collect();
         pieces.iter().sum()
     }
     match values {
@@ -2689,6 +2704,25 @@ mod tests {
         c.handle(step(1, 0, 0, sparse(vec![0], vec![3e38])), t0);
         assert!((c.params()[0] + 1.0e6).abs() < 1.0, "{}", c.params()[0]);
         assert_eq!(c.stats().clipped, 1);
+    }
+
+    #[test]
+    fn push_norms_are_exact_enough_and_do_not_overflow() {
+        let small: Vec<f32> = (0..13).map(|i| i as f32).collect();
+        let want = (0..13).map(|i| (i * i) as f64).sum::<f64>().sqrt();
+        assert!((push_norm(&WireValues::F32(small)) - want).abs() < 1e-9);
+        let big = vec![3e38f32; 3 * NORM_CHUNK + 5];
+        let norm = push_norm(&WireValues::F32(big.clone()));
+        let want = 3e38f64 * ((3 * NORM_CHUNK + 5) as f64).sqrt();
+        assert!(
+            norm.is_finite() && ((norm - want) / want).abs() < 1e-6,
+            "{norm}"
+        );
+        assert_eq!(
+            norm,
+            push_norm(&WireValues::F32(big)),
+            "same order every time"
+        );
     }
 
     #[test]

@@ -21,10 +21,17 @@
 //! **Recovery.** Every shard starts by collecting `Offer`s: each worker offers
 //! its copy of the shard with the version it holds. In BSP every worker holds
 //! the parameters after each step, so a restarted server that lost everything
-//! rebuilds each shard from the newest version on which the copies agree,
-//! checked against the checkpoint when there is one; the checkpoint supplies
-//! the optimizer state. A fresh run is the same case with every copy at
-//! version 0.
+//! rebuilds each shard from the workers' copies. No single worker can steer
+//! it: a copy is adopted when a strict majority of the barrier's ranks agree
+//! on its version and content and the version is one the cluster can have
+//! reached since the checkpoint (or it fits one lost reply in BSP); else the
+//! checkpoint, else nothing (see [`ShardCore`]'s `choose_start`). The
+//! checkpoint supplies the optimizer state. A fresh run is the same case with
+//! every copy at version 0.
+//!
+//! **Pushes.** Each push is checked whole before it touches state, its norm
+//! against `max_grad_norm`, a ceiling and the median of recent pushes; an
+//! update is applied all or nothing.
 //!
 //! ```
 //! use std::time::{Duration, Instant};
@@ -55,9 +62,10 @@ use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
 use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
 use ps_shared::sparse::{topk_exact, SparseGrad};
+use rayon::prelude::*;
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
-use crate::optimizer::fused_update_timed;
+use crate::optimizer::{check_update, fused_update_timed};
 
 /// Identifies one worker connection (assigned by the network layer).
 pub type ConnId = u64;
@@ -109,9 +117,25 @@ pub struct CoreSettings {
     pub max_parked_per_conn: usize,
     /// Largest L2 norm of one push (0 = no bound).
     pub max_grad_norm: f32,
-    /// What to do with a push above `max_grad_norm`: scale it down to the
-    /// bound, or refuse it with `GradientTooLarge`.
+    /// What to do with a push above `max_grad_norm`, the ceiling or the
+    /// anomaly bound: scale it down, or refuse it with `GradientTooLarge`.
     pub norm_policy: GradNormPolicy,
+    /// Largest L2 norm of one push ever applied (0 = none), whatever
+    /// `max_grad_norm` says (`server.grad_norm_ceiling`).
+    pub grad_norm_ceiling: f32,
+    /// A push whose norm is above this many times the median norm of the
+    /// shard's recent pushes is scaled down to that median, or refused
+    /// (`server.grad_anomaly_factor`; 0 = off).
+    pub grad_anomaly_factor: f32,
+    /// Pushes taken before the anomaly check starts
+    /// (`server.grad_anomaly_warmup`).
+    pub grad_anomaly_warmup: u32,
+    /// Recovery: a workers' copy more than this many versions past the
+    /// checkpoint (past 0 without one) is refused; 0 = no bound (periodic
+    /// checkpoints are off). See [`ServerSection::recovery_max_ahead`].
+    ///
+    /// [`ServerSection::recovery_max_ahead`]: ps_shared::config::ServerSection::recovery_max_ahead
+    pub recovery_max_ahead: u64,
     /// Checkpoint every this many updates (0 = only when asked).
     pub checkpoint_every: u64,
     /// Layout fingerprint stored in checkpoints.
@@ -133,6 +157,10 @@ impl Default for CoreSettings {
             max_parked_per_conn: 4,
             max_grad_norm: 0.0,
             norm_policy: GradNormPolicy::Clip,
+            grad_norm_ceiling: 1.0e6,
+            grad_anomaly_factor: 100.0,
+            grad_anomaly_warmup: 3,
+            recovery_max_ahead: 0,
             checkpoint_every: 0,
             layout_hash: 0,
             data: DataSplit::default(),
@@ -225,7 +253,8 @@ pub struct RecoveryReport {
     pub agreeing: usize,
     /// Offers at the chosen version that disagreed with the chosen copy.
     pub conflicting: usize,
-    /// The newest version anyone (a worker or the checkpoint) held.
+    /// The newest version the checkpoint or a copy not rejected held
+    /// (rejected copies cannot be checked, so they count for nothing).
     pub newest_known: u64,
     /// Updates that no surviving copy holds: `newest_known - version`.
     pub updates_lost: u64,
@@ -236,6 +265,13 @@ pub struct RecoveryReport {
     /// Updates whose optimizer state (momentum) was lost: `version -
     /// checkpoint_version` when momentum is used, else 0.
     pub momentum_updates_lost: u64,
+    /// Offers the shard could not check and did not adopt: copies newer
+    /// than the version it starts at, or at that version with other
+    /// content (each is logged with its rank).
+    pub rejected: usize,
+    /// Agreeing copies needed to adopt the workers' state: a strict
+    /// majority of the barrier's ranks.
+    pub quorum: usize,
 }
 
 struct OfferRec {
@@ -282,7 +318,14 @@ pub struct CoreStats {
     pub sparse_updates: u64,
     pub pushes: u64,
     pub refused: u64,
+    /// Pushes scaled down to `max_grad_norm` or to the ceiling.
     pub clipped: u64,
+    /// Pushes far above the recent median norm (scaled down, or refused
+    /// under the refuse policy).
+    pub anomalies: u64,
+    /// Updates that could not be applied (their pushes were refused; the
+    /// version did not advance).
+    pub failed_updates: u64,
     pub timeouts: u64,
     pub duplicate_pushes: u64,
     /// Pushes refused as `Fenced`: for a step applied without their rank.
@@ -353,6 +396,100 @@ pub struct ShardCore {
     stopping: bool,
     /// The final checkpoint waits for the write under way at `Shutdown`.
     final_due: bool,
+    /// Norms of the recent pushes taken unscaled (the anomaly check).
+    recent_norms: NormWindow,
+    /// The norm of the push `check_push` passed last (after any scaling),
+    /// and the sum of those norms in the update under way: no entry of the
+    /// aggregation buffer can exceed it.
+    checked_norm: f64,
+    agg_peak: f64,
+}
+
+/// Pushes whose norms the anomaly check's median is taken over.
+pub const NORM_WINDOW: usize = 64;
+
+/// Values per parallel piece of a push's norm.
+const NORM_CHUNK: usize = 1 << 16;
+
+/// The L2 norm of a push's values (f64 sums, so squares of large finite
+/// values do not overflow). Large pushes are summed in parallel pieces whose
+/// sums are added in order, so the result does not depend on the pool.
+pub fn push_norm(values: &WireValues) -> f64 {
+    /// Eight independent sums, so the loop vectorises (one sum in order
+    /// would wait on each addition); the same order every time.
+    fn piece(v: &[f32]) -> f64 {
+        let mut lanes = [0.0f64; 8];
+        let chunks = v.chunks_exact(8);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (lane, x) in lanes.iter_mut().zip(c) {
+                let x = f64::from(*x);
+                *lane += x * x;
+            }
+        }
+        let mut total: f64 = lanes.iter().sum();
+        for x in rest {
+            total += f64::from(*x) * f64::from(*x);
+        }
+        total
+    }
+    fn squares(v: &[f32]) -> f64 {
+        if v.len() <= NORM_CHUNK {
+            return piece(v);
+        }
+        let pieces: Vec<f64> = v.par_chunks(NORM_CHUNK).map(piece).collect();
+        pieces.iter().sum()
+    }
+    match values {
+        WireValues::F32(v) => squares(v).sqrt(),
+        WireValues::F16(v) => squares(&ps_shared::sparse::values_from_f16(v)).sqrt(),
+    }
+}
+
+/// The norms of the last [`NORM_WINDOW`] pushes a shard took unscaled, for
+/// the anomaly check's median.
+#[derive(Debug, Clone, Default)]
+pub struct NormWindow {
+    norms: VecDeque<f64>,
+    taken: u64,
+}
+
+impl NormWindow {
+    pub fn push(&mut self, norm: f64) {
+        if self.norms.len() == NORM_WINDOW {
+            self.norms.pop_front();
+        }
+        self.norms.push_back(norm);
+        self.taken += 1;
+    }
+
+    /// The lower median of the window once `warmup` norms were taken;
+    /// `None` before, or when it is 0 (no scale to compare with).
+    pub fn median(&self, warmup: u64) -> Option<f64> {
+        if self.taken < warmup || self.norms.is_empty() {
+            return None;
+        }
+        let mut norms = [0.0f64; NORM_WINDOW];
+        let norms = &mut norms[..self.norms.len()];
+        for (slot, n) in norms.iter_mut().zip(&self.norms) {
+            *slot = *n;
+        }
+        let mid = (norms.len() - 1) / 2;
+        let (_, median, _) = norms.select_nth_unstable_by(mid, f64::total_cmp);
+        (*median > 0.0).then_some(*median)
+    }
+}
+
+/// The largest sum of push norms one update may hold: far from `f32::MAX`,
+/// so the aggregated gradient and the update from it stay finite.
+const AGG_LIMIT: f64 = f32::MAX as f64 / 16.0;
+
+/// Which bound a push crossed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormBound {
+    MaxGradNorm,
+    Ceiling,
+    Anomaly,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Response {
@@ -412,6 +549,9 @@ impl ShardCore {
             recovered: None,
             stopping: false,
             final_due: false,
+            recent_norms: NormWindow::default(),
+            checked_norm: 0.0,
+            agg_peak: 0.0,
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -762,7 +902,9 @@ impl ShardCore {
     }
 
     /// Decide where the shard starts once every expected rank offered, or the
-    /// recovery window since the first offer has passed.
+    /// recovery window since the first offer has passed. When nothing can be
+    /// checked (see [`ShardCore::choose_start`]) the waiting offers are
+    /// refused with the reason, and the shard goes on collecting offers.
     fn maybe_decide(&mut self, now: Instant, out: &mut Vec<Action>) {
         let Some(rec) = &self.recovery else { return };
         let offered: BTreeSet<u32> = rec.offers.iter().map(|o| o.rank).collect();
@@ -773,91 +915,213 @@ impl ShardCore {
         if rec.offers.is_empty() || !(everyone || window_over) {
             return;
         }
+        let start = match self.choose_start(rec) {
+            Ok(start) => start,
+            Err(message) => {
+                if !self.parked.iter().any(|p| matches!(p.wait, Wait::Serving)) {
+                    // Told already; nobody waits.
+                    return;
+                }
+                tracing::error!(shard = self.id(), "{message}");
+                if let Some(rec) = self.recovery.as_mut() {
+                    // A new window opens with the next offer.
+                    rec.first_offer = None;
+                }
+                let mut kept = Vec::with_capacity(self.parked.len());
+                for p in std::mem::take(&mut self.parked) {
+                    if matches!(p.wait, Wait::Serving) {
+                        out.push(Action::Reply {
+                            to: p.reply,
+                            response: refusal(ErrorCode::NotInitialized, message.clone()),
+                        });
+                    } else {
+                        kept.push(p);
+                    }
+                }
+                self.parked = kept;
+                return;
+            }
+        };
         let Some(rec) = self.recovery.take() else {
             return;
         };
-        let report = self.decide(rec);
+        let report = self.decide(rec, start);
         tracing::info!(shard = self.id(), ?report, "shard starts");
         self.recovered = Some(report.clone());
         out.push(Action::Recovered(report));
         self.release(out);
     }
 
-    /// The newest version on which the offered copies agree wins; the
+    /// Agreeing copies needed to adopt the workers' state: a strict
+    /// majority of the ranks that form the barrier (`ShardSetup::workers`,
+    /// whether or not they offered).
+    fn quorum(&self) -> usize {
+        self.setup.workers as usize / 2 + 1
+    }
+
+    /// The newest version a copy may claim: the checkpoint's (0 without
+    /// one) plus `recovery_max_ahead`; `u64::MAX` when that is 0.
+    fn version_bound(&self, checkpoint: Option<u64>) -> u64 {
+        match self.settings.recovery_max_ahead {
+            0 => u64::MAX,
+            ahead => checkpoint.unwrap_or(0).saturating_add(ahead),
+        }
+    }
+
+    /// Which offered copy the shard can check, in this order:
+    /// 1. a strict majority of the barrier's ranks agree on its version
+    ///    and content, and the version is within the bound;
+    /// 2. BSP only, one reply lost: every honest copy is at the shard's
+    ///    last version `v` or at `v - 1` (a worker whose reply was lost), so
+    ///    the newest version (within the bound) whose copies all agree is
+    ///    taken when another rank holds that version or the one before;
+    /// 3. otherwise `Ok(None)`: the checkpoint, when there is one;
+    /// 4. with no checkpoint, a fresh run (every copy at version 0): the
+    ///    largest group of equal copies (ties: the lowest rank);
+    /// 5. else nothing: `Err` with the reason.
+    fn choose_start(&self, rec: &Recovery) -> Result<Option<(u64, u64)>, String> {
+        let checkpoint = rec.checkpoint.as_ref().map(|c| c.version);
+        let bound = self.version_bound(checkpoint);
+        let quorum = self.quorum();
+        let mut groups: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
+        for o in &rec.offers {
+            groups
+                .entry((o.version, o.checksum))
+                .or_default()
+                .push(o.rank);
+        }
+        let majority = groups
+            .iter()
+            .filter(|((v, _), ranks)| *v <= bound && ranks.len() >= quorum)
+            .max_by_key(|((v, _), ranks)| (*v, ranks.len()));
+        if let Some((&at, _)) = majority {
+            return Ok(Some(at));
+        }
+        if self.setup.mode == SyncMode::Bsp {
+            let mut versions: Vec<u64> = groups.keys().map(|(v, _)| *v).collect();
+            versions.dedup();
+            for &v in versions.iter().rev().filter(|v| **v <= bound) {
+                let at: Vec<(&(u64, u64), &Vec<u32>)> =
+                    groups.range((v, 0)..=(v, u64::MAX)).collect();
+                let [(&key, ranks)] = at[..] else { continue };
+                let neighbour =
+                    ranks.len() >= 2 || (v > 0 && rec.offers.iter().any(|o| o.version == v - 1));
+                if neighbour {
+                    return Ok(Some(key));
+                }
+            }
+        }
+        if checkpoint.is_some() {
+            return Ok(None);
+        }
+        if rec.offers.iter().all(|o| o.version == 0) {
+            let fresh = groups
+                .iter()
+                .max_by_key(|(_, ranks)| {
+                    let lowest = ranks.iter().min().copied().unwrap_or(u32::MAX);
+                    (ranks.len(), std::cmp::Reverse(lowest))
+                })
+                .map(|(&at, _)| at);
+            if let Some(at) = fresh {
+                return Ok(Some(at));
+            }
+        }
+        let offers: Vec<String> = rec
+            .offers
+            .iter()
+            .map(|o| format!("rank {} at version {}", o.rank, o.version))
+            .collect();
+        let bound = match bound {
+            u64::MAX => String::new(),
+            b => format!(" at a version <= {b} (the newest the cluster can have reached)"),
+        };
+        Err(format!(
+            "shard {} cannot start: no strict majority ({quorum} of {} ranks) agrees on one copy{bound}, \
+             the copies do not fit one lost reply, and there is no checkpoint to fall back to \
+             (offers: {}); waiting for more offers",
+            self.id(),
+            self.setup.workers,
+            offers.join(", ")
+        ))
+    }
+
+    /// Start from the chosen copy (`None`: from the checkpoint); the
     /// checkpoint wins when it is newer, and supplies the optimizer state.
-    fn decide(&mut self, rec: Recovery) -> RecoveryReport {
+    fn decide(&mut self, rec: Recovery, copy: Option<(u64, u64)>) -> RecoveryReport {
         let Recovery {
             mut offers,
             checkpoint,
             ..
         } = rec;
         let offers_n = offers.len();
-        // Group copies by (version, checksum), newest first; within a
-        // version, the largest group, then the lowest rank.
-        let mut groups: BTreeMap<(u64, u64), Vec<u32>> = BTreeMap::new();
-        for o in &offers {
-            groups
-                .entry((o.version, o.checksum))
-                .or_default()
-                .push(o.rank);
-        }
-        let mut versions: Vec<u64> = groups.keys().map(|(v, _)| *v).collect();
-        versions.dedup();
-        versions.sort_unstable_by(|a, b| b.cmp(a));
-        let group_at = |v: u64| {
-            groups
-                .iter()
-                .filter(|((gv, _), _)| *gv == v)
-                .map(|((_, sum), ranks)| {
-                    (*sum, ranks.len(), ranks.iter().min().copied().unwrap_or(0))
-                })
-                .collect::<Vec<_>>()
+        let from_checkpoint = match (&checkpoint, copy) {
+            (Some(c), Some((v, _))) => c.version > v,
+            (Some(_), None) => true,
+            (None, _) => false,
         };
-        // Newest version whose copies all agree; if none agrees anywhere, the
-        // largest group at the newest version.
-        let consistent = versions.iter().copied().find(|v| group_at(*v).len() == 1);
-        let (chosen_version, chosen_sum) = match consistent {
-            Some(v) => (v, group_at(v)[0].0),
-            None => {
-                let v = versions[0];
-                let mut g = group_at(v);
-                g.sort_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)));
-                (v, g[0].0)
-            }
+        let (version, sum) = match (&checkpoint, copy) {
+            (Some(c), _) if from_checkpoint => (c.version, checksum(&c.params)),
+            (_, Some(at)) => at,
+            // `choose_start` names the checkpoint only when there is one.
+            (_, None) => (0, checksum(&vec![0.0; self.len()])),
         };
         let agreeing = offers
             .iter()
-            .filter(|o| o.version == chosen_version && o.checksum == chosen_sum)
+            .filter(|o| (o.version, o.checksum) == (version, sum))
             .count();
         let conflicting = offers
             .iter()
-            .filter(|o| o.version == chosen_version && o.checksum != chosen_sum)
+            .filter(|o| o.version == version && o.checksum != sum)
             .count();
-        let newest_offer = versions[0];
-        let pos = offers
-            .iter()
-            .position(|o| o.version == chosen_version && o.checksum == chosen_sum)
-            .unwrap_or(0);
-        let chosen = offers.swap_remove(pos);
-        for o in offers.iter().chain(std::iter::once(&chosen)) {
+        let mut rejected = 0;
+        let mut newest_known = 0;
+        for o in &offers {
+            if o.version > version || (o.version == version && o.checksum != sum) {
+                rejected += 1;
+                tracing::warn!(
+                    shard = self.id(),
+                    rank = o.rank,
+                    version = o.version,
+                    starts_at = version,
+                    "offer of rank {} at version {} not adopted: fewer than {} of {} ranks \
+                     agree with it, or it is beyond the newest version the cluster can have \
+                     reached",
+                    o.rank,
+                    o.version,
+                    self.quorum(),
+                    self.setup.workers
+                );
+            } else {
+                newest_known = newest_known.max(o.version);
+            }
             let c = self.clocks.entry(o.rank).or_insert(0);
             *c = (*c).max(o.next_step);
         }
         let mut report = RecoveryReport {
             shard: self.id(),
             source: RecoverySource::Workers,
-            version: chosen_version,
+            version,
             offers: offers_n,
             agreeing,
             conflicting,
-            newest_known: newest_offer,
+            newest_known,
             updates_lost: 0,
             checkpoint_version: None,
             checkpoint_mismatch: false,
             momentum_updates_lost: 0,
+            rejected,
+            quorum: self.quorum(),
         };
-        self.params = chosen.values;
-        self.version = chosen_version;
+        if !from_checkpoint {
+            self.params = match offers
+                .iter()
+                .position(|o| (o.version, o.checksum) == (version, sum))
+            {
+                Some(i) => offers.swap_remove(i).values,
+                None => vec![0.0; self.len()],
+            };
+            self.version = version;
+        }
         if let Some(ckpt) = checkpoint {
             report.checkpoint_version = Some(ckpt.version);
             report.newest_known = report.newest_known.max(ckpt.version);
@@ -865,16 +1129,15 @@ impl ShardCore {
                 let clock = self.clocks.entry(*w).or_insert(0);
                 *clock = (*clock).max(*c);
             }
-            if ckpt.version > chosen_version {
+            if from_checkpoint {
                 report.source = RecoverySource::Checkpoint;
-                report.version = ckpt.version;
                 self.params = ckpt.params;
                 self.version = ckpt.version;
-            } else if ckpt.version == chosen_version && checksum(&ckpt.params) != chosen_sum {
+            } else if ckpt.version == version && checksum(&ckpt.params) != sum {
                 report.checkpoint_mismatch = true;
                 tracing::warn!(
                     shard = self.id(),
-                    version = chosen_version,
+                    version,
                     "the checkpoint differs from the workers' agreeing copies; keeping the copies"
                 );
             }
@@ -905,7 +1168,7 @@ impl ShardCore {
                 report.source = RecoverySource::Fresh;
             }
         }
-        report.updates_lost = report.newest_known - self.version;
+        report.updates_lost = report.newest_known.saturating_sub(self.version);
         self.last_saved = report.checkpoint_version.unwrap_or(0).min(self.version);
         if self.setup.mode == SyncMode::Bsp {
             for c in self.clocks.values_mut() {
@@ -967,29 +1230,52 @@ impl ShardCore {
         if !finite(values) {
             return Err(refusal(ErrorCode::NonFinite, "gradient has NaN or inf"));
         }
-        let bound = self.settings.max_grad_norm;
-        if bound <= 0.0 {
-            return Ok(grad);
-        }
-        let norm = match values {
-            WireValues::F32(v) => v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt(),
-            WireValues::F16(v) => ps_shared::sparse::values_from_f16(v)
-                .iter()
-                .map(|x| f64::from(*x).powi(2))
-                .sum::<f64>()
-                .sqrt(),
+        let norm = push_norm(values);
+        // The tightest bound the push crosses: (norm to scale to, which).
+        let mut crossed: Option<(f64, NormBound)> = None;
+        let mut cross = |limit: f64, scale_to: f64, which: NormBound| {
+            if limit > 0.0 && norm > limit && crossed.is_none_or(|(t, _)| scale_to < t) {
+                crossed = Some((scale_to, which));
+            }
         };
-        if norm <= f64::from(bound) {
+        let bound = f64::from(self.settings.max_grad_norm);
+        cross(bound, bound, NormBound::MaxGradNorm);
+        let ceiling = f64::from(self.settings.grad_norm_ceiling);
+        cross(ceiling, ceiling, NormBound::Ceiling);
+        let median = self.recent_median();
+        if let Some(median) = median {
+            let factor = f64::from(self.settings.grad_anomaly_factor);
+            cross(factor * median, median, NormBound::Anomaly);
+        }
+        let Some((scale_to, which)) = crossed else {
+            self.take_norm(norm)?;
+            self.recent_norms.push(norm);
             return Ok(grad);
+        };
+        let why = match which {
+            NormBound::MaxGradNorm => format!("server.max_grad_norm = {bound}"),
+            NormBound::Ceiling => format!("server.grad_norm_ceiling = {ceiling}"),
+            NormBound::Anomaly => format!(
+                "{} x the median norm {:.3e} of shard {}'s recent pushes (server.grad_anomaly_factor)",
+                self.settings.grad_anomaly_factor,
+                median.unwrap_or(0.0),
+                self.id()
+            ),
+        };
+        if which == NormBound::Anomaly {
+            self.stats.anomalies += 1;
         }
         match self.settings.norm_policy {
             GradNormPolicy::Refuse => Err(refusal(
                 ErrorCode::GradientTooLarge,
-                format!("gradient norm {norm:.3e} exceeds server.max_grad_norm = {bound}"),
+                format!("gradient norm {norm:.3e} exceeds {why}"),
             )),
             GradNormPolicy::Clip => {
-                self.stats.clipped += 1;
-                let scale = (f64::from(bound) / norm) as f32;
+                self.take_norm(scale_to)?;
+                if which != NormBound::Anomaly {
+                    self.stats.clipped += 1;
+                }
+                let scale = (scale_to / norm) as f32;
                 let clip = |v: WireValues| {
                     WireValues::F32(v.into_f32().into_iter().map(|x| x * scale).collect())
                 };
@@ -1002,6 +1288,34 @@ impl ShardCore {
                 })
             }
         }
+    }
+
+    /// The lower median of the recent pushes' norms, once the warm-up is
+    /// over and the check is on; `None` when it is 0 (no scale to compare
+    /// with).
+    fn recent_median(&self) -> Option<f64> {
+        if self.settings.grad_anomaly_factor <= 0.0 {
+            return None;
+        }
+        self.recent_norms
+            .median(u64::from(self.settings.grad_anomaly_warmup))
+    }
+
+    /// Note the norm of a push about to be taken; refused when the sum of
+    /// this update's pushes could leave the finite range.
+    fn take_norm(&mut self, norm: f64) -> Result<(), Response> {
+        if self.agg_peak + norm > AGG_LIMIT {
+            return Err(refusal(
+                ErrorCode::GradientTooLarge,
+                format!(
+                    "gradient norm {norm:.3e}: the sum of this update's pushes to shard {} would \
+                     overflow (set server.grad_norm_ceiling to bound pushes)",
+                    self.id()
+                ),
+            ));
+        }
+        self.checked_norm = norm;
+        Ok(())
     }
 
     /// The step `rank` pushes next.
@@ -1123,10 +1437,13 @@ impl ShardCore {
             }
             SyncMode::Asp | SyncMode::Ssp => {
                 self.accumulate(grad);
+                let scale = 1.0 / self.live.len().max(1) as f32;
+                if let Err(message) = self.apply(scale, out) {
+                    self.stats.refused += 1;
+                    return refuse(out, ErrorCode::Internal, message);
+                }
                 self.counted.insert(rank, step);
                 *self.clocks.entry(rank).or_insert(0) += 1;
-                let scale = 1.0 / self.live.len().max(1) as f32;
-                self.apply(scale, out);
                 self.maybe_checkpoint(out);
                 self.park(
                     reply,
@@ -1144,6 +1461,7 @@ impl ShardCore {
 
     fn accumulate(&mut self, grad: WireGrad) {
         self.stats.pushes += 1;
+        self.agg_peak += std::mem::take(&mut self.checked_norm);
         match grad {
             WireGrad::Dense(values) => {
                 for (a, g) in self.agg.iter_mut().zip(values.into_f32()) {
@@ -1182,12 +1500,62 @@ impl ShardCore {
             return false;
         }
         let scale = 1.0 / self.pushed.len() as f32;
-        self.apply(scale, out);
+        if let Err(message) = self.apply(scale, out) {
+            // The pushes of this step are refused; the version stays.
+            let step = self.version;
+            let mut kept = Vec::with_capacity(self.parked.len());
+            for p in std::mem::take(&mut self.parked) {
+                if matches!(p.wait, Wait::Applied { step: s } if s == step) {
+                    out.push(Action::Reply {
+                        to: p.reply,
+                        response: refusal(ErrorCode::Internal, message.clone()),
+                    });
+                } else {
+                    kept.push(p);
+                }
+            }
+            self.parked = kept;
+            return false;
+        }
         true
     }
 
-    fn apply(&mut self, scale: f32, out: &mut Vec<Action>) {
+    /// Drop the update under way: its pushes, and nothing else.
+    fn discard_update(&mut self) {
+        self.agg.fill(0.0);
+        self.marked.fill(false);
+        self.touched.clear();
+        self.all_touched = false;
+        self.push_max = 0;
+        self.pushed.clear();
+        self.agg_peak = 0.0;
+    }
+
+    /// Apply the update under way, all or nothing: on `Err` (the update
+    /// cannot run on this shard) no parameter, momentum or residual entry
+    /// changed, the pushes are dropped and the version stays.
+    fn apply(&mut self, scale: f32, out: &mut Vec<Action>) -> Result<(), String> {
         let sparse = !self.all_touched && !self.moves_untouched;
+        if !sparse {
+            if let Err(e) = check_update(
+                &self.params,
+                &self.agg,
+                &self.momentum,
+                &self.setup.segments,
+                &self.setup.rule,
+            ) {
+                self.stats.failed_updates += 1;
+                self.discard_update();
+                let message = format!(
+                    "shard {} cannot apply update {}: {e}; its pushes are refused and the version stays at {}",
+                    self.id(),
+                    self.version + 1,
+                    self.version
+                );
+                tracing::error!(shard = self.id(), "{message}");
+                return Err(message);
+            }
+        }
         let entries;
         if sparse {
             // Plain SGD on the pushed entries only: O(k), not O(P).
@@ -1215,7 +1583,9 @@ impl ShardCore {
                 self.residual[i] = 0.0;
             }
             self.residual_idx.clear();
-            match fused_update_timed(
+            // Checked above: the update runs (an `Err` here would have
+            // written nothing).
+            if let Ok(cpu) = fused_update_timed(
                 &mut self.params,
                 &self.agg,
                 &mut self.momentum,
@@ -1223,8 +1593,7 @@ impl ShardCore {
                 &self.setup.rule,
                 scale,
             ) {
-                Ok(cpu) => self.stats.update_pool_cpu += cpu,
-                Err(e) => tracing::error!(shard = self.id(), "update failed: {e}"),
+                self.stats.update_pool_cpu += cpu;
             }
             self.agg.fill(0.0);
             self.marked.fill(false);
@@ -1238,12 +1607,14 @@ impl ShardCore {
         }
         self.all_touched = false;
         self.pushed.clear();
+        self.agg_peak = 0.0;
         self.version += 1;
         self.stats.updates += 1;
         out.push(Action::Applied {
             version: self.version,
             entries,
         });
+        Ok(())
     }
 
     /// Global top-k: adds the mean of this update's pushes to the residual,
@@ -2065,10 +2436,8 @@ mod tests {
         assert_eq!(c.params(), &[1.0; 8]);
     }
 
-    #[test]
-    fn recovery_takes_the_newest_consistent_copy_and_checks_the_checkpoint() {
-        let t0 = Instant::now();
-        let ckpt = |version, params: Vec<f32>, momentum: Vec<f32>| ShardCheckpoint {
+    fn ckpt(version: u64, params: Vec<f32>, momentum: Vec<f32>) -> ShardCheckpoint {
+        ShardCheckpoint {
             shard: 0,
             lo: 10,
             hi: 18,
@@ -2079,51 +2448,84 @@ mod tests {
             residual: SparseGrad::default(),
             clocks: vec![],
             data: DataSplit::default(),
-        };
+        }
+    }
+
+    /// A restarted shard of `workers` ranks given `offers` (rank, version,
+    /// value of every entry); what it decided once every rank offered or the
+    /// window passed (`None`: it could start from nothing), and the replies
+    /// its offers got.
+    fn recover(
+        mode: SyncMode,
+        workers: u32,
+        settings: CoreSettings,
+        ck: Option<ShardCheckpoint>,
+        offers: &[(u32, u64, f32)],
+        momentum: f32,
+    ) -> (ShardCore, Option<RecoveryReport>, Vec<Response>) {
+        let t0 = Instant::now();
+        let mut c = ShardCore::new(setup(workers, momentum, mode), settings, ck);
+        for &(rank, _, _) in offers {
+            c.handle(
+                Event::Joined {
+                    rank,
+                    conn: 100 + u64::from(rank),
+                },
+                t0,
+            );
+        }
+        let mut acts = Vec::new();
+        for &(rank, version, value) in offers {
+            acts.extend(c.handle(offer(rank, version, vec![value; 8]), t0));
+        }
+        acts.extend(c.handle(Event::Tick, t0 + Duration::from_secs(60)));
+        let report = acts.iter().find_map(|a| match a {
+            Action::Recovered(r) => Some(r.clone()),
+            _ => None,
+        });
+        let answers = replies(&acts).into_iter().map(|(_, r)| r.clone()).collect();
+        (c, report, answers)
+    }
+
+    #[test]
+    fn recovery_takes_the_newest_consistent_copy_and_checks_the_checkpoint() {
         let run = |ck: Option<ShardCheckpoint>, offers: Vec<(u32, u64, f32)>, momentum: f32| {
-            let mut c = ShardCore::new(
-                setup(3, momentum, SyncMode::Bsp),
+            let (c, report, _) = recover(
+                SyncMode::Bsp,
+                3,
                 CoreSettings::default(),
                 ck,
+                &offers,
+                momentum,
             );
-            for (rank, _, _) in &offers {
-                c.handle(
-                    Event::Joined {
-                        rank: *rank,
-                        conn: 100 + u64::from(*rank),
-                    },
-                    t0,
-                );
-            }
-            let mut report = None;
-            for (rank, version, value) in offers {
-                for a in c.handle(offer(rank, version, vec![value; 8]), t0) {
-                    if let Action::Recovered(r) = a {
-                        report = Some(r);
-                    }
-                }
-            }
-            let report = report.or_else(|| {
-                c.handle(Event::Tick, t0 + Duration::from_secs(60))
-                    .into_iter()
-                    .find_map(|a| match a {
-                        Action::Recovered(r) => Some(r),
-                        _ => None,
-                    })
-            });
             (c, report.expect("decided"))
         };
         // The server died after replying to two of three workers: version 8 wins, 0 lost.
         let (c, r) = run(None, vec![(0, 8, 8.0), (1, 8, 8.0), (2, 7, 7.0)], 0.0);
         assert_eq!(
-            (r.source, r.version, r.agreeing, r.updates_lost),
-            (RecoverySource::Workers, 8, 2, 0)
+            (
+                r.source,
+                r.version,
+                r.agreeing,
+                r.updates_lost,
+                r.rejected,
+                r.quorum
+            ),
+            (RecoverySource::Workers, 8, 2, 0, 0, 2)
         );
         assert_eq!(c.params(), &[8.0; 8]);
         assert_eq!(c.version(), 8);
-        // Copies at the newest version disagree: the newest consistent one wins.
-        let (c, r) = run(None, vec![(0, 9, 1.0), (1, 9, 2.0), (2, 8, 8.0)], 0.0);
-        assert_eq!((r.version, r.updates_lost), (8, 1));
+        // Copies at the newest version disagree and no majority agrees
+        // anywhere: the checkpoint, the only state the shard can check.
+        let (c, r) = run(
+            Some(ckpt(8, vec![8.0; 8], vec![])),
+            vec![(0, 9, 1.0), (1, 9, 2.0), (2, 8, 8.0)],
+            0.0,
+        );
+        assert_eq!(
+            (r.source, r.version, r.rejected),
+            (RecoverySource::Checkpoint, 8, 2)
+        );
         assert_eq!(c.params(), &[8.0; 8]);
         // A checkpoint newer than every copy wins; momentum comes from it.
         let (c, r) = run(
@@ -2163,6 +2565,187 @@ mod tests {
     }
 
     #[test]
+    fn a_forged_offer_from_one_rank_is_not_adopted() {
+        const FORGED: u64 = 1_000_000;
+        // Two honest ranks agree: the majority wins, the forgery is counted.
+        let (c, r, _) = recover(
+            SyncMode::Bsp,
+            3,
+            CoreSettings::default(),
+            None,
+            &[(0, 50, 5.0), (1, 50, 5.0), (2, FORGED, 7.0)],
+            0.0,
+        );
+        let r = r.expect("decided");
+        assert_eq!(
+            (r.source, r.version, r.agreeing, r.rejected, r.updates_lost),
+            (RecoverySource::Workers, 50, 2, 1, 0)
+        );
+        assert_eq!((c.version(), c.params()), (50, &[5.0; 8][..]));
+        // One honest rank against one forger, with a checkpoint: the shard
+        // cannot tell them apart and starts from the checkpoint.
+        let bounded = CoreSettings {
+            recovery_max_ahead: 50,
+            ..CoreSettings::default()
+        };
+        for settings in [CoreSettings::default(), bounded.clone()] {
+            let (c, r, _) = recover(
+                SyncMode::Bsp,
+                2,
+                settings,
+                Some(ckpt(48, vec![4.8; 8], vec![])),
+                &[(0, 50, 5.0), (1, FORGED, 7.0)],
+                0.0,
+            );
+            let r = r.expect("decided");
+            assert_eq!(
+                (r.source, r.version, r.rejected),
+                (RecoverySource::Checkpoint, 48, 2)
+            );
+            assert_eq!(c.params(), &[4.8; 8]);
+        }
+        // Without a checkpoint it starts from nothing: the offers are
+        // refused with the reason, and the shard keeps waiting.
+        let (c, r, answers) = recover(
+            SyncMode::Bsp,
+            2,
+            CoreSettings::default(),
+            None,
+            &[(0, 50, 5.0), (1, FORGED, 7.0)],
+            0.0,
+        );
+        assert!(r.is_none() && !c.is_serving());
+        assert_eq!(answers.len(), 2);
+        for a in &answers {
+            match a {
+                Response::Error {
+                    code: ErrorCode::NotInitialized,
+                    message,
+                } => assert!(
+                    message.contains("no strict majority")
+                        && message.contains("rank 1 at version 1000000"),
+                    "{message}"
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_copy_beyond_what_the_cluster_can_have_reached_is_refused() {
+        let bounded = CoreSettings {
+            recovery_max_ahead: 50,
+            ..CoreSettings::default()
+        };
+        // Every rank agrees on version 1,000,000, but the checkpoint is at
+        // 48 and at most 50 updates can follow it.
+        let (c, r, _) = recover(
+            SyncMode::Bsp,
+            3,
+            bounded.clone(),
+            Some(ckpt(48, vec![4.8; 8], vec![])),
+            &[
+                (0, 1_000_000, 7.0),
+                (1, 1_000_000, 7.0),
+                (2, 1_000_000, 7.0),
+            ],
+            0.0,
+        );
+        let r = r.expect("decided");
+        assert_eq!(
+            (r.source, r.version, r.rejected),
+            (RecoverySource::Checkpoint, 48, 3)
+        );
+        assert_eq!(c.params(), &[4.8; 8]);
+        // Within the bound they are adopted.
+        let (_, r, _) = recover(
+            SyncMode::Bsp,
+            3,
+            bounded.clone(),
+            Some(ckpt(48, vec![4.8; 8], vec![])),
+            &[(0, 98, 9.8), (1, 98, 9.8), (2, 98, 9.8)],
+            0.0,
+        );
+        assert_eq!(
+            r.map(|r| (r.source, r.version)),
+            Some((RecoverySource::Workers, 98))
+        );
+        // No checkpoint found though periodic ones are on: the bound counts from 0.
+        let (c, r, answers) = recover(
+            SyncMode::Bsp,
+            3,
+            bounded,
+            None,
+            &[
+                (0, 1_000_000, 7.0),
+                (1, 1_000_000, 7.0),
+                (2, 1_000_000, 7.0),
+            ],
+            0.0,
+        );
+        assert!(r.is_none() && !c.is_serving());
+        assert!(answers
+            .iter()
+            .all(|a| code(a) == Some(ErrorCode::NotInitialized)));
+    }
+
+    #[test]
+    fn one_lost_reply_in_bsp_and_diverging_copies_in_asp() {
+        // BSP: the server died after replying to rank 0 only. Rank 1's copy
+        // is one version behind: rank 0's copy is taken, nothing is lost.
+        let (c, r, _) = recover(
+            SyncMode::Bsp,
+            2,
+            CoreSettings::default(),
+            None,
+            &[(0, 8, 8.0), (1, 7, 7.0)],
+            0.0,
+        );
+        let r = r.expect("decided");
+        assert_eq!(
+            (r.source, r.version, r.updates_lost, r.rejected),
+            (RecoverySource::Workers, 8, 0, 0)
+        );
+        assert_eq!(c.params(), &[8.0; 8]);
+        // Two versions apart is no lost reply: nothing to check it with.
+        let (_, r, _) = recover(
+            SyncMode::Bsp,
+            2,
+            CoreSettings::default(),
+            None,
+            &[(0, 9, 9.0), (1, 7, 7.0)],
+            0.0,
+        );
+        assert!(r.is_none());
+        // ASP: copies legitimately differ; without a majority the shard
+        // starts from its checkpoint.
+        let (c, r, _) = recover(
+            SyncMode::Asp,
+            2,
+            CoreSettings::default(),
+            Some(ckpt(10, vec![1.0; 8], vec![])),
+            &[(0, 14, 14.0), (1, 13, 13.0)],
+            0.0,
+        );
+        let r = r.expect("decided");
+        assert_eq!(
+            (r.source, r.version, r.rejected),
+            (RecoverySource::Checkpoint, 10, 2)
+        );
+        assert_eq!(c.params(), &[1.0; 8]);
+        // A fresh run starts from version 0 copies even without a majority.
+        let (_, r, _) = recover(
+            SyncMode::Asp,
+            3,
+            CoreSettings::default(),
+            None,
+            &[(0, 0, 1.0)],
+            0.0,
+        );
+        assert_eq!(r.map(|r| r.source), Some(RecoverySource::Fresh));
+    }
+
+    #[test]
     fn gradient_norm_is_bounded() {
         let t0 = Instant::now();
         let mut settings = CoreSettings {
@@ -2181,6 +2764,171 @@ mod tests {
         let acts = c.handle(step(1, 0, 0, sparse(vec![0], vec![1e30])), t0);
         assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::GradientTooLarge));
         assert_eq!(c.params(), &[0.0; 8]);
+    }
+
+    /// Rank 0 pushes `honest` to entry 0 and rank 1 pushes `rank1` to entry
+    /// 1, for `steps` BSP steps; returns the step's replies.
+    fn bsp_step(c: &mut ShardCore, at: u64, honest: f32, rank1: f32, t0: Instant) -> Vec<Response> {
+        let mut acts = c.handle(step(2 * at, 0, at, sparse(vec![0], vec![honest])), t0);
+        acts.extend(c.handle(step(2 * at + 1, 1, at, sparse(vec![1], vec![rank1])), t0));
+        replies(&acts).into_iter().map(|(_, r)| r.clone()).collect()
+    }
+
+    #[test]
+    fn a_huge_push_from_one_rank_is_neutralised_by_default() {
+        let (mut c, t0) = serving(2, 0.0, SyncMode::Bsp);
+        for at in 0..5 {
+            assert_eq!(bsp_step(&mut c, at, 1.0, 1.0, t0).len(), 2);
+        }
+        assert_eq!(c.params()[..2], [-2.5, -2.5]);
+        // Rank 1 pushes 3e38: scaled down to the median norm (1.0).
+        let answers = bsp_step(&mut c, 5, 1.0, 3e38, t0);
+        assert!(answers
+            .iter()
+            .all(|a| matches!(a, Response::Params { version: 6, .. })));
+        assert_eq!(c.params()[..2], [-3.0, -3.0]);
+        assert!(c.params().iter().all(|p| p.is_finite()));
+        let stats = c.stats();
+        assert_eq!((stats.anomalies, stats.clipped, stats.refused), (1, 0, 0));
+        // Under the refuse policy the push is refused; the honest rank's
+        // push waits for rank 1's next one.
+        let settings = CoreSettings {
+            norm_policy: GradNormPolicy::Refuse,
+            ..CoreSettings::default()
+        };
+        let mut c = joined(2, settings, t0);
+        for r in 0..2 {
+            c.handle(offer(r, 0, vec![0.0; 8]), t0);
+        }
+        for at in 0..3 {
+            bsp_step(&mut c, at, 1.0, 1.0, t0);
+        }
+        let answers = bsp_step(&mut c, 3, 1.0, 3e38, t0);
+        assert!(
+            matches!(
+                &answers[..],
+                [Response::Error { code: ErrorCode::GradientTooLarge, message }] if message.contains("server.grad_anomaly_factor")
+            ),
+            "{answers:?}"
+        );
+        let acts = c.handle(step(100, 1, 3, sparse(vec![1], vec![1.0])), t0);
+        assert_eq!(replies(&acts).len(), 2);
+        assert_eq!(c.params()[..2], [-2.0, -2.0]);
+        // The very first push is held by the ceiling alone.
+        let (mut c, t0) = serving(1, 0.0, SyncMode::Bsp);
+        c.handle(step(1, 0, 0, sparse(vec![0], vec![3e38])), t0);
+        assert!((c.params()[0] + 1.0e6).abs() < 1.0, "{}", c.params()[0]);
+        assert_eq!(c.stats().clipped, 1);
+    }
+
+    #[test]
+    fn push_norms_are_exact_enough_and_do_not_overflow() {
+        let small: Vec<f32> = (0..13).map(|i| i as f32).collect();
+        let want = (0..13).map(|i| (i * i) as f64).sum::<f64>().sqrt();
+        assert!((push_norm(&WireValues::F32(small)) - want).abs() < 1e-9);
+        let big = vec![3e38f32; 3 * NORM_CHUNK + 5];
+        let norm = push_norm(&WireValues::F32(big.clone()));
+        let want = 3e38f64 * ((3 * NORM_CHUNK + 5) as f64).sqrt();
+        assert!(
+            norm.is_finite() && ((norm - want) / want).abs() < 1e-6,
+            "{norm}"
+        );
+        assert_eq!(
+            norm,
+            push_norm(&WireValues::F32(big)),
+            "same order every time"
+        );
+    }
+
+    #[test]
+    fn ordinary_norm_changes_are_not_anomalies() {
+        let (mut c, t0) = serving(1, 0.0, SyncMode::Asp);
+        // Norms wander over two orders of magnitude, as in a real run (a
+        // fixed sequence, so the test is deterministic).
+        let mut x: u32 = 12345;
+        for at in 0..500 {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            let scale = 0.1 + 9.9 * f64::from(x >> 16) as f32 / 65536.0;
+            let grad = sparse(vec![0, 3, 5], vec![0.5 * scale, -0.2 * scale, 0.1 * scale]);
+            let acts = c.handle(step(at, 0, at, grad), t0);
+            assert!(matches!(replies(&acts)[..], [(_, Response::Params { .. })]));
+        }
+        let stats = c.stats();
+        assert_eq!(
+            (stats.anomalies, stats.clipped, stats.refused, stats.updates),
+            (0, 0, 0, 500)
+        );
+    }
+
+    #[test]
+    fn the_sum_of_one_updates_pushes_stays_finite() {
+        // With every bound off, finite pushes whose sum overflows: the push
+        // that would overflow is refused, the others are applied.
+        let settings = CoreSettings {
+            grad_norm_ceiling: 0.0,
+            grad_anomaly_factor: 0.0,
+            ..CoreSettings::default()
+        };
+        let t0 = Instant::now();
+        let mut c = joined(3, settings, t0);
+        for r in 0..3 {
+            c.handle(offer(r, 0, vec![0.0; 8]), t0);
+        }
+        let big = 0.8e37f32;
+        for r in 0..2 {
+            assert!(
+                replies(&c.handle(step(r.into(), r, 0, sparse(vec![0], vec![big])), t0)).is_empty()
+            );
+        }
+        let acts = c.handle(step(2, 2, 0, sparse(vec![0], vec![big])), t0);
+        assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::GradientTooLarge));
+        let acts = c.handle(step(3, 2, 0, sparse(vec![0], vec![1.0])), t0);
+        assert_eq!(replies(&acts).len(), 3);
+        assert!(c.params()[0].is_finite() && c.params()[0] < -1e36);
+    }
+
+    #[test]
+    fn a_failed_update_refuses_its_pushes_and_keeps_the_version() {
+        // LARS with tensor segments that do not cover the shard: the fused
+        // update cannot run.
+        for mode in [SyncMode::Bsp, SyncMode::Asp] {
+            let mut s = setup(1, 0.9, mode);
+            s.rule.lars_eta = 0.001;
+            s.segments = std::iter::once(0..4).collect();
+            let t0 = Instant::now();
+            let mut c = joined_with(s, CoreSettings::default(), t0);
+            c.handle(offer(0, 0, vec![1.0; 8]), t0);
+            let dense = WireGrad::Dense(WireValues::F32(vec![1.0; 8]));
+            let acts = c.handle(step(1, 0, 0, dense), t0);
+            match replies(&acts)[..] {
+                [(
+                    1,
+                    Response::Error {
+                        code: ErrorCode::Internal,
+                        message,
+                    },
+                )] => {
+                    assert!(
+                        message.contains("cannot apply update 1") && message.contains("stays at 0"),
+                        "{message}"
+                    )
+                }
+                ref other => panic!("{mode:?}: {other:?}"),
+            }
+            assert!(!acts.iter().any(|a| matches!(a, Action::Applied { .. })));
+            assert_eq!((c.version(), c.params()), (0, &[1.0; 8][..]));
+            assert_eq!(c.snapshot().momentum, vec![0.0; 8]);
+            assert_eq!((c.stats().failed_updates, c.stats().updates), (1, 0));
+            // The step is still open: nothing was counted for it, and the
+            // next try meets the same refusal.
+            let acts = c.handle(step(2, 0, 0, sparse(vec![0], vec![1.0])), t0);
+            assert_eq!(
+                code(replies(&acts)[0].1),
+                Some(ErrorCode::Internal),
+                "{mode:?}"
+            );
+            assert_eq!((c.version(), c.stats().failed_updates), (0, 2));
+        }
     }
 
     #[test]

@@ -318,6 +318,15 @@ impl Membership {
                 ),
             ));
         }
+        if self.ranks.get(&client) == Some(&RankState::Finished) {
+            return Err(refused(
+                ErrorCode::RankFinished,
+                format!(
+                    "rank {cert_rank} already finished and said goodbye to this server; \
+                     a finished rank cannot rejoin the same run"
+                ),
+            ));
+        }
         if let Some(RankState::Live(other)) = self.ranks.get(&client) {
             if self.conns.contains_key(other) {
                 return Err(refused(
@@ -655,6 +664,39 @@ mod tests {
         ));
         let joined = m.hello(2, 0, &hello(0, 2), t0).unwrap();
         assert_eq!(joined, vec![MemberAction::Joined { rank: 0, conn: 2 }]);
+    }
+
+    #[test]
+    fn a_finished_rank_cannot_rejoin() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(
+            MembershipSettings {
+                exit_when_done: false,
+                ..settings(2)
+            },
+            t0,
+        );
+        m.connection_opened(1, t0).unwrap();
+        m.hello(1, 0, &hello(0, 2), t0).unwrap();
+        let left = m.bye(1, t0);
+        assert!(matches!(
+            left[..],
+            [MemberAction::Left { rank: 0, ref why, .. }] if why == "finished"
+        ));
+        // Its connection closes; a new one with the same certificate comes.
+        assert!(m.connection_closed(1, "closed", t0).is_empty());
+        m.connection_opened(2, t0).unwrap();
+        let e = m.hello(2, 0, &hello(0, 2), t0).unwrap_err();
+        assert_eq!(e.code, ErrorCode::RankFinished);
+        assert!(
+            e.message.contains("rank 0") && e.message.contains("finished"),
+            "{}",
+            e.message
+        );
+        assert_eq!((m.finished(), m.live().len()), (1, 0));
+        // The other rank still joins.
+        m.connection_opened(3, t0).unwrap();
+        assert!(m.hello(3, 1, &hello(1, 2), t0).is_ok());
     }
 
     #[test]

@@ -64,6 +64,19 @@ pub enum UpdateError {
     SegmentsDoNotCover { covered: usize, params: usize },
 }
 
+/// Whether [`fused_update`] can run on these inputs: the checks it makes
+/// before it writes anything. When they fail, the update writes nothing
+/// (parameters and momentum stay as they were).
+pub fn check_update(
+    params: &[f32],
+    grad: &[f32],
+    momentum_buf: &[f32],
+    segments: &[Range<usize>],
+    rule: &OptimizerSection,
+) -> Result<(), UpdateError> {
+    check_inputs(params, grad, momentum_buf, segments, rule)
+}
+
 /// Checks lengths (and, with LARS, that `segments` tile `0..params.len()`).
 fn check_inputs(
     params: &[f32],
@@ -564,6 +577,20 @@ mod tests {
         // Without momentum an empty buffer is fine; without LARS segments are unused.
         let plain = rule(0.0, false, 0.0, None);
         assert!(fused_update(&mut params, &[0.0; 4], &mut [], &[], &plain, 1.0).is_ok());
+    }
+
+    #[test]
+    fn a_failed_update_writes_nothing() {
+        let lars = rule(0.9, false, 0.0, Some(0.001));
+        let mut params = vec![1.0, 2.0, 3.0, 4.0];
+        let mut momentum = vec![0.5; 4];
+        let grad = [1.0; 4];
+        let bad = [0..2, 2..3];
+        let checked = check_update(&params, &grad, &momentum, &bad, &lars);
+        let applied = fused_update_timed(&mut params, &grad, &mut momentum, &bad, &lars, 1.0);
+        assert_eq!(checked, applied.map(|_| ()));
+        assert!(checked.is_err());
+        assert_eq!((params, momentum), (vec![1.0, 2.0, 3.0, 4.0], vec![0.5; 4]));
     }
 
     #[test]

@@ -957,6 +957,23 @@ pub struct ServerSection {
     pub max_grad_norm: f32,
     /// `clip` (scale down to the bound) or `refuse`.
     pub grad_norm_policy: GradNormPolicy,
+    /// Largest L2 norm of one push to one shard the server ever applies,
+    /// whatever `max_grad_norm` says (0 = none). A push above it is scaled
+    /// down to it, or refused under `grad_norm_policy = "refuse"`. It also
+    /// keeps the sum of one step's pushes finite.
+    pub grad_norm_ceiling: f32,
+    /// A push whose norm is more than this many times the median norm of
+    /// the shard's recent pushes is scaled down to that median, or refused
+    /// under `grad_norm_policy = "refuse"` (0 = off).
+    pub grad_anomaly_factor: f32,
+    /// Pushes a shard takes before the anomaly check starts (only the
+    /// ceiling applies to them).
+    pub grad_anomaly_warmup: u32,
+    /// Recovery: how many periodic checkpoint writes may have failed or
+    /// still been under way when a server was lost. A workers' copy more
+    /// than `checkpoint_every × (1 + this)` versions past the newest
+    /// checkpoint is refused.
+    pub recovery_checkpoint_slack: u64,
     /// Threads that run QUIC I/O and decoding.
     pub io_threads: usize,
 }
@@ -985,6 +1002,10 @@ impl Default for ServerSection {
             recovery_window_secs: 10.0,
             max_grad_norm: 0.0,
             grad_norm_policy: GradNormPolicy::Clip,
+            grad_norm_ceiling: 1.0e6,
+            grad_anomaly_factor: 100.0,
+            grad_anomaly_warmup: 3,
+            recovery_checkpoint_slack: 4,
             io_threads: 2,
         }
     }
@@ -1058,6 +1079,18 @@ impl ServerSection {
         )?;
         check_range("server.max_grad_norm", self.max_grad_norm, 0.0..=f32::MAX)?;
         check_range("server.io_threads", self.io_threads, 1..=256)
+    }
+
+    /// Recovery: how many versions past the newest checkpoint (or past 0
+    /// without one) the cluster can have reached, when periodic checkpoints
+    /// are on: `checkpoint_every × (1 + recovery_checkpoint_slack)`. 0 when
+    /// they are off: then nothing bounds a copy's version.
+    pub fn recovery_max_ahead(&self) -> u64 {
+        if self.checkpoint_every == 0 || self.checkpoint_url.trim().is_empty() {
+            return 0;
+        }
+        self.checkpoint_every
+            .saturating_mul(self.recovery_checkpoint_slack.saturating_add(1))
     }
 }
 
@@ -1408,6 +1441,32 @@ impl ClusterConfig {
             return Err(invalid(
                 "server.max_grad_norm",
                 "must be >= 0 (0 = no bound)",
+            ));
+        }
+        if !(s.grad_norm_ceiling.is_finite() && s.grad_norm_ceiling >= 0.0) {
+            return Err(invalid(
+                "server.grad_norm_ceiling",
+                "must be a finite number >= 0 (0 = no ceiling)",
+            ));
+        }
+        if !(s.grad_anomaly_factor == 0.0
+            || (s.grad_anomaly_factor.is_finite() && s.grad_anomaly_factor >= 2.0))
+        {
+            return Err(invalid(
+                "server.grad_anomaly_factor",
+                "must be 0 (off) or a finite number >= 2",
+            ));
+        }
+        if s.grad_anomaly_warmup == 0 || s.grad_anomaly_warmup > 1_000_000 {
+            return Err(invalid(
+                "server.grad_anomaly_warmup",
+                "must be in 1..=1000000",
+            ));
+        }
+        if s.recovery_checkpoint_slack > 1_000_000 {
+            return Err(invalid(
+                "server.recovery_checkpoint_slack",
+                "must be <= 1000000",
             ));
         }
         if s.io_threads == 0 || s.io_threads > 256 {
@@ -2089,5 +2148,34 @@ out = 3
         .unwrap_err()
         .to_string();
         assert!(e.contains("kernal"), "{e}");
+    }
+
+    #[test]
+    fn gradient_guards_and_the_recovery_bound_are_checked_by_name() {
+        let cfg = ClusterConfig::embedded_default().unwrap();
+        assert!(cfg.server.grad_norm_ceiling > 0.0 && cfg.server.grad_anomaly_factor > 0.0);
+        for (field, value) in [
+            ("grad_norm_ceiling", "-1.0"),
+            ("grad_anomaly_factor", "1.5"),
+            ("grad_anomaly_factor", "nan"),
+            ("grad_anomaly_warmup", "0"),
+            ("recovery_checkpoint_slack", "2000000"),
+        ] {
+            let err = ClusterConfig::from_toml_str(&format!("[server]\n{field} = {value}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("server.{field}")), "{field}: {err}");
+        }
+        let off = ClusterConfig::from_toml_str("[server]\ngrad_anomaly_factor = 0.0\n").unwrap();
+        assert_eq!(off.server.grad_anomaly_factor, 0.0);
+        let mut s = ServerSection::default();
+        assert_eq!(
+            s.recovery_max_ahead(),
+            0,
+            "no periodic checkpoints: no bound"
+        );
+        s.checkpoint_every = 100;
+        s.checkpoint_url = "file:///tmp/ck".into();
+        assert_eq!(s.recovery_max_ahead(), 500);
     }
 }

@@ -326,6 +326,8 @@ pub enum ErrorCode {
     /// declared dead for that step): offer your copy and go on at the step
     /// the reply names.
     Fenced,
+    /// The rank already said goodbye (finished) in this run.
+    RankFinished,
 }
 
 /// A server's response.

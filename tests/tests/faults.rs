@@ -11,7 +11,9 @@
 //! * a worker stopped by a signal says goodbye;
 //! * ends that must never be silent: no worker joins, a peer never arrives,
 //!   a server stays unreachable;
-//! * an attacker sends garbage and tries to impersonate ranks during training.
+//! * an attacker sends garbage and tries to impersonate ranks during training;
+//! * a certificate holder offers a forged copy to a restarted server;
+//! * a certificate holder pushes gradients of 3e38 while another rank trains.
 //!
 //! A real `ps-server` process killed with SIGKILL is in `tests/process.rs`.
 //!
@@ -31,8 +33,8 @@ use tokio::sync::watch;
 use ps_dataset::SyntheticSpec;
 use ps_server::core::RecoverySource;
 use ps_server::net::RunningServer;
-use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response};
+use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
+use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
 use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{
     hello, start_loopback_server, synthetic_bucket, synthetic_bucket_blocking, test_config, TestPki,
@@ -185,6 +187,15 @@ fn crashed_worker_is_dropped_and_a_replacement_rejoins() {
         let final_version = status.iter().map(|s| s.version).min().unwrap_or(0);
         let lost = planned - final_version;
         assert_eq!(lost, 0);
+        // The default gradient guards never fired on honest training.
+        for s in &status {
+            assert_eq!(
+                (s.stats.anomalies, s.stats.clipped),
+                (0, 0),
+                "shard {}",
+                s.shard
+            );
+        }
         for r in [&a, &b] {
             assert!(
                 r.final_accuracy > ACCURACY_BAR,
@@ -710,5 +721,161 @@ fn a_step_the_restarted_server_already_applied_is_not_pushed_again() {
             status[0].version
         );
         second.abort().await;
+    });
+}
+
+#[test]
+fn a_forged_offer_cannot_steer_a_restarted_server() {
+    // Three ranks; the server dies and restarts empty. Ranks 0 and 1 hold
+    // version 7; whoever holds rank 2's certificate offers a made-up copy
+    // at version 1,000,000. The shard resumes from the honest copies and
+    // hands them to rank 2.
+    const FORGED: u64 = 1_000_000;
+    let mut cfg = config(1);
+    cfg.cluster.workers = 3;
+    cfg.cluster.shards_per_server = 1;
+    cfg.validate().expect("valid config");
+    with_cluster(cfg, |mut setup| async move {
+        let first = setup.server();
+        let addr = first.local_addr();
+        first.abort().await;
+        let second = ps_server::net::start(&setup.cfg, 0, addr, &setup.pki.server)
+            .await
+            .expect("restart on the same address");
+        let n = setup.cfg.model.num_params();
+        let limit = setup.cfg.server.max_frame_bytes;
+        let honest: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.01).collect();
+        let offer = |version: u64, values: Vec<f32>| Request::Offer {
+            shard: 0,
+            version,
+            next_step: version,
+            values,
+        };
+        let (r0, r1, r2) = futures::future::join3(
+            raw_worker(&setup, addr, 0),
+            raw_worker(&setup, addr, 1),
+            raw_worker(&setup, addr, 2),
+        )
+        .await;
+        let (a, b, forged) = futures::future::join3(
+            transport::call(&r0, &offer(7, honest.clone()), limit),
+            transport::call(&r1, &offer(7, honest.clone()), limit),
+            transport::call(&r2, &offer(FORGED, vec![1.0e30; n]), limit),
+        )
+        .await;
+        for reply in [a, b] {
+            let (resp, _) = reply.expect("honest offer answered");
+            assert!(
+                matches!(resp, Response::Params { version: 7, .. }),
+                "{resp:?}"
+            );
+        }
+        let (resp, _) = forged.expect("forged offer answered");
+        match resp {
+            Response::Params {
+                version: 7,
+                update: ParamUpdate::Dense(values),
+                ..
+            } => assert!(
+                values == honest,
+                "rank 2 got other values than the honest copy"
+            ),
+            other => panic!("{other:?}"),
+        }
+        let status = second.status().await;
+        let report = status[0].recovery.clone().expect("the shard started");
+        assert_eq!(
+            (
+                report.source,
+                report.version,
+                report.agreeing,
+                report.rejected,
+                report.quorum
+            ),
+            (RecoverySource::Workers, 7, 2, 1, 2)
+        );
+        assert_eq!(status[0].version, 7);
+        println!(
+            "faults: forged offer: rank 2 offered version {FORGED} against ranks 0 and 1 at version 7; the restarted shard resumed at version {} from {} agreeing copies (quorum {}), {} offer rejected",
+            report.version, report.agreeing, report.quorum, report.rejected
+        );
+        second.abort().await;
+    });
+}
+
+#[test]
+fn huge_pushes_from_one_rank_do_not_poison_the_model() {
+    // ASP: rank 0 trains; whoever holds rank 1's certificate joins once rank
+    // 0 is under way and pushes 20 dense gradients of 3e38 per entry. The
+    // default guards scale each to the median norm of recent pushes.
+    const HOSTILE_PUSHES: u64 = 20;
+    let mut cfg = config(4);
+    cfg.server.mode = SyncMode::Asp;
+    cfg.cluster.shards_per_server = 1;
+    cfg.validate().expect("valid config");
+    with_cluster(cfg, |mut setup| async move {
+        let server = setup.server();
+        let planned = 4 * STEPS_PER_EPOCH;
+        let addr = server.local_addr();
+        let limit = setup.cfg.server.max_frame_bytes;
+        let n = setup.cfg.model.num_params();
+        let (o0, mut steps) = setup.watched(0);
+        let honest = run_worker(&setup.cfg, o0, setup.store.clone(), setup.prefix.clone());
+        let attacker = async {
+            wait_steps(&mut steps, 5).await;
+            let conn = raw_worker(&setup, addr, 1).await;
+            let join = Request::Offer {
+                shard: 0,
+                version: 0,
+                next_step: 0,
+                values: vec![0.0; n],
+            };
+            let (resp, _) = transport::call(&conn, &join, limit).await.expect("offer");
+            let Response::Params { mut next_step, .. } = resp else {
+                panic!("{resp:?}")
+            };
+            for _ in 0..HOSTILE_PUSHES {
+                let push = Request::Step {
+                    shard: 0,
+                    step: next_step,
+                    have_version: None,
+                    grad: WireGrad::Dense(WireValues::F32(vec![3.0e38; n])),
+                };
+                let (resp, _) = transport::call(&conn, &push, limit).await.expect("push");
+                match resp {
+                    Response::Params { next_step: s, .. } => next_step = s,
+                    other => panic!("{other:?}"),
+                }
+            }
+            let (resp, _) = transport::call(&conn, &Request::Bye, limit)
+                .await
+                .expect("bye");
+            assert!(matches!(resp, Response::ByeAck), "{resp:?}");
+        };
+        let (a, ()) = tokio::time::timeout(RUN_LIMIT, futures::future::join(honest, attacker))
+            .await
+            .expect("run finished in time");
+        let a = a.expect("the honest worker finishes");
+        let status = server.status().await;
+        server.wait().await.expect("server ends cleanly");
+        assert_eq!(a.steps, planned);
+        let stats = status[0].stats;
+        assert_eq!(
+            (stats.anomalies, stats.clipped, stats.refused),
+            (HOSTILE_PUSHES, 0, 0),
+            "every hostile push, and only those, was scaled down"
+        );
+        assert!(status[0].version >= planned + HOSTILE_PUSHES);
+        assert!(
+            a.final_accuracy > ACCURACY_BAR,
+            "accuracy {}",
+            a.final_accuracy
+        );
+        println!(
+            "faults: gradient poisoning: rank 1 pushed {HOSTILE_PUSHES} dense gradients of 3e38 per entry; anomalies scaled down {}, honest pushes flagged {}, honest accuracy {:.2}%",
+            stats.anomalies,
+            stats.anomalies - HOSTILE_PUSHES,
+            100.0 * a.final_accuracy
+        );
     });
 }

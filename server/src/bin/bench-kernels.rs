@@ -3,7 +3,9 @@
 //! Times, on one random Gaussian gradient: a plain read pass (parallel and
 //! single-thread), approximate, exact and full-sort top-k, and the fused optimizer
 //! update (SGD + momentum + weight decay, Nesterov, LARS) against the unfused
-//! reference and a read pass over params + grads + momentum. Prints a table and
+//! reference and a read pass over params + grads + momentum, and the shard's
+//! push guard (the norm of a dense push and the median of the recent norms)
+//! against the fused update, per entry. Prints a table and
 //! the ratios measured in this run with their targets (PASS/MISS); timings are
 //! reported, never asserted.
 //!
@@ -16,9 +18,11 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use ps_server::core::{push_norm, NormWindow, NORM_WINDOW};
 use ps_server::optimizer::{fused_update, reference_update};
 use ps_shared::config::OptimizerSection;
 use ps_shared::hash::splitmix64_next;
+use ps_shared::protocol::WireValues;
 use ps_shared::sparse::{k_for_density, topk_approx, topk_by_full_sort, topk_exact};
 use rayon::prelude::*;
 
@@ -219,6 +223,14 @@ fn main() -> anyhow::Result<()> {
     let mut fused_lars = Samples::new("fused LARS+momentum+WD");
     let mut unfused = Samples::new("unfused reference SGD+mom+WD");
     let mut unfused_lars = Samples::new("unfused reference LARS");
+    let mut guard = Samples::new("push guard (norm + median)");
+    // The shard's push guard: the norm of one dense push and the median of
+    // a full window of recent norms.
+    let wire = WireValues::F32(grad.clone());
+    let mut window = NormWindow::default();
+    for i in 0..NORM_WINDOW {
+        window.push(1.0 + i as f64);
+    }
 
     // Kernels are interleaved round by round, so that load from other processes
     // affects the kernels and their baselines alike.
@@ -234,6 +246,7 @@ fn main() -> anyhow::Result<()> {
             timed(&mut read3, || {
                 read_three_parallel(&params, &grad, &momentum)
             });
+            timed(&mut guard, || (push_norm(&wire), window.median(1)));
             let fused_updates = [
                 (&mut fused, &sgd, whole),
                 (&mut fused_nesterov, &nesterov, whole),
@@ -274,6 +287,7 @@ fn main() -> anyhow::Result<()> {
         &fused_lars,
         &unfused,
         &unfused_lars,
+        &guard,
     ];
 
     println!();
@@ -328,6 +342,12 @@ fn main() -> anyhow::Result<()> {
         "  fused vs unfused       {:>7.1}x (LARS {:.1}x)",
         ratio(unfused.min(), fused.min()),
         ratio(unfused_lars.min(), fused_lars.min())
+    );
+    println!(
+        "  guard / fused          {:>7.3}  ({:.3} ns per entry for the guard, {:.3} for the fused update; one dense push per update)",
+        ratio(guard.min(), fused.min()),
+        guard.min().as_secs_f64() * 1e9 / len as f64,
+        fused.min().as_secs_f64() * 1e9 / len as f64
     );
     println!(
         "  nesterov / read3       {:>7.2}, LARS / read3 {:.2}, single-thread read / parallel read {:.2}",

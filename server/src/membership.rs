@@ -149,8 +149,18 @@ enum RankState {
     Live(ConnId),
     /// Left without finishing (dead, silent, or never came); may come back.
     Gone,
-    /// Said goodbye.
+    /// Said goodbye when its work was done; may not come back.
     Finished,
+    /// Said goodbye because it was told to stop (a signal): done, unless a
+    /// replacement takes its place.
+    Stopped,
+}
+
+impl RankState {
+    /// Said goodbye, finished or stopped.
+    fn said_goodbye(self) -> bool {
+        matches!(self, RankState::Finished | RankState::Stopped)
+    }
 }
 
 /// The server process's view of the workers.
@@ -197,10 +207,7 @@ impl Membership {
 
     /// Ranks that said goodbye.
     pub fn finished(&self) -> usize {
-        self.ranks
-            .values()
-            .filter(|s| **s == RankState::Finished)
-            .count()
+        self.ranks.values().filter(|s| s.said_goodbye()).count()
     }
 
     /// A QUIC connection arrived (before TLS completes): admit it or refuse.
@@ -365,17 +372,22 @@ impl Membership {
     }
 
     /// `conn`'s worker said goodbye.
-    pub fn bye(&mut self, conn: ConnId, now: Instant) -> Vec<MemberAction> {
+    pub fn bye(&mut self, conn: ConnId, finished: bool, now: Instant) -> Vec<MemberAction> {
         let mut out = Vec::new();
         let Some(rank) = self.rank_of(conn) else {
             return out;
         };
         if self.ranks.get(&rank) == Some(&RankState::Live(conn)) {
-            self.ranks.insert(rank, RankState::Finished);
+            let (state, why) = if finished {
+                (RankState::Finished, "finished")
+            } else {
+                (RankState::Stopped, "stopped")
+            };
+            self.ranks.insert(rank, state);
             out.push(MemberAction::Left {
                 rank,
                 conn: Some(conn),
-                why: "finished".into(),
+                why: why.into(),
             });
         }
         self.check_exit(now, &mut out);
@@ -467,7 +479,7 @@ impl Membership {
         }
         let finished = self.finished();
         // Every expected rank, and every rank that joined beyond them.
-        if self.ranks.values().all(|s| *s == RankState::Finished) {
+        if self.ranks.values().all(|s| s.said_goodbye()) {
             if self.s.exit_when_done {
                 self.exited = true;
                 out.push(MemberAction::Exit {
@@ -582,15 +594,15 @@ mod tests {
         assert_eq!(m.live().len(), 3);
         // The server ends once the joiner finished too.
         assert!(m
-            .bye(1, t0)
+            .bye(1, true, t0)
             .iter()
             .all(|a| !matches!(a, MemberAction::Exit { .. })));
         assert!(m
-            .bye(2, t0)
+            .bye(2, true, t0)
             .iter()
             .all(|a| !matches!(a, MemberAction::Exit { .. })));
         assert!(m
-            .bye(3, t0)
+            .bye(3, true, t0)
             .iter()
             .any(|a| matches!(a, MemberAction::Exit { ok: true, .. })));
     }
@@ -678,7 +690,7 @@ mod tests {
         );
         m.connection_opened(1, t0).unwrap();
         m.hello(1, 0, &hello(0, 2), t0).unwrap();
-        let left = m.bye(1, t0);
+        let left = m.bye(1, true, t0);
         assert!(matches!(
             left[..],
             [MemberAction::Left { rank: 0, ref why, .. }] if why == "finished"
@@ -697,6 +709,36 @@ mod tests {
         // The other rank still joins.
         m.connection_opened(3, t0).unwrap();
         assert!(m.hello(3, 1, &hello(1, 2), t0).is_ok());
+    }
+
+    #[test]
+    fn a_rank_stopped_by_a_signal_may_be_replaced() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(
+            MembershipSettings {
+                exit_when_done: false,
+                ..settings(2)
+            },
+            t0,
+        );
+        m.connection_opened(1, t0).unwrap();
+        m.hello(1, 0, &hello(0, 2), t0).unwrap();
+        let left = m.bye(1, false, t0);
+        assert!(matches!(
+            left[..],
+            [MemberAction::Left { rank: 0, ref why, .. }] if why == "stopped"
+        ));
+        assert!(m.connection_closed(1, "closed", t0).is_empty());
+        // A replacement with the same certificate takes its place.
+        m.connection_opened(2, t0).unwrap();
+        let joined = m.hello(2, 0, &hello(0, 2), t0).unwrap();
+        assert_eq!(joined, vec![MemberAction::Joined { rank: 0, conn: 2 }]);
+        // Once it finishes, it is done for good.
+        m.bye(2, true, t0);
+        assert!(m.connection_closed(2, "closed", t0).is_empty());
+        m.connection_opened(3, t0).unwrap();
+        let e = m.hello(3, 0, &hello(0, 2), t0).unwrap_err();
+        assert_eq!(e.code, ErrorCode::RankFinished);
     }
 
     #[test]
@@ -739,8 +781,8 @@ mod tests {
         let b = m.hello(4, 2, &node(2), t0).unwrap();
         assert_eq!(b, vec![MemberAction::Joined { rank: 1, conn: 4 }]);
         // Both nodes saying goodbye is every client finished.
-        m.bye(3, t0);
-        let out = m.bye(4, t0);
+        m.bye(3, true, t0);
+        let out = m.bye(4, true, t0);
         assert!(
             out.iter()
                 .any(|a| matches!(a, MemberAction::Exit { ok: true, .. })),
@@ -862,7 +904,7 @@ mod tests {
             m.connection_opened(conn, t0).unwrap();
             m.hello(conn, rank, &hello(rank, 2), t0).unwrap();
         }
-        m.bye(1, secs(t0, 1));
+        m.bye(1, true, secs(t0, 1));
         m.connection_closed(2, "reset", secs(t0, 2));
         assert!(!m
             .tick(secs(t0, 21))
@@ -876,8 +918,8 @@ mod tests {
             m.connection_opened(conn, t0).unwrap();
             m.hello(conn, rank, &hello(rank, 2), t0).unwrap();
         }
-        m.bye(1, t0);
-        let acts = m.bye(2, t0);
+        m.bye(1, true, t0);
+        let acts = m.bye(2, true, t0);
         assert!(acts
             .iter()
             .any(|a| matches!(a, MemberAction::Exit { ok: true, .. })));

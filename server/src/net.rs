@@ -130,7 +130,7 @@ impl Ctx {
                     self.broadcast(MemberNews::Joined { rank, conn });
                 }
                 MemberAction::Left { rank, conn, why } => {
-                    if why == "finished" {
+                    if why == "finished" || why == "stopped" {
                         tracing::info!(rank, "worker finished");
                     } else {
                         tracing::warn!(rank, "worker left the barrier: {why}");
@@ -862,8 +862,8 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response 
             to_shard(ctx, conn, rank, shard, request).await
         }
         Request::Heartbeat => Response::HeartbeatAck,
-        Request::Bye => {
-            let actions = ctx.membership().bye(conn, Instant::now());
+        Request::Bye { finished } => {
+            let actions = ctx.membership().bye(conn, finished, Instant::now());
             ctx.apply(actions);
             Response::ByeAck
         }

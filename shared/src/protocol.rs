@@ -22,7 +22,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use crate::sparse::{values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -281,8 +281,10 @@ pub enum Request {
         have_version: Option<u64>,
         grad: WireGrad,
     },
-    /// The worker is done; it leaves the barrier.
-    Bye,
+    /// The worker leaves the barrier: `finished` when its work is done (it
+    /// may not rejoin the run), not when it was told to stop (a signal: a
+    /// replacement may take its rank).
+    Bye { finished: bool },
     /// Liveness signal, sent periodically while the worker runs.
     Heartbeat,
 }
@@ -488,7 +490,7 @@ mod tests {
             have_version: None,
             grad: WireGrad::Dense(WireValues::F16(vec![0x3c00, 0xbc00])),
         });
-        round_trip_req(Request::Bye);
+        round_trip_req(Request::Bye { finished: true });
         round_trip_req(Request::Heartbeat);
     }
 

@@ -574,12 +574,15 @@ mod tests {
         let serve = async {
             let (mut send, mut recv) = server.accept_bi().await.unwrap();
             let req = decode_request(&read_frame(&mut recv, 1 << 20).await.unwrap()).unwrap();
-            assert_eq!(req, Request::Bye);
+            assert_eq!(req, Request::Bye { finished: true });
             let frame = encode_response(&Response::ByeAck).unwrap();
             write_frame(&mut send, &frame).await.unwrap();
             send
         };
-        let (_send, reply) = tokio::join!(serve, call(&client, &Request::Bye, 1 << 20));
+        let (_send, reply) = tokio::join!(
+            serve,
+            call(&client, &Request::Bye { finished: true }, 1 << 20)
+        );
         assert_eq!(reply.unwrap().0, Response::ByeAck);
     }
 

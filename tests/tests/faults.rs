@@ -847,7 +847,7 @@ fn huge_pushes_from_one_rank_do_not_poison_the_model() {
                     other => panic!("{other:?}"),
                 }
             }
-            let (resp, _) = transport::call(&conn, &Request::Bye, limit)
+            let (resp, _) = transport::call(&conn, &Request::Bye { finished: true }, limit)
                 .await
                 .expect("bye");
             assert!(matches!(resp, Response::ByeAck), "{resp:?}");

@@ -229,7 +229,7 @@ fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
         assert!(*held[1].borrow() == server_params, "rank 1 holds the servers' parameters");
 
         heartbeats.abort();
-        let (b0, b1) = futures::future::join(c0.bye(), c1.bye()).await;
+        let (b0, b1) = futures::future::join(c0.bye(true), c1.bye(true)).await;
         b0.expect("rank 0 leaves");
         b1.expect("rank 1 leaves");
         within("the server's end", server.wait())

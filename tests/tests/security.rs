@@ -95,7 +95,7 @@ fn server_refuses_bad_clients_and_keeps_serving() {
             // A certificate for a rank the cluster does not have.
             (1, Request::Hello { worker_rank: 1, protocol_version, token: token.clone(), workers, num_params, layout_hash, workers_per_node }, ErrorCode::UnknownWorker),
             (0, Request::Heartbeat, ErrorCode::Unauthorized),
-            (0, Request::Bye, ErrorCode::Unauthorized),
+            (0, Request::Bye { finished: true }, ErrorCode::Unauthorized),
         ];
         for (cert_rank, req, code) in bad {
             let conn = connect_as(&pki, cert_rank, addr).await;

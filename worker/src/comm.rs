@@ -715,8 +715,10 @@ impl Comm {
         }
     }
 
-    /// Leave the cluster and close the connections.
-    pub async fn bye(&self) -> Result<(), CommError> {
+    /// Leave the cluster and close the connections: `finished` when this
+    /// worker's work is done (it may not rejoin the run), not when it was
+    /// told to stop (a replacement may take its rank).
+    pub async fn bye(&self, finished: bool) -> Result<(), CommError> {
         let links: Vec<(String, Connection)> = self
             .links
             .borrow()
@@ -724,7 +726,8 @@ impl Comm {
             .map(|l| (l.server.clone(), l.conn.clone()))
             .collect();
         for (server, conn) in links {
-            let call = transport::call(&conn, &Request::Bye, self.dialer.max_frame);
+            let bye = Request::Bye { finished };
+            let call = transport::call(&conn, &bye, self.dialer.max_frame);
             match tokio::time::timeout(self.dialer.request_timeout, call).await {
                 Ok(Ok((Response::ByeAck, _))) => {}
                 Ok(Ok((other, _))) => return Err(refused("bye", other)),
@@ -949,18 +952,21 @@ impl CommSummary {
     }
 }
 
-/// Say goodbye to every server, then stop the actor.
+/// Say goodbye to every server, then stop the actor: `finished` when the
+/// work is done, not when the worker was told to stop.
 #[derive(Message)]
 #[rtype(result = "Result<CommSummary, CommError>")]
-pub struct Leave;
+pub struct Leave {
+    pub finished: bool,
+}
 
 impl Handler<Leave> for CommActor {
     type Result = ResponseActFuture<Self, Result<CommSummary, CommError>>;
-    fn handle(&mut self, _: Leave, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Leave, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
         Box::pin(
             async move {
-                comm.bye().await?;
+                comm.bye(msg.finished).await?;
                 Ok(CommSummary::of(&comm))
             }
             .into_actor(self)

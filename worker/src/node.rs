@@ -200,6 +200,8 @@ pub struct Node {
     joining: RefCell<Vec<oneshot::Sender<JoinResult>>>,
     joined: Cell<bool>,
     comm: RefCell<Option<Rc<Comm>>>,
+    /// A rank of the node left because it was told to stop (not finished).
+    stopped: Cell<bool>,
     sum: RefCell<NodeSum>,
     /// Reply channels of the ranks that handed in this round's gradient.
     pending: RefCell<Vec<oneshot::Sender<StepResult>>>,
@@ -227,6 +229,7 @@ impl Node {
             joining: RefCell::new(Vec::new()),
             joined: Cell::new(false),
             comm: RefCell::new(None),
+            stopped: Cell::new(false),
             sum: RefCell::new(NodeSum::for_config(cfg)),
             pending: RefCell::new(Vec::new()),
             pushing: Cell::new(false),
@@ -465,7 +468,8 @@ impl Node {
             comm.abort();
             Ok(())
         } else {
-            comm.bye()
+            // The node finished only when none of its ranks was stopped.
+            comm.bye(!self.stopped.get())
                 .await
                 .map_err(|e| self.fail(format!("saying goodbye: {e}")))
         }
@@ -533,8 +537,11 @@ impl NodeMember {
 
     /// This rank is done; the last rank of the node says goodbye to the
     /// servers for the node.
-    pub async fn leave(&self) -> Result<CommSummary, NodeError> {
+    pub async fn leave(&self, finished: bool) -> Result<CommSummary, NodeError> {
         self.done.set(true);
+        if !finished {
+            self.node.stopped.set(true);
+        }
         self.node.remove(self.local, Member::Left);
         self.node.close(false).await?;
         Ok(self.node.summary())

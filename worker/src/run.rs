@@ -198,7 +198,7 @@ async fn stop_during_wait(
     tracing::warn!(rank, step, "stop signal while waiting for {waiting_for}");
     let goodbye = match exchange {
         Some(x) => matches!(
-            tokio::time::timeout(GOODBYE_GRACE, x.leave()).await,
+            tokio::time::timeout(GOODBYE_GRACE, x.leave(false)).await,
             Ok(Ok(_))
         ),
         None => false,
@@ -553,10 +553,12 @@ impl Exchange {
         }
     }
 
-    async fn leave(&self) -> Result<CommSummary, WorkerError> {
+    /// Say goodbye: `finished` when the work is done, not when the worker
+    /// was told to stop (then a replacement may take the rank).
+    async fn leave(&self, finished: bool) -> Result<CommSummary, WorkerError> {
         match self {
-            Exchange::Flat(comm) => Ok(comm.send(Leave).await??),
-            Exchange::Node(member) => Ok(member.leave().await?),
+            Exchange::Flat(comm) => Ok(comm.send(Leave { finished }).await??),
+            Exchange::Node(member) => Ok(member.leave(finished).await?),
         }
     }
 
@@ -1026,7 +1028,7 @@ async fn train(
         }
         if opts.stop.as_ref().is_some_and(|s| *s.borrow()) {
             bar.finish_and_clear();
-            exchange.leave().await?;
+            exchange.leave(false).await?;
             return Err(WorkerError::Interrupted(step));
         }
         if let Some(tx) = &opts.steps_done {
@@ -1056,7 +1058,7 @@ async fn train(
     bar.finish_and_clear();
     // Stop the prefetching: the GETs it has sent are all counted then.
     loader.stop().await;
-    let summary = exchange.leave().await?;
+    let summary = exchange.leave(true).await?;
 
     // A worker that joined a finished run trained no epoch: evaluate anyway.
     let final_accuracy = match reports.last() {

@@ -2,7 +2,9 @@
 //! machine like [`crate::core`].
 //!
 //! [`Membership`] admits connections (caps on total and unauthenticated
-//! ones), checks each Hello against the rank in the client certificate and
+//! ones, and on unauthenticated ones per source address; when a cap is
+//! reached the oldest connection that has not said Hello makes room, so a
+//! newcomer is never kept out by connections that never finish), checks each Hello against the rank in the client certificate and
 //! the cluster's settings, refuses a second connection for a rank that is
 //! alive, rate-limits requests per connection, drops workers that fall
 //! silent or never arrive, and decides when the server exits: cleanly when
@@ -25,6 +27,7 @@
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use ps_shared::link::Tokens;
@@ -60,6 +63,8 @@ pub struct MembershipSettings {
     pub layout_hash: u64,
     pub max_connections: usize,
     pub max_unauthenticated: usize,
+    /// Connections not yet past Hello from one source address.
+    pub max_unauthenticated_per_source: usize,
     /// Requests per second per connection (burst 1 s); 0 = unlimited.
     pub max_requests_per_sec: u32,
     /// A live rank silent this long is dropped.
@@ -92,6 +97,7 @@ impl Default for MembershipSettings {
             layout_hash: 0,
             max_connections: 256,
             max_unauthenticated: 32,
+            max_unauthenticated_per_source: 8,
             max_requests_per_sec: 0,
             worker_timeout: Duration::from_secs(10),
             join_timeout: Duration::from_secs(300),
@@ -135,6 +141,11 @@ fn refused(code: ErrorCode, message: impl Into<String>) -> Refused {
 
 struct Conn {
     rank: Option<u32>,
+    /// The peer's address, when known (eviction picks among its own first).
+    source: Option<IpAddr>,
+    /// When the connection arrived (the oldest unauthenticated one makes
+    /// room first).
+    opened: Instant,
     last_seen: Instant,
     /// Request budget (burst: one second's worth).
     budget: Tokens,
@@ -210,27 +221,80 @@ impl Membership {
         self.ranks.values().filter(|s| s.said_goodbye()).count()
     }
 
-    /// A QUIC connection arrived (before TLS completes): admit it or refuse.
-    pub fn connection_opened(&mut self, conn: ConnId, now: Instant) -> Result<(), Refused> {
+    /// A QUIC connection from an unknown source arrived (before TLS
+    /// completes); see [`Self::connection_from`].
+    pub fn connection_opened(
+        &mut self,
+        conn: ConnId,
+        now: Instant,
+    ) -> Result<Vec<MemberAction>, Refused> {
+        self.connection_from(conn, None, now)
+    }
+
+    /// A QUIC connection from `source` arrived, its address validated
+    /// (before TLS completes): admit it, making room when a cap is reached.
+    ///
+    /// Connections that have not said Hello yet are capped per source
+    /// (`max_unauthenticated_per_source`), in all (`max_unauthenticated`),
+    /// and count towards `max_connections`. Reaching a cap never refuses the
+    /// newcomer: the oldest connection not yet past Hello (from the same
+    /// source when that source's cap is reached) is evicted, so a flood of
+    /// handshakes that never finish cannot keep a worker out; each eviction
+    /// is a [`MemberAction::Close`]. Only when `max_connections` are all
+    /// past Hello is the newcomer refused.
+    pub fn connection_from(
+        &mut self,
+        conn: ConnId,
+        source: Option<IpAddr>,
+        now: Instant,
+    ) -> Result<Vec<MemberAction>, Refused> {
         let (total, unauth) = self.connections();
-        if total >= self.s.max_connections {
+        if total - unauth >= self.s.max_connections {
             return Err(refused(
                 ErrorCode::RateLimited,
-                format!("server has {total} connections (server.max_connections)"),
+                format!("server has {total} connections past Hello (server.max_connections)"),
             ));
         }
-        if unauth >= self.s.max_unauthenticated {
-            return Err(refused(
-                ErrorCode::RateLimited,
-                format!(
-                    "{unauth} connections have not said Hello yet (server.max_unauthenticated)"
-                ),
-            ));
+        let mut out = Vec::new();
+        loop {
+            let (total, unauth) = self.connections();
+            let from_source = source.map_or(0, |ip| self.pre_hello_from(ip));
+            let (scope, why) = if from_source >= self.s.max_unauthenticated_per_source.max(1) {
+                (
+                    source,
+                    format!(
+                        "evicted: {from_source} connections from this address had not said Hello (server.max_unauthenticated_per_source)"
+                    ),
+                )
+            } else if unauth >= self.s.max_unauthenticated {
+                (
+                    None,
+                    format!(
+                        "evicted: {unauth} connections had not said Hello (server.max_unauthenticated)"
+                    ),
+                )
+            } else if total >= self.s.max_connections {
+                (
+                    None,
+                    format!("evicted before Hello: server has {total} connections (server.max_connections)"),
+                )
+            } else {
+                break;
+            };
+            // Some connection is before Hello here: the caps above are only
+            // reached with one, and max_connections are not all past Hello.
+            let Some(oldest) = self.oldest_pre_hello(scope) else {
+                break;
+            };
+            self.conns.remove(&oldest);
+            out.push(MemberAction::Close { conn: oldest, why });
         }
         self.conns.insert(
             conn,
             Conn {
                 rank: None,
+                source,
+                opened: now,
                 last_seen: now,
                 budget: Tokens::full(
                     f64::from(self.s.max_requests_per_sec),
@@ -239,7 +303,24 @@ impl Membership {
                 ),
             },
         );
-        Ok(())
+        Ok(out)
+    }
+
+    /// Connections from `ip` not yet past Hello.
+    fn pre_hello_from(&self, ip: IpAddr) -> usize {
+        self.conns
+            .values()
+            .filter(|c| c.rank.is_none() && c.source == Some(ip))
+            .count()
+    }
+
+    /// The oldest connection not yet past Hello (from `source` when given).
+    fn oldest_pre_hello(&self, source: Option<IpAddr>) -> Option<ConnId> {
+        self.conns
+            .iter()
+            .filter(|(_, c)| c.rank.is_none() && (source.is_none() || c.source == source))
+            .min_by_key(|(id, c)| (c.opened, **id))
+            .map(|(id, _)| *id)
     }
 
     /// Check a Hello from `conn` whose client certificate names `cert_rank`.
@@ -540,6 +621,7 @@ mod tests {
             layout_hash: 42,
             max_connections: 4,
             max_unauthenticated: 2,
+            max_unauthenticated_per_source: 2,
             max_requests_per_sec: 10,
             worker_timeout: Duration::from_secs(3),
             join_timeout: Duration::from_secs(30),
@@ -791,20 +873,133 @@ mod tests {
     }
 
     #[test]
-    fn connection_caps_hold_before_authentication() {
+    fn connection_caps_evict_the_oldest_before_authentication() {
         let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
         let mut m = Membership::new(settings(2), t0);
-        m.connection_opened(1, t0).unwrap();
-        m.connection_opened(2, t0).unwrap();
-        // Two unauthenticated already: the third is refused.
-        assert!(m.connection_opened(3, t0).is_err());
-        m.hello(1, 0, &hello(0, 2), t0).unwrap();
-        m.connection_opened(3, t0).unwrap();
-        m.hello(3, 1, &hello(1, 2), t0).unwrap();
-        m.connection_opened(4, t0).unwrap();
-        // Four in all: the fifth is refused.
-        assert!(m.connection_opened(5, t0).is_err());
+        assert_eq!(m.connection_opened(1, at(0)).unwrap(), vec![]);
+        assert_eq!(m.connection_opened(2, at(1)).unwrap(), vec![]);
+        // Two unauthenticated already: the third gets in, the oldest goes.
+        let out = m.connection_opened(3, at(2)).unwrap();
+        assert!(
+            matches!(&out[..], [MemberAction::Close { conn: 1, why }] if why.contains("server.max_unauthenticated")),
+            "{out:?}"
+        );
+        assert_eq!(m.connections(), (2, 2));
+        // An evicted connection's Hello is refused; the newest one joins.
+        assert!(m.hello(1, 0, &hello(0, 2), at(3)).is_err());
+        m.hello(3, 0, &hello(0, 2), at(3)).unwrap();
+        m.connection_opened(4, at(4)).unwrap();
+        m.hello(4, 1, &hello(1, 2), at(4)).unwrap();
+        // Two past Hello, two before it: the next one evicts connection 2,
+        // the oldest before Hello.
+        m.connection_opened(5, at(5)).unwrap();
+        let out = m.connection_opened(6, at(6)).unwrap();
+        assert!(
+            matches!(&out[..], [MemberAction::Close { conn: 2, why }] if why.contains("server.max_unauthenticated")),
+            "{out:?}"
+        );
         assert_eq!(m.connections(), (4, 2));
+        // The total cap makes room the same way.
+        let mut m = Membership::new(
+            MembershipSettings {
+                max_unauthenticated: 4,
+                ..settings(2)
+            },
+            t0,
+        );
+        for (conn, rank) in [(1, 0), (2, 1)] {
+            m.connection_opened(conn, at(conn)).unwrap();
+            m.hello(conn, rank, &hello(rank, 2), at(conn)).unwrap();
+        }
+        m.connection_opened(3, at(3)).unwrap();
+        m.connection_opened(4, at(4)).unwrap();
+        let out = m.connection_opened(5, at(5)).unwrap();
+        assert!(
+            matches!(&out[..], [MemberAction::Close { conn: 3, why }] if why.contains("server.max_connections")),
+            "{out:?}"
+        );
+        assert_eq!(m.connections(), (4, 2));
+        // Evicting makes room only among connections before Hello: with
+        // four past it, a newcomer is refused.
+        let mut m = Membership::new(
+            MembershipSettings {
+                max_workers: 4,
+                ..settings(2)
+            },
+            t0,
+        );
+        for (conn, rank) in [(1, 0), (2, 1), (3, 2), (4, 3)] {
+            m.connection_opened(conn, at(conn)).unwrap();
+            m.hello(conn, rank, &hello(rank, 2), at(conn)).unwrap();
+        }
+        let e = m.connection_opened(5, at(5)).unwrap_err();
+        assert_eq!(e.code, ErrorCode::RateLimited);
+        assert!(
+            e.message.contains("server.max_connections"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn one_source_cannot_take_every_slot_before_hello() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let flood: IpAddr = "192.0.2.7".parse().unwrap();
+        let worker: IpAddr = "198.51.100.3".parse().unwrap();
+        let mut m = Membership::new(
+            MembershipSettings {
+                max_connections: 8,
+                max_unauthenticated: 4,
+                max_unauthenticated_per_source: 2,
+                ..settings(2)
+            },
+            t0,
+        );
+        // A source at its cap makes room among its own connections only.
+        let mut evicted = Vec::new();
+        for conn in 1..=10 {
+            for action in m.connection_from(conn, Some(flood), at(conn)).unwrap() {
+                let MemberAction::Close { conn, why } = action else {
+                    panic!("{action:?}");
+                };
+                assert!(
+                    why.contains("server.max_unauthenticated_per_source"),
+                    "{why}"
+                );
+                evicted.push(conn);
+            }
+        }
+        assert_eq!(evicted, (1..=8).collect::<Vec<_>>());
+        assert_eq!(m.connections(), (2, 2));
+        // The worker finds a free slot, evicts nobody, and says Hello while
+        // the flood goes on.
+        assert_eq!(
+            m.connection_from(100, Some(worker), at(11)).unwrap(),
+            vec![]
+        );
+        for conn in 11..=20 {
+            let out = m.connection_from(conn, Some(flood), at(conn)).unwrap();
+            assert!(
+                out.iter()
+                    .all(|a| !matches!(a, MemberAction::Close { conn: 100, .. })),
+                "{out:?}"
+            );
+        }
+        let joined = m.hello(100, 0, &hello(0, 2), at(21)).unwrap();
+        assert_eq!(joined, vec![MemberAction::Joined { rank: 0, conn: 100 }]);
+        // Many sources: the oldest before Hello goes, whoever it is.
+        let out = m.connection_from(200, Some(worker), at(22)).unwrap();
+        assert_eq!(out, vec![]);
+        let third: IpAddr = "203.0.113.9".parse().unwrap();
+        assert_eq!(m.connection_from(201, Some(third), at(23)).unwrap(), vec![]);
+        let fourth: IpAddr = "2001:db8::4".parse().unwrap();
+        let out = m.connection_from(202, Some(fourth), at(24)).unwrap();
+        assert!(
+            matches!(&out[..], [MemberAction::Close { conn: 19, why }] if why.contains("server.max_unauthenticated")),
+            "{out:?}"
+        );
     }
 
     #[test]

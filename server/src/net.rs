@@ -13,6 +13,17 @@
 //! [`MAX_HELLO_BYTES`] within `server.hello_timeout_secs`; after that every
 //! stream carries one request and its reply.
 //!
+//! Admission: a first packet from an address not yet validated is answered
+//! with a stateless QUIC Retry, so no handshake state exists for a source
+//! that cannot receive at its address. [`Membership`] then admits the
+//! connection (evicting the oldest one not yet past Hello when a cap is
+//! reached). Until Hello a connection may open one stream with
+//! [`transport::PRE_HELLO_RECEIVE_WINDOW`] bytes in flight; after it the
+//! windows open ([`transport::open_after_hello`]) and the request frames
+//! being read on the connection are held to a [`FrameBudget`] of
+//! [`frame_budget_bytes`], each read stalling at most
+//! `server.idle_timeout_secs`.
+//!
 //! ```no_run
 //! # async fn demo(tls: ps_server::net::ServerTls) -> anyhow::Result<()> {
 //! use ps_shared::config::ClusterConfig;
@@ -32,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
 use ps_shared::bucket::open_bucket;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
@@ -42,7 +53,9 @@ use ps_shared::protocol::{
 };
 use ps_shared::sampler::Partition;
 use ps_shared::shard::ShardMap;
-use ps_shared::transport::{self, read_frame, write_frame, EndpointLimits, TransportError};
+use ps_shared::transport::{
+    self, read_frame, read_frame_budgeted, write_frame, EndpointLimits, FrameBudget, TransportError,
+};
 
 use crate::actor::{
     CheckpointTarget, Deliver, GetCounters, GetStatus, MemberNews, ShardActor, ShardRequest,
@@ -98,10 +111,19 @@ struct Ctx {
     max_frame: usize,
     request_timeout: Duration,
     hello_timeout: Duration,
+    /// Longest wait for the next byte of a frame being read.
+    stall: Duration,
+    /// Bytes of request frames one connection may hold at once.
+    frame_budget: usize,
+    limits: EndpointLimits,
     shards: HashMap<u32, Addr<ShardActor>>,
     welcome: Vec<ShardRange>,
     membership: Mutex<Membership>,
     conns: Mutex<HashMap<ConnId, Connection>>,
+    /// Connections not yet past Hello: how to evict each.
+    pending: Mutex<HashMap<ConnId, oneshot::Sender<String>>>,
+    /// (open connections, those not yet past Hello), after every change.
+    counts: watch::Sender<(usize, usize)>,
     next_conn: AtomicU64,
     outcome: watch::Sender<Option<Result<(), ServerExit>>>,
 }
@@ -113,6 +135,17 @@ impl Ctx {
 
     fn conns(&self) -> MutexGuard<'_, HashMap<ConnId, Connection>> {
         self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn pending(&self) -> MutexGuard<'_, HashMap<ConnId, oneshot::Sender<String>>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Publish the connection counts (after membership changed them).
+    fn publish_counts(&self) {
+        let counts = self.membership().connections();
+        self.counts
+            .send_if_modified(|c| std::mem::replace(c, counts) != counts);
     }
 
     fn broadcast(&self, news: MemberNews) {
@@ -140,6 +173,9 @@ impl Ctx {
                 MemberAction::Close { conn, why } => {
                     if let Some(c) = self.conns().get(&conn) {
                         c.close(close::EVICTED.into(), why.as_bytes());
+                    } else if let Some(evict) = self.pending().remove(&conn) {
+                        // Before Hello: its task closes it.
+                        let _ = evict.send(why);
                     }
                 }
                 MemberAction::Exit { ok, message } => {
@@ -157,9 +193,11 @@ impl Ctx {
 
     fn closed(&self, conn: ConnId, why: &str) {
         self.conns().remove(&conn);
+        self.pending().remove(&conn);
         let actions = self
             .membership()
             .connection_closed(conn, why, Instant::now());
+        self.publish_counts();
         self.broadcast(MemberNews::ConnClosed { conn });
         self.apply(actions);
     }
@@ -335,6 +373,31 @@ impl RunningServer {
     pub fn connections(&self) -> (usize, usize) {
         self.ctx.membership().connections()
     }
+
+    /// Wait until the connection counts (open, not yet past Hello) satisfy
+    /// `pred` (an event: the server publishes them on every change), and
+    /// return them.
+    pub async fn wait_connections(
+        &self,
+        pred: impl FnMut(&(usize, usize)) -> bool,
+    ) -> (usize, usize) {
+        let mut rx = self.ctx.counts.subscribe();
+        let counts = match rx.wait_for(pred).await {
+            Ok(c) => *c,
+            Err(_) => self.connections(),
+        };
+        counts
+    }
+
+    /// QUIC connections the endpoint holds state for, handshakes included.
+    pub fn quic_connections(&self) -> usize {
+        self.endpoint.open_connections()
+    }
+
+    /// Bytes of request frames one connection may hold at once.
+    pub fn frame_budget(&self) -> usize {
+        self.ctx.frame_budget
+    }
 }
 
 /// How a shard whose checkpoints keep failing stops the server: the first
@@ -370,6 +433,17 @@ fn segments_within(range: &Range<usize>, tensors: &[Range<usize>]) -> Vec<Range<
 
 fn secs(v: f64) -> Duration {
     ps_shared::config::secs(v)
+}
+
+/// Bytes of request frames one connection may hold at once while they are
+/// read and decoded ([`FrameBudget`]): one frame of `server.max_frame_bytes`,
+/// or, when more, a dense frame for each of the process's shards (what one
+/// step sends at once).
+pub fn frame_budget_bytes(cfg: &ClusterConfig) -> usize {
+    let dense_frame = 64 + 4 * cfg.model.num_params().div_ceil(cfg.total_shards().max(1));
+    cfg.server
+        .max_frame_bytes
+        .max(cfg.cluster.shards_per_server.saturating_mul(dense_frame))
 }
 
 /// The transport limits both ends use.
@@ -581,6 +655,7 @@ pub async fn start(
             layout_hash,
             max_connections: s.max_connections,
             max_unauthenticated: s.max_unauthenticated,
+            max_unauthenticated_per_source: s.max_unauthenticated_per_source,
             max_requests_per_sec: s.max_requests_per_sec,
             worker_timeout: secs(s.worker_timeout_secs),
             join_timeout: secs(s.join_timeout_secs),
@@ -596,10 +671,15 @@ pub async fn start(
         max_frame: s.max_frame_bytes,
         request_timeout: secs(s.request_timeout_secs),
         hello_timeout: secs(s.hello_timeout_secs),
+        stall: secs(s.idle_timeout_secs),
+        frame_budget: frame_budget_bytes(cfg),
+        limits,
         shards,
         welcome,
         membership: Mutex::new(membership),
         conns: Mutex::new(HashMap::new()),
+        pending: Mutex::new(HashMap::new()),
+        counts: watch::channel((0, 0)).0,
         next_conn: AtomicU64::new(1),
         outcome: outcome_tx,
     });
@@ -622,6 +702,14 @@ pub async fn start(
     let accept_ctx = ctx.clone();
     io.spawn(async move {
         while let Some(incoming) = accept_ep.accept().await {
+            if !incoming.remote_address_validated() {
+                // A stateless Retry: the client must echo its token from the
+                // address it claims before any handshake state is kept.
+                if let Err(e) = incoming.retry() {
+                    e.into_incoming().ignore();
+                }
+                continue;
+            }
             tokio::spawn(serve_connection(incoming, accept_ctx.clone()));
         }
     });
@@ -648,25 +736,43 @@ async fn reply(send: &mut SendStream, resp: &Response) {
     }
 }
 
-/// TLS, the certificate's rank and the Hello, all within the Hello deadline.
-async fn authenticate(
-    incoming: Incoming,
-    conn_id: ConnId,
-    ctx: &Ctx,
-) -> Result<(Connection, u32), (Option<Connection>, String)> {
-    let conn = incoming
-        .await
-        .map_err(|e| (None, format!("handshake failed: {e}")))?;
-    let cert_rank = match transport::peer_rank(&conn) {
-        Ok(r) => r,
-        Err(e) => {
-            return Err((Some(conn), format!("no usable worker certificate: {e}")));
-        }
-    };
+/// How a step of admission ended.
+enum Gate<T> {
+    Done(T),
+    TimedOut,
+    Evicted(String),
+}
+
+/// Run `step` until the Hello deadline or an eviction, whichever comes first.
+async fn gate<F: std::future::Future>(
+    deadline: tokio::time::Instant,
+    evicted: &mut oneshot::Receiver<String>,
+    step: F,
+) -> Gate<F::Output> {
+    tokio::select! {
+        out = tokio::time::timeout_at(deadline, step) => match out {
+            Ok(v) => Gate::Done(v),
+            Err(_) => Gate::TimedOut,
+        },
+        why = evicted => match why {
+            Ok(why) => Gate::Evicted(why),
+            // Not evictable any more: only the step or the deadline decides.
+            Err(_) => match tokio::time::timeout_at(deadline, std::future::pending::<()>()).await {
+                Ok(()) => unreachable!("pending never resolves"),
+                Err(_) => Gate::TimedOut,
+            },
+        },
+    }
+}
+
+/// The certificate's rank and the Hello, on a connection that finished TLS.
+async fn hello(conn: &Connection, conn_id: ConnId, ctx: &Ctx) -> Result<u32, String> {
+    let cert_rank =
+        transport::peer_rank(conn).map_err(|e| format!("no usable worker certificate: {e}"))?;
     let (mut send, mut recv) = conn
         .accept_bi()
         .await
-        .map_err(|e| (Some(conn.clone()), format!("no Hello stream: {e}")))?;
+        .map_err(|e| format!("no Hello stream: {e}"))?;
     let verdict = match read_frame(&mut recv, MAX_HELLO_BYTES).await {
         Ok(payload) => match decode_request(&payload) {
             Ok(Request::Hello {
@@ -701,6 +807,10 @@ async fn authenticate(
     };
     match verdict {
         Ok(actions) => {
+            // Past Hello: no longer evictable, and the windows open.
+            ctx.pending().remove(&conn_id);
+            ctx.publish_counts();
+            transport::open_after_hello(conn, &ctx.limits);
             // The barrier's client: the rank, or its node when several
             // ranks push through one node aggregator.
             let client = actions
@@ -721,48 +831,108 @@ async fn authenticate(
                 data_batch: ctx.data.batch,
             };
             reply(&mut send, &welcome).await;
-            Ok((conn, client))
+            Ok(client)
         }
         Err(resp) => {
             let why = format!("{resp:?}");
             reply(&mut send, &resp).await;
             // Give the refusal a moment to leave before closing.
             let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
-            Err((Some(conn), why))
+            Err(why)
         }
+    }
+}
+
+/// The source a connection counts against for the per-source cap: its IPv4
+/// address (also when mapped into IPv6), or its IPv6 /64 prefix, since one
+/// host or site usually holds a whole /64.
+fn source_of(peer: SocketAddr) -> std::net::IpAddr {
+    use std::net::{IpAddr, Ipv6Addr};
+    match peer.ip() {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+    }
+}
+
+/// Admission, TLS and Hello, all within the Hello deadline and each open to
+/// eviction until Hello: the connection and its client's rank.
+async fn admit(
+    incoming: Incoming,
+    conn_id: ConnId,
+    ctx: &Ctx,
+) -> Result<(Connection, u32), String> {
+    let deadline = tokio::time::Instant::now() + ctx.hello_timeout;
+    let peer = incoming.remote_address();
+    let (evict, mut evicted) = oneshot::channel();
+    ctx.pending().insert(conn_id, evict);
+    let admitted = ctx
+        .membership()
+        .connection_from(conn_id, Some(source_of(peer)), Instant::now());
+    let actions = match admitted {
+        Ok(actions) => actions,
+        Err(r) => {
+            ctx.pending().remove(&conn_id);
+            incoming.refuse();
+            return Err(r.message);
+        }
+    };
+    ctx.publish_counts();
+    ctx.apply(actions);
+    let connecting = incoming
+        .accept()
+        .map_err(|e| format!("handshake failed: {e}"))?;
+    let conn = match gate(deadline, &mut evicted, connecting).await {
+        Gate::Done(Ok(conn)) => conn,
+        Gate::Done(Err(e)) => return Err(format!("handshake failed: {e}")),
+        Gate::TimedOut => return Err(format!("no TLS within {:?}", ctx.hello_timeout)),
+        // Dropping the handshake abandons it.
+        Gate::Evicted(why) => return Err(why),
+    };
+    let close = |code: u32, why: String| {
+        conn.close(code.into(), why.as_bytes());
+        Err(why)
+    };
+    match gate(deadline, &mut evicted, hello(&conn, conn_id, ctx)).await {
+        Gate::Done(Ok(rank)) => Ok((conn.clone(), rank)),
+        Gate::Done(Err(why)) => close(close::REFUSED, why),
+        Gate::TimedOut => close(
+            close::REFUSED,
+            format!("no Hello within {:?}", ctx.hello_timeout),
+        ),
+        Gate::Evicted(why) => close(close::EVICTED, why),
     }
 }
 
 async fn serve_connection(incoming: Incoming, ctx: Arc<Ctx>) {
     let conn_id = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
     let peer = incoming.remote_address();
-    if let Err(r) = ctx.membership().connection_opened(conn_id, Instant::now()) {
-        tracing::warn!(%peer, "refused connection: {}", r.message);
-        incoming.refuse();
-        return;
-    }
-    let auth = tokio::time::timeout(ctx.hello_timeout, authenticate(incoming, conn_id, &ctx)).await;
-    let (conn, rank) = match auth {
-        Ok(Ok(ok)) => ok,
-        Ok(Err((conn, why))) => {
+    let (conn, rank) = match admit(incoming, conn_id, &ctx).await {
+        Ok(ok) => ok,
+        Err(why) => {
             tracing::warn!(%peer, "refused connection: {why}");
-            if let Some(c) = conn {
-                c.close(close::REFUSED.into(), b"refused");
-            }
             ctx.closed(conn_id, &why);
-            return;
-        }
-        Err(_) => {
-            tracing::warn!(%peer, "no Hello within {:?}; closing", ctx.hello_timeout);
-            ctx.closed(conn_id, "no Hello in time");
             return;
         }
     };
     tracing::info!(%peer, rank, "worker connected");
+    let budget = FrameBudget::new(ctx.frame_budget);
     loop {
         match conn.accept_bi().await {
             Ok((send, recv)) => {
-                tokio::spawn(serve_stream(send, recv, ctx.clone(), conn_id, rank));
+                tokio::spawn(serve_stream(
+                    send,
+                    recv,
+                    ctx.clone(),
+                    conn_id,
+                    rank,
+                    budget.clone(),
+                ));
             }
             Err(e) => {
                 ctx.closed(conn_id, &e.to_string());
@@ -778,15 +948,26 @@ async fn serve_stream(
     ctx: Arc<Ctx>,
     conn: ConnId,
     rank: u32,
+    budget: FrameBudget,
 ) {
-    let read =
-        tokio::time::timeout(ctx.request_timeout, read_frame(&mut recv, ctx.max_frame)).await;
+    let read = tokio::time::timeout(
+        ctx.request_timeout,
+        read_frame_budgeted(&mut recv, ctx.max_frame, ctx.stall, &budget),
+    )
+    .await;
+    // The unread rest of a refused frame is dropped, not buffered.
+    if !matches!(read, Ok(Ok(_))) {
+        let _ = recv.stop(0u32.into());
+    }
     let resp = match read {
         Err(_) => Response::error(ErrorCode::Timeout, "request not received in time"),
         Ok(Err(e)) => Response::error(ErrorCode::BadFrame, e.to_string()),
-        Ok(Ok(payload)) => match decode_request(&payload) {
+        Ok(Ok(frame)) => match decode_request(&frame.payload) {
             Err(e) => Response::error(ErrorCode::BadFrame, e.to_string()),
             Ok(req) => {
+                // The request is decoded: the frame's bytes go back to the
+                // connection's budget.
+                drop(frame);
                 if ctx.membership().request(conn, Instant::now()) {
                     dispatch(&ctx, conn, rank, req).await
                 } else {
@@ -867,5 +1048,23 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response 
             ctx.apply(actions);
             Response::ByeAck
         }
+    }
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use super::source_of;
+
+    #[test]
+    fn sources_are_addresses_and_ipv6_prefixes() {
+        let src = |a: &str| source_of(a.parse().unwrap()).to_string();
+        assert_eq!(src("192.0.2.7:4433"), "192.0.2.7");
+        assert_eq!(src("[::ffff:192.0.2.7]:4433"), "192.0.2.7");
+        assert_eq!(src("[2001:db8:1:2:aaaa::1]:4433"), "2001:db8:1:2::");
+        assert_eq!(
+            src("[2001:db8:1:2:ffff::9]:1"),
+            src("[2001:db8:1:2::77]:2"),
+            "one /64 is one source"
+        );
     }
 }

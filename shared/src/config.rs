@@ -944,6 +944,9 @@ pub struct ServerSection {
     /// Connections a server accepts at once, and unauthenticated ones among them.
     pub max_connections: usize,
     pub max_unauthenticated: usize,
+    /// Unauthenticated connections from one source address; past it, that
+    /// source's oldest one is closed to make room.
+    pub max_unauthenticated_per_source: usize,
     /// A server with no worker after this many seconds exits with an error;
     /// a rank that has not joined by then leaves the barrier.
     pub join_timeout_secs: f64,
@@ -997,6 +1000,7 @@ impl Default for ServerSection {
             idle_timeout_secs: 5.0,
             max_connections: 256,
             max_unauthenticated: 32,
+            max_unauthenticated_per_source: 8,
             join_timeout_secs: 300.0,
             all_gone_grace_secs: 60.0,
             recovery_window_secs: 10.0,
@@ -1425,6 +1429,12 @@ impl ClusterConfig {
             return Err(invalid(
                 "server.max_connections",
                 "max_connections and max_unauthenticated must be >= 1",
+            ));
+        }
+        if s.max_unauthenticated_per_source == 0 {
+            return Err(invalid(
+                "server.max_unauthenticated_per_source",
+                "must be >= 1 (above server.max_unauthenticated it changes nothing)",
             ));
         }
         if s.max_connections < c.max_ranks() {

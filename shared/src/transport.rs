@@ -13,6 +13,14 @@
 //! [`EndpointLimits`] bounds idle connections and concurrent streams, and
 //! [`read_frame`] only allocates memory for bytes that actually arrived.
 //!
+//! A server connection starts small: until the peer has said Hello it may
+//! open one stream and have [`PRE_HELLO_RECEIVE_WINDOW`] bytes in flight, so
+//! a peer that never says Hello costs a few KiB however much it sends.
+//! [`open_after_hello`] then grants the streams and the receive window a
+//! step needs ([`EndpointLimits::server_receive_window`]), and
+//! [`read_frame_budgeted`] holds the frames being read on one connection to
+//! a [`FrameBudget`] of bytes, with a stall deadline on every read.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
@@ -52,6 +60,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
 use crate::pki::{self, CertPair, PkiError};
 use crate::protocol::{
     decode_response, encode_request, frame_len, ProtocolError, Request, Response,
@@ -81,6 +91,12 @@ pub enum TransportError {
     Write(#[from] quinn::WriteError),
     #[error("stream read failed: {0}")]
     Read(String),
+    #[error("frame stalled: no byte for {stall:?} after {received} of {expected} bytes")]
+    Stalled {
+        stall: Duration,
+        received: usize,
+        expected: usize,
+    },
     #[error("peer presented no certificate chain")]
     NoPeerIdentity,
     #[error("peer certificate does not identify a worker: {0}")]
@@ -113,8 +129,59 @@ impl Default for EndpointLimits {
     }
 }
 
+/// Bytes a server connection may have in flight towards the server before
+/// its peer has said Hello: room for one Hello frame
+/// ([`crate::protocol::MAX_HELLO_BYTES`] and its header) and little more.
+pub const PRE_HELLO_RECEIVE_WINDOW: u32 = 16 << 10;
+
+/// The connection receive windows of a server are sized so that every
+/// stream's window together stays near this (see
+/// [`EndpointLimits::server_stream_window`]).
+const SERVER_WINDOWS_TARGET: u64 = 32 << 20;
+
 impl EndpointLimits {
+    /// Receive window of each stream on a server connection: 1 MiB, less
+    /// when many streams are allowed so that all of them together stay near
+    /// 32 MiB, never under 64 KiB.
+    pub fn server_stream_window(&self) -> u64 {
+        let streams = u64::from(self.max_bidi_streams) + 1;
+        (SERVER_WINDOWS_TARGET / streams).clamp(64 << 10, 1 << 20)
+    }
+
+    /// Receive window of a server connection after Hello: every stream's
+    /// window and one more. Streams that wait for their turn to be read
+    /// (see [`FrameBudget`]) can fill their own windows but never the whole
+    /// connection's, so the stream being read always has room to progress.
+    /// This bounds what the transport buffers for one connection.
+    pub fn server_receive_window(&self) -> u64 {
+        (u64::from(self.max_bidi_streams) + 1) * self.server_stream_window()
+    }
+
+    /// The server's transport: one stream and [`PRE_HELLO_RECEIVE_WINDOW`]
+    /// bytes until [`open_after_hello`] raises them.
+    fn server_transport_config(&self) -> Result<Arc<quinn::TransportConfig>, TransportError> {
+        let mut t = self.base_transport_config()?;
+        t.max_concurrent_bidi_streams(1u32.into());
+        t.stream_receive_window(
+            quinn::VarInt::from_u64(self.server_stream_window())
+                .map_err(|_| TransportError::Limits("server stream window out of range".into()))?,
+        );
+        t.receive_window(PRE_HELLO_RECEIVE_WINDOW.into());
+        t.send_window(256 << 20);
+        Ok(Arc::new(t))
+    }
+
     fn transport_config(&self) -> Result<Arc<quinn::TransportConfig>, TransportError> {
+        let mut t = self.base_transport_config()?;
+        t.max_concurrent_bidi_streams(self.max_bidi_streams.into());
+        // Large dense shards come back in one stream: open the windows wide.
+        t.stream_receive_window((64u32 << 20).into());
+        t.receive_window((256u32 << 20).into());
+        t.send_window(256 << 20);
+        Ok(Arc::new(t))
+    }
+
+    fn base_transport_config(&self) -> Result<quinn::TransportConfig, TransportError> {
         if self.idle_timeout.is_zero() {
             return Err(TransportError::Limits(
                 "idle_timeout must be non-zero".into(),
@@ -130,16 +197,20 @@ impl EndpointLimits {
             TransportError::Limits(format!("idle_timeout {:?} is too large", self.idle_timeout))
         })?;
         let mut t = quinn::TransportConfig::default();
-        t.max_concurrent_bidi_streams(self.max_bidi_streams.into());
         t.max_concurrent_uni_streams(0u32.into());
         t.max_idle_timeout(Some(idle));
         t.keep_alive_interval((!self.keep_alive.is_zero()).then_some(self.keep_alive));
-        // Large dense shards travel in one stream: open the windows wide.
-        t.stream_receive_window((64u32 << 20).into());
-        t.receive_window((256u32 << 20).into());
-        t.send_window(256 << 20);
-        Ok(Arc::new(t))
+        Ok(t)
     }
+}
+
+/// Open a server connection whose peer has said Hello: `limits`' streams
+/// and the receive window of [`EndpointLimits::server_receive_window`].
+pub fn open_after_hello(conn: &Connection, limits: &EndpointLimits) {
+    let window =
+        quinn::VarInt::from_u64(limits.server_receive_window()).unwrap_or(quinn::VarInt::MAX);
+    conn.set_receive_window(window);
+    conn.set_max_concurrent_bi_streams(limits.max_bidi_streams.into());
 }
 
 /// Read a PEM file with a message that names it.
@@ -208,7 +279,7 @@ pub fn server_endpoint(
     let crypto = QuicServerConfig::try_from(tls)
         .map_err(|e| TransportError::Tls(format!("QUIC server TLS: {e}")))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    cfg.transport_config(limits.transport_config()?);
+    cfg.transport_config(limits.server_transport_config()?);
     Ok(Endpoint::server(cfg, addr)?)
 }
 
@@ -313,11 +384,110 @@ pub async fn read_frame(recv: &mut RecvStream, limit: usize) -> Result<Vec<u8>, 
         .await
         .map_err(|e| TransportError::Read(format!("frame header: {e}")))?;
     let len = frame_len(header, limit)?;
+    read_payload(recv, len, None).await
+}
+
+/// Bytes of request frames one connection may hold at once while they are
+/// read and decoded. A frame reserves its whole declared length before its
+/// payload is read, so it always finishes once its bytes arrive; frames
+/// that do not fit wait their turn, first come first served, without
+/// reading (their bytes stay in the transport's bounded stream windows).
+#[derive(Debug, Clone)]
+pub struct FrameBudget {
+    bytes: usize,
+    free: Arc<Semaphore>,
+}
+
+impl FrameBudget {
+    /// A budget of `bytes`; frames up to this size can be read.
+    pub fn new(bytes: usize) -> Self {
+        let bytes = bytes.min(Semaphore::MAX_PERMITS);
+        Self {
+            bytes,
+            free: Arc::new(Semaphore::new(bytes)),
+        }
+    }
+
+    /// The budget's size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Bytes not reserved by a frame now.
+    pub fn available(&self) -> usize {
+        self.free.available_permits()
+    }
+}
+
+/// A frame's payload and its share of a [`FrameBudget`], given back when
+/// this is dropped.
+#[derive(Debug)]
+pub struct Frame {
+    pub payload: Vec<u8>,
+    _reserved: Option<OwnedSemaphorePermit>,
+}
+
+/// [`read_frame`] for a server: the frame's declared length is reserved in
+/// `budget` before its payload is read, and every read (the header's, each
+/// chunk of the payload) must bring a byte within `stall`, so a peer that
+/// starts a frame and stops holds its reservation for `stall` at most.
+/// Frames larger than `limit` or than the budget are refused.
+pub async fn read_frame_budgeted(
+    recv: &mut RecvStream,
+    limit: usize,
+    stall: Duration,
+    budget: &FrameBudget,
+) -> Result<Frame, TransportError> {
+    let mut header = [0u8; FRAME_HEADER_BYTES];
+    let stalled = |received: usize, expected: usize| TransportError::Stalled {
+        stall,
+        received,
+        expected,
+    };
+    tokio::time::timeout(stall, recv.read_exact(&mut header))
+        .await
+        .map_err(|_| stalled(0, FRAME_HEADER_BYTES))?
+        .map_err(|e| TransportError::Read(format!("frame header: {e}")))?;
+    let len = frame_len(header, limit.min(budget.bytes))?;
+    let wanted = u32::try_from(len).map_err(|_| ProtocolError::FrameTooLarge {
+        size: len,
+        limit: u32::MAX as usize,
+    })?;
+    let reserved = budget
+        .free
+        .clone()
+        .acquire_many_owned(wanted)
+        .await
+        .map_err(|_| TransportError::Read("the connection's frame budget is closed".into()))?;
+    let payload = read_payload(recv, len, Some(stall)).await?;
+    Ok(Frame {
+        payload,
+        _reserved: Some(reserved),
+    })
+}
+
+/// Read `len` payload bytes; memory grows with the bytes that arrive. With
+/// `stall`, each read must bring a byte within it.
+async fn read_payload(
+    recv: &mut RecvStream,
+    len: usize,
+    stall: Option<Duration>,
+) -> Result<Vec<u8>, TransportError> {
     let mut payload = Vec::with_capacity(len.min(INITIAL_FRAME_BUFFER));
     while payload.len() < len {
-        let chunk = recv
-            .read_chunk(len - payload.len(), true)
-            .await
+        let read = recv.read_chunk(len - payload.len(), true);
+        let chunk =
+            match stall {
+                Some(stall) => tokio::time::timeout(stall, read).await.map_err(|_| {
+                    TransportError::Stalled {
+                        stall,
+                        received: payload.len(),
+                        expected: len,
+                    }
+                })?,
+                None => read.await,
+            };
+        let chunk = chunk
             .map_err(|e| TransportError::Read(e.to_string()))?
             .ok_or_else(|| {
                 TransportError::Read(format!(
@@ -584,6 +754,133 @@ mod tests {
             call(&client, &Request::Bye { finished: true }, 1 << 20)
         );
         assert_eq!(reply.unwrap().0, Response::ByeAck);
+    }
+
+    /// Write `bytes` as far as flow control lets the stream go without
+    /// waiting for the peer; returns how many were taken.
+    fn write_until_blocked(send: &mut SendStream, bytes: &[u8]) -> usize {
+        use futures::FutureExt;
+        let mut taken = 0;
+        while taken < bytes.len() {
+            match send.write(&bytes[taken..]).now_or_never() {
+                Some(Ok(n)) => taken += n,
+                _ => break,
+            }
+        }
+        taken
+    }
+
+    #[tokio::test]
+    async fn before_hello_a_peer_gets_one_stream_and_a_small_window() {
+        let (_cluster, _ep, client, server) = connected().await;
+        let (mut send, _recv) = client.open_bi().await.unwrap();
+        let flood = vec![0u8; 4 << 20];
+        let taken = write_until_blocked(&mut send, &flood);
+        assert!(
+            taken <= PRE_HELLO_RECEIVE_WINDOW as usize,
+            "{taken} bytes taken"
+        );
+        {
+            use futures::FutureExt;
+            assert!(
+                client.open_bi().now_or_never().is_none(),
+                "a second stream opened before Hello"
+            );
+        }
+        // After Hello the streams and the window open.
+        let limits = EndpointLimits::default();
+        open_after_hello(&server, &limits);
+        let (_s, mut r) = server.accept_bi().await.unwrap();
+        let drain = async {
+            let mut got = 0usize;
+            while got < 1 << 20 {
+                match r.read_chunk(usize::MAX, true).await {
+                    Ok(Some(c)) => got += c.bytes.len(),
+                    _ => break,
+                }
+            }
+            got
+        };
+        let more = async {
+            send.write_all(&flood[..1 << 20]).await.unwrap();
+            tokio::time::timeout(WAIT, client.open_bi()).await
+        };
+        let (got, second) = tokio::join!(drain, more);
+        assert!(got >= 1 << 20, "{got}");
+        assert!(matches!(second, Ok(Ok(_))), "no second stream after Hello");
+        assert!(limits.server_receive_window() >= 2 * limits.server_stream_window());
+        println!(
+            "before Hello: {taken} of {} bytes taken; after: streams {}, windows {} per stream, {} per connection",
+            flood.len(),
+            limits.max_bidi_streams,
+            limits.server_stream_window(),
+            limits.server_receive_window()
+        );
+    }
+
+    #[tokio::test]
+    async fn budgeted_frames_reserve_their_length_and_stalls_end_them() {
+        let (_cluster, _ep, client, server) = connected().await;
+        open_after_hello(&server, &EndpointLimits::default());
+        let budget = FrameBudget::new(1000);
+        let frame = |len: u32, sent: usize| {
+            let mut b = len.to_le_bytes().to_vec();
+            b.extend(std::iter::repeat_n(9u8, sent));
+            b
+        };
+        let stall = Duration::from_millis(200);
+        // Two frames of 600: the second is read once the first is given back.
+        let mut sends = Vec::new();
+        for _ in 0..2 {
+            let (mut send, _r) = client.open_bi().await.unwrap();
+            write_frame(&mut send, &frame(600, 600)).await.unwrap();
+            sends.push(send);
+        }
+        let (_s1, mut r1) = server.accept_bi().await.unwrap();
+        let first = read_frame_budgeted(&mut r1, 1 << 20, stall, &budget)
+            .await
+            .unwrap();
+        assert_eq!((first.payload.len(), budget.available()), (600, 400));
+        let (_s2, mut r2) = server.accept_bi().await.unwrap();
+        let second = async { read_frame_budgeted(&mut r2, 1 << 20, stall, &budget).await };
+        let release = async { drop(first) };
+        let (second, ()) = tokio::join!(second, release);
+        assert_eq!(second.unwrap().payload.len(), 600);
+        assert_eq!(budget.available(), 1000);
+        // Larger than the budget: refused before any payload is read.
+        let (mut send, _r) = client.open_bi().await.unwrap();
+        write_frame(&mut send, &frame(1001, 10)).await.unwrap();
+        let (_s3, mut r3) = server.accept_bi().await.unwrap();
+        let err = read_frame_budgeted(&mut r3, 1 << 20, stall, &budget)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::Protocol(ProtocolError::FrameTooLarge { .. })
+            ),
+            "{err}"
+        );
+        // A frame that stops half-way gives its reservation back at the
+        // stall deadline.
+        let (mut send, _r) = client.open_bi().await.unwrap();
+        send.write_all(&frame(900, 100)).await.unwrap();
+        let (_s4, mut r4) = server.accept_bi().await.unwrap();
+        let err = read_frame_budgeted(&mut r4, 1 << 20, stall, &budget)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::Stalled {
+                    received: 100,
+                    expected: 900,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(budget.available(), 1000);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use quinn::Connection;
 
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::protocol::{
-    encode_request, ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues,
+    close, encode_request, ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues,
 };
 use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{hello, start_loopback_server, test_config, TestPki};
@@ -219,7 +219,7 @@ fn request_rate_is_limited_per_connection() {
 fn unauthenticated_connections_are_capped_and_timed_out() {
     let mut cfg = one_worker_config();
     cfg.server.max_unauthenticated = 3;
-    cfg.server.hello_timeout_secs = 1.0;
+    cfg.server.hello_timeout_secs = 3.0;
     let pki = TestPki::new(1);
     let system = actix::System::new();
     system.block_on(async move {
@@ -230,28 +230,33 @@ fn unauthenticated_connections_are_capped_and_timed_out() {
         for _ in 0..3 {
             idle.push(connect_as(&pki, 0, addr).await);
         }
-        // While they hold every unauthenticated slot, a fourth is refused.
-        let tls = pki.worker(0);
-        let ep = transport::client_endpoint(&tls.ca_pem, &tls.identity, false, &EndpointLimits::default()).unwrap();
-        let fourth = transport::connect(&ep, addr, "localhost", CONNECT).await;
-        let fourth_refused = match fourth {
-            Err(_) => true,
-            Ok(c) => transport::call(&c, &hello(&cfg, 0), cfg.server.max_frame_bytes).await.is_err(),
-        };
-        assert!(fourth_refused, "a fourth unauthenticated connection was served");
-        // The server closes the silent ones at the Hello deadline (an event:
-        // each connection's close; bounded so a bug cannot hang the suite).
-        for c in &idle {
-            let reason = tokio::time::timeout(Duration::from_secs(60), c.closed()).await;
-            assert!(reason.is_ok(), "a connection without Hello stayed open");
-        }
-        // After that a real worker is welcomed.
+        let held = tokio::time::timeout(EVENT_BOUND, server.wait_connections(|c| c.1 == 3))
+            .await
+            .expect("the server counts the three");
+        // While they hold every unauthenticated slot, a worker still gets
+        // in: the oldest of them makes room.
         let conn = connect_as(&pki, 0, addr).await;
         let (resp, _) = transport::call(&conn, &hello(&cfg, 0), cfg.server.max_frame_bytes).await.unwrap();
         assert!(matches!(resp, Response::Welcome { .. }), "{resp:?}");
+        let code = |reason: quinn::ConnectionError| match reason {
+            quinn::ConnectionError::ApplicationClosed(c) => Some(u64::from(c.error_code)),
+            _ => None,
+        };
+        let first = tokio::time::timeout(EVENT_BOUND, idle[0].closed()).await.expect("the oldest was closed");
+        assert_eq!(code(first), Some(u64::from(close::EVICTED)));
+        // The server closes the other silent ones at the Hello deadline (an
+        // event: each connection's close; bounded so a bug cannot hang the
+        // suite).
+        for c in &idle[1..] {
+            let reason = tokio::time::timeout(EVENT_BOUND, c.closed()).await;
+            assert!(reason.is_ok(), "a connection without Hello stayed open");
+        }
+        let after = server.wait_connections(|c| c.1 == 0).await;
+        assert_eq!(after, (1, 0));
         println!(
-            "limits: {} idle connections closed at the Hello deadline, 1 over the cap refused, then a worker was welcomed",
-            idle.len()
+            "limits: {} connections held every slot before Hello ({held:?}); a worker was welcomed, the oldest evicted, the other {} closed at the Hello deadline",
+            idle.len(),
+            idle.len() - 1
         );
         server.abort().await;
     });

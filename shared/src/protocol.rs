@@ -285,6 +285,11 @@ pub enum Request {
     Bye,
     /// Liveness signal, sent periodically while the worker runs.
     Heartbeat,
+    /// The worker cannot go on and the whole job must stop (a sample it
+    /// cannot decode under `data.on_bad_sample = "stop"`): the servers
+    /// refuse every later step and offer with [`ErrorCode::JobStopped`],
+    /// naming the rank and `reason`, so every rank ends with the message.
+    Abort { reason: String },
 }
 
 /// One contiguous shard a server owns.
@@ -326,6 +331,9 @@ pub enum ErrorCode {
     /// declared dead for that step): offer your copy and go on at the step
     /// the reply names.
     Fenced,
+    /// A rank stopped the job (`Request::Abort`); the message says which
+    /// and why.
+    JobStopped,
 }
 
 /// A server's response.

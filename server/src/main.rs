@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use ps_server::net::ServerError;
+use ps_server::net::{ServerError, ServerExit};
 use ps_shared::cli::{
     describe_error, exit_code, init_logging, stop_signal, ExitCode, UsageError, EXIT_CODES_HELP,
 };
@@ -86,6 +86,9 @@ fn main() {
 fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
     if let Some(StoppedBy(name)) = e.downcast_ref::<StoppedBy>() {
         return Some(ExitCode::for_signal(name));
+    }
+    if let Some(exit) = e.downcast_ref::<ServerExit>() {
+        return exit.job_stopped.then_some(ExitCode::JobStopped);
     }
     match e.downcast_ref::<ServerError>()? {
         ServerError::BadIndex { .. }
@@ -229,7 +232,7 @@ fn serve(cfg: &ClusterConfig, index: usize, listen: Option<SocketAddr>) -> anyho
         };
         match stop {
             None => {
-                server.wait().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                server.wait().await?;
                 anyhow::Ok(None)
             }
             Some(name) => {

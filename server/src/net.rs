@@ -99,8 +99,22 @@ pub struct ServerTls {
 
 /// Why a server stopped with an error.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{0}")]
-pub struct ServerExit(pub String);
+#[error("{message}")]
+pub struct ServerExit {
+    pub message: String,
+    /// A worker stopped the job (`Request::Abort`): the state is sound
+    /// (final checkpoints are written), the data is not.
+    pub job_stopped: bool,
+}
+
+impl ServerExit {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            job_stopped: false,
+        }
+    }
+}
 
 /// State shared by the connection tasks.
 struct Ctx {
@@ -126,6 +140,10 @@ struct Ctx {
     counts: watch::Sender<(usize, usize)>,
     next_conn: AtomicU64,
     outcome: watch::Sender<Option<Result<(), ServerExit>>>,
+    /// Set once a rank stopped the job (`Request::Abort`): every later step
+    /// and offer is refused with it, and the server exits once the last
+    /// connection is gone.
+    job_stopped: Mutex<Option<String>>,
 }
 
 impl Ctx {
@@ -184,7 +202,11 @@ impl Ctx {
                     } else {
                         tracing::error!("{message}; shutting down");
                     }
-                    let outcome = if ok { Ok(()) } else { Err(ServerExit(message)) };
+                    let outcome = if ok {
+                        Ok(())
+                    } else {
+                        Err(ServerExit::new(message))
+                    };
                     self.outcome.send_replace(Some(outcome));
                 }
             }
@@ -192,14 +214,52 @@ impl Ctx {
     }
 
     fn closed(&self, conn: ConnId, why: &str) {
-        self.conns().remove(&conn);
         self.pending().remove(&conn);
+        let none_left = {
+            let mut conns = self.conns();
+            conns.remove(&conn);
+            conns.is_empty()
+        };
         let actions = self
             .membership()
             .connection_closed(conn, why, Instant::now());
         self.publish_counts();
         self.broadcast(MemberNews::ConnClosed { conn });
         self.apply(actions);
+        if none_left {
+            if let Some(message) = self.job_stop() {
+                // Every rank has heard: the job ends here.
+                self.outcome.send_if_modified(|o| {
+                    let first = o.is_none();
+                    if first {
+                        *o = Some(Err(ServerExit {
+                            message: message.clone(),
+                            job_stopped: true,
+                        }));
+                    }
+                    first
+                });
+            }
+        }
+    }
+
+    fn job_stop(&self) -> Option<String> {
+        self.job_stopped
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A rank stopped the job: remember why (the first reason wins).
+    fn stop_job(&self, rank: u32, reason: &str) -> String {
+        let mut stopped = self.job_stopped.lock().unwrap_or_else(|p| p.into_inner());
+        stopped
+            .get_or_insert_with(|| {
+                let message = format!("the job was stopped by rank {rank}: {reason}");
+                tracing::error!("{message}");
+                message
+            })
+            .clone()
     }
 }
 
@@ -237,10 +297,17 @@ impl RunningServer {
     pub async fn wait(mut self) -> Result<(), ServerExit> {
         let mut outcome = match self.outcome.wait_for(|o| o.is_some()).await {
             Ok(o) => o.clone().unwrap_or(Ok(())),
-            Err(_) => Err(ServerExit("server state dropped".into())),
+            Err(_) => Err(ServerExit::new("server state dropped")),
         };
-        if outcome.is_ok() {
-            outcome = self.final_checkpoints().await;
+        // A stopped job ends in a sound state: keep it, as a completed run
+        // does, so a rerun on repaired data resumes from here.
+        if outcome.is_ok() || outcome.as_ref().is_err_and(|e| e.job_stopped) {
+            let written = self.final_checkpoints().await;
+            if outcome.is_ok() {
+                outcome = written;
+            } else if let Err(e) = written {
+                tracing::error!("{e}");
+            }
         }
         match &outcome {
             Ok(()) => {
@@ -252,7 +319,9 @@ impl RunningServer {
             // Stop serving at once (checkpoints that keep failing must not
             // let training go on unsaved): workers still training see the
             // server gone.
-            Err(e) => self.endpoint.close(close::ABORTED.into(), e.0.as_bytes()),
+            Err(e) => self
+                .endpoint
+                .close(close::ABORTED.into(), e.message.as_bytes()),
         }
         self.teardown().await;
         outcome
@@ -275,7 +344,7 @@ impl RunningServer {
         ends.sort_unstable();
         let failed: Vec<u32> = ends.iter().filter(|e| e.2).map(|e| e.0).collect();
         if !failed.is_empty() {
-            return Err(ServerExit(format!(
+            return Err(ServerExit::new(format!(
                 "the final checkpoint of shard(s) {failed:?} could not be written (see the checkpoint errors above); a rerun would resume from an older one"
             )));
         }
@@ -410,7 +479,7 @@ fn checkpoint_give_up(
             if o.is_some() {
                 return false;
             }
-            *o = Some(Err(ServerExit(message.clone())));
+            *o = Some(Err(ServerExit::new(message.clone())));
             true
         });
         if decided {
@@ -682,6 +751,7 @@ pub async fn start(
         counts: watch::channel((0, 0)).0,
         next_conn: AtomicU64::new(1),
         outcome: outcome_tx,
+        job_stopped: Mutex::new(None),
     });
     let tick_ctx = ctx.clone();
     io.spawn(async move {
@@ -1014,6 +1084,11 @@ async fn to_shard(
 }
 
 async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response {
+    if matches!(req, Request::Offer { .. } | Request::Step { .. }) {
+        if let Some(message) = ctx.job_stop() {
+            return Response::error(ErrorCode::JobStopped, message);
+        }
+    }
     match req {
         Request::Hello { .. } => Response::error(ErrorCode::BadFrame, "Hello was already said"),
         Request::Offer {
@@ -1043,6 +1118,9 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response 
             to_shard(ctx, conn, rank, shard, request).await
         }
         Request::Heartbeat => Response::HeartbeatAck,
+        Request::Abort { reason } => {
+            Response::error(ErrorCode::JobStopped, ctx.stop_job(rank, &reason))
+        }
         Request::Bye { finished } => {
             let actions = ctx.membership().bye(conn, finished, Instant::now());
             ctx.apply(actions);

@@ -287,6 +287,11 @@ pub enum Request {
     Bye { finished: bool },
     /// Liveness signal, sent periodically while the worker runs.
     Heartbeat,
+    /// The worker cannot go on and the whole job must stop (a sample it
+    /// cannot decode under `data.on_bad_sample = "stop"`): the servers
+    /// refuse every later step and offer with [`ErrorCode::JobStopped`],
+    /// naming the rank and `reason`, so every rank ends with the message.
+    Abort { reason: String },
 }
 
 /// One contiguous shard a server owns.
@@ -330,6 +335,9 @@ pub enum ErrorCode {
     Fenced,
     /// The rank already said goodbye (finished) in this run.
     RankFinished,
+    /// A rank stopped the job (`Request::Abort`); the message says which
+    /// and why.
+    JobStopped,
 }
 
 /// A server's response.

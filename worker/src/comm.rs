@@ -745,6 +745,25 @@ impl Comm {
         Ok(())
     }
 
+    /// Stop the whole job (`Request::Abort`): tell every server why, so
+    /// they refuse every rank's next step with the reason, then close the
+    /// connections. Best effort: a server that does not answer within the
+    /// request deadline learns it from the closed connection.
+    pub async fn stop_job(&self, reason: &str) {
+        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
+        let request = Request::Abort {
+            reason: reason.to_string(),
+        };
+        let calls = conns.iter().map(|conn| {
+            let call = transport::call(conn, &request, self.dialer.max_frame);
+            tokio::time::timeout(self.dialer.request_timeout, call)
+        });
+        futures::future::join_all(calls).await;
+        for conn in conns {
+            conn.close(close::ABORTED.into(), b"job stopped");
+        }
+    }
+
     /// Drop every connection without a goodbye (what a crash looks like).
     pub fn abort(&self) {
         for link in self.links.borrow().iter() {
@@ -974,6 +993,23 @@ impl Handler<Leave> for CommActor {
                 ctx.stop();
                 result
             }),
+        )
+    }
+}
+
+/// Stop the whole job, naming the reason to every server, and stop.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StopJob(pub String);
+
+impl Handler<StopJob> for CommActor {
+    type Result = ResponseActFuture<Self, ()>;
+    fn handle(&mut self, msg: StopJob, _: &mut Context<Self>) -> Self::Result {
+        let comm = self.comm.clone();
+        Box::pin(
+            async move { comm.stop_job(&msg.0).await }
+                .into_actor(self)
+                .map(|(), _, ctx| ctx.stop()),
         )
     }
 }

@@ -547,6 +547,17 @@ impl NodeMember {
         Ok(self.node.summary())
     }
 
+    /// This rank stops the whole job (`Request::Abort`) for the reason
+    /// given: every server hears it, and refuses every rank's next step.
+    pub async fn stop_job(&self, reason: &str) {
+        self.done.set(true);
+        self.node.remove(self.local, Member::Crashed);
+        let comm = self.node.comm.borrow().clone();
+        if let Some(comm) = comm {
+            comm.stop_job(reason).await;
+        }
+    }
+
     /// This rank stops as if it crashed; the node drops its connections
     /// without a goodbye when no rank is left.
     pub async fn abort(&self) {

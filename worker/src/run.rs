@@ -26,13 +26,14 @@ use ps_shared::cli::ExitCode;
 use ps_shared::config::{ClusterConfig, OnBadSample};
 use ps_shared::countstore::{CountingStore, GetCounts};
 use ps_shared::dataplane::CostModel;
+use ps_shared::protocol::ErrorCode;
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 use ps_shared::simstore::SimStore;
 use ps_shared::simulate::Simulation;
 
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
-    ShardUpdate, Silence, StepExchange, Traffic, WorkerTls,
+    ShardUpdate, Silence, StepExchange, StopJob, Traffic, WorkerTls,
 };
 use crate::loader::{
     BatchPos, EpochDataStats, Loader, LoaderError, LoaderSettings, Outage, OutageLog, RetryFailure,
@@ -118,6 +119,10 @@ pub fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> 
     }
     if let Some(c) = e.downcast_ref::<CommError>() {
         return match c {
+            CommError::Refused {
+                code: ErrorCode::JobStopped,
+                ..
+            } => Some(ExitCode::JobStopped),
             CommError::Unreachable { .. } | CommError::Deadline { .. } => {
                 Some(ExitCode::Unreachable)
             }
@@ -136,6 +141,36 @@ pub fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> 
         return bad_sample_code(d);
     }
     None
+}
+
+/// Whether a loader error stops the whole job (a sample that cannot be
+/// decoded under `data.on_bad_sample = "stop"`).
+fn stops_the_job(e: &LoaderError) -> bool {
+    match e {
+        LoaderError::Fetch { source, .. } => bad_sample_code(source).is_some(),
+        LoaderError::Dataset(d) => bad_sample_code(d).is_some(),
+        _ => false,
+    }
+}
+
+/// A batch from the loader. A loader error that stops the job is first
+/// told to every server, so every rank ends with it, not only this one.
+async fn batch_or_stop<T>(
+    next: Result<T, LoaderError>,
+    exchange: &Exchange,
+    rank: u32,
+) -> Result<T, WorkerError> {
+    match next {
+        Ok(batch) => Ok(batch),
+        Err(e) => {
+            if stops_the_job(&e) {
+                let reason = ps_shared::cli::describe_error(&e);
+                tracing::error!(rank, "{reason}; stopping the job");
+                exchange.stop_job(&reason).await;
+            }
+            Err(e.into())
+        }
+    }
 }
 
 /// A sample that cannot be decoded (`data.on_bad_sample = "stop"`) stops
@@ -562,6 +597,16 @@ impl Exchange {
         }
     }
 
+    /// Stop the whole job, telling every server why.
+    async fn stop_job(&self, reason: &str) {
+        match self {
+            Exchange::Flat(comm) => {
+                let _ = comm.send(StopJob(reason.to_string())).await;
+            }
+            Exchange::Node(member) => member.stop_job(reason).await,
+        }
+    }
+
     /// Stop or resume heartbeats (fault injection).
     async fn silence(&self, on: bool) -> Result<(), WorkerError> {
         match self {
@@ -876,7 +921,7 @@ async fn train(
             (Some(_), _) => None,
             (None, Some(next)) => next,
             (None, None) => match until_stop(&opts.stop, loader.next()).await {
-                Some(next) => next?,
+                Some(next) => batch_or_stop(next, &exchange, rank).await?,
                 None => {
                     bar.finish_and_clear();
                     return Err(stop_during_wait(Some(&exchange), rank, step, "data").await);
@@ -940,7 +985,7 @@ async fn train(
                 bar.finish_and_clear();
                 return Err(stop_during_wait(Some(&exchange), rank, step, "data").await);
             };
-            let next = next?;
+            let next = batch_or_stop(next, &exchange, rank).await?;
             acc.wait += t_wait.elapsed();
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {

@@ -8,15 +8,19 @@
 //! Nothing here waits on a sleep: the run ends by itself, and the time
 //! limits are only safety nets against a hang.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use object_store::memory::InMemory;
 use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
 
-use ps_dataset::SyntheticSpec;
+use ps_dataset::{synthetic, write_dataset_with, Layout, SyntheticSpec, WriteOptions};
 use ps_shared::cli::{exit_code, ExitCode};
 use ps_shared::config::{CompressionKind, OnBadSample};
 use ps_shared::protocol::ErrorCode;
-use ps_tests::{rank_runs, synthetic_bucket, test_config, TestPki};
+use ps_shared::sampler::EpochSampler;
+use ps_tests::{rank_runs, test_config, TestPki};
 use ps_worker::comm::CommError;
 use ps_worker::run::{classify_exit, WorkerError};
 
@@ -29,17 +33,53 @@ async fn a_bad_sample_stops_every_rank_and_the_servers() {
         test: 512,
         ..SyntheticSpec::default()
     };
-    let (store, prefix) = synthetic_bucket(&spec).await;
-    // One of the train split's shard objects is gone: a permanent error,
-    // whichever rank reads it first.
-    let missing = "synthetic/train/shard-00003.bin";
-    store
-        .delete(&Path::from(missing))
-        .await
-        .expect("delete a shard object");
-
     let mut cfg = test_config(CompressionKind::Topk, 0.01, 3);
     cfg.data.on_bad_sample = OnBadSample::Stop;
+    // One object per sample, so exactly one rank reads the damaged one:
+    // the first sample rank 1 trains at step 10 of epoch 0.
+    let (train, test) = synthetic(&spec);
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let prefix = Path::from("ds");
+    let options = WriteOptions {
+        layout: Layout::PerSample,
+        records_per_shard: 1,
+    };
+    write_dataset_with(
+        store.as_ref(),
+        &prefix,
+        "per-sample",
+        spec.features,
+        spec.classes,
+        &train,
+        &test,
+        &options,
+    )
+    .await
+    .expect("write the dataset");
+    let world = cfg.cluster.workers;
+    let rank1 = EpochSampler::new(spec.train, world, 1, cfg.data.seed)
+        .unwrap()
+        .with_partition(cfg.data.partition)
+        .plan(cfg.data.batch_size, cfg.training.epochs);
+    let sample = rank1.batches_from(10)[0].samples[0];
+    let missing = format!("ds/train/{sample:08}.bin");
+    store
+        .delete(&Path::from(missing.as_str()))
+        .await
+        .expect("delete one sample object");
+    for rank in 0..world {
+        let plan = EpochSampler::new(spec.train, world, rank, cfg.data.seed)
+            .unwrap()
+            .with_partition(cfg.data.partition)
+            .plan(cfg.data.batch_size, cfg.training.epochs);
+        let reads = plan
+            .batches_from(0)
+            .iter()
+            .filter(|b| b.epoch == 0 && b.samples.contains(&sample))
+            .count();
+        assert_eq!(reads, usize::from(rank == 1), "rank {rank} in epoch 0");
+    }
+
     let pki = TestPki::new(cfg.cluster.workers as u32);
     let server = ps_server::net::start(&cfg, 0, "127.0.0.1:0".parse().unwrap(), &pki.server)
         .await
@@ -72,7 +112,7 @@ async fn a_bad_sample_stops_every_rank_and_the_servers() {
             ExitCode::JobStopped,
             "rank {rank}: {message}"
         );
-        assert!(message.contains(missing), "rank {rank}: {message}");
+        assert!(message.contains(&missing), "rank {rank}: {message}");
         match err {
             WorkerError::Loader(_) => readers += 1,
             WorkerError::Comm(CommError::Refused {
@@ -87,15 +127,15 @@ async fn a_bad_sample_stops_every_rank_and_the_servers() {
         }
         println!("rank {rank} ended: {message}");
     }
-    assert!(readers >= 1, "a rank read the missing object");
-    assert_eq!(readers + told, 2);
+    // Rank 1 read the damaged sample; rank 0 heard it from the servers.
+    assert_eq!((readers, told), (1, 1));
 
     let exit = tokio::time::timeout(RUN_LIMIT, server.wait())
         .await
         .expect("the server exits once every rank is gone")
         .expect_err("a stopped job is not a clean end");
     assert!(exit.job_stopped, "{exit}");
-    assert!(exit.message.contains(missing), "{exit}");
+    assert!(exit.message.contains(&missing), "{exit}");
     println!(
         "job stopped: {readers} rank(s) read the missing object, {told} told by the servers; server: {exit}"
     );

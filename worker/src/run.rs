@@ -1002,7 +1002,18 @@ async fn train(
             let waiting_for = "the servers' reply to a step";
             return Err(stop_during_wait(Some(&exchange), rank, step, waiting_for).await);
         };
-        let (updates, traffic) = replied?;
+        let (updates, traffic) = match replied {
+            Ok(replied) => replied,
+            Err(e) => {
+                // The exchange failed for good: drop the connections, so the
+                // servers see this rank gone at once (a process that exits
+                // drops them too; an in-process run must not leave them
+                // open, heartbeats and all).
+                bar.finish_and_clear();
+                let _ = exchange.abort().await;
+                return Err(e);
+            }
+        };
         acc.comm += t_comm.elapsed();
         if let Some(tx) = &opts.trained {
             let _ = tx.send(TrainedBatch {

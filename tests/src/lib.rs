@@ -299,3 +299,46 @@ pub fn mnist_csv() -> Option<std::path::PathBuf> {
     );
     None
 }
+
+/// The `ps-server` binary of the build the calling test belongs to (for
+/// tests that run a real server process).
+///
+/// Cargo builds a package's binaries only for that package's own
+/// integration tests (`CARGO_BIN_EXE_<name>`), never for a package that
+/// depends on it, and artifact dependencies are not stable. ps-tests
+/// depends on the ps-server library; the ps-server binary comes from the
+/// ps-server package's own integration test (`server/tests/cli.rs`), which
+/// makes `cargo test --workspace` (and `cargo test -p ps-server`) build it
+/// into the target profile directory this test runs from:
+/// `<target>/<profile>/deps/<test>-<hash>` next to `<target>/<profile>/ps-server`.
+/// Running cargo from inside the test instead would rebuild with the test's
+/// environment (cargo fingerprints depend on it) and contend with the outer
+/// build. So the test takes that binary, and refuses it when it is missing
+/// or older than a source file it was built from (its dep-info file
+/// `ps-server.d` lists them), rather than test stale code.
+pub fn server_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("the test runs from <target>/<profile>/deps");
+    let bin = profile_dir.join("ps-server");
+    let hint = "build it with `cargo build -p ps-server` in the same profile \
+                (`cargo test --workspace` builds it)";
+    let built = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
+    let deps = std::fs::read_to_string(profile_dir.join("ps-server.d")).unwrap_or_default();
+    let sources = deps.split_once(": ").map(|(_, s)| s).unwrap_or("");
+    for source in sources.split_whitespace() {
+        let changed = std::fs::metadata(source)
+            .and_then(|m| m.modified())
+            .unwrap_or(std::time::SystemTime::UNIX_EPOCH);
+        assert!(
+            changed <= built,
+            "{} is older than {source}; {hint}",
+            bin.display()
+        );
+    }
+    bin
+}

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::protocol::{ErrorCode, Response};
 use ps_shared::transport::{self, EndpointLimits};
-use ps_tests::{hello, start_loopback_server, test_config, TestPki};
+use ps_tests::{hello, server_binary, start_loopback_server, test_config, TestPki};
 
 const CONNECT: Duration = Duration::from_secs(10);
 /// Upper bound on every wait, so a bug cannot hang the suite.
@@ -227,9 +227,8 @@ mod memory {
 
     use super::*;
     use std::io::{BufRead, BufReader};
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
     use std::process::{Child, Command, Stdio};
-    use std::time::SystemTime;
 
     use ps_shared::config::TOKEN_ENV;
     use ps_shared::pki::CertPair;
@@ -256,34 +255,6 @@ mod memory {
     /// 48 to 71 MiB in all (a 25 MiB window, one 16 MiB partial frame read
     /// at a time, against 95 MiB allowed; the unbounded server grew 370 MiB).
     const POST_HELLO_SLACK: u64 = 32 * MIB;
-
-    /// The `ps-server` binary of this build (see tests/process.rs, which
-    /// finds it the same way): refused when missing or older than a source.
-    fn server_binary() -> PathBuf {
-        let exe = std::env::current_exe().expect("the test executable's path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("the test runs from <target>/<profile>/deps");
-        let bin = profile_dir.join("ps-server");
-        let hint = "build it with `cargo build -p ps-server` in the same profile";
-        let built = std::fs::metadata(&bin)
-            .and_then(|m| m.modified())
-            .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
-        let deps = std::fs::read_to_string(profile_dir.join("ps-server.d")).unwrap_or_default();
-        let sources = deps.split_once(": ").map(|(_, s)| s).unwrap_or("");
-        for source in sources.split_whitespace() {
-            let changed = std::fs::metadata(source)
-                .and_then(|m| m.modified())
-                .unwrap_or(SystemTime::UNIX_EPOCH);
-            assert!(
-                changed <= built,
-                "{} is older than {source}; {hint}",
-                bin.display()
-            );
-        }
-        bin
-    }
 
     /// `VmHWM` (peak) and `VmRSS` (now) of `pid`, in bytes.
     fn memory_of(pid: u32) -> (u64, u64) {

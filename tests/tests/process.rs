@@ -18,7 +18,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
@@ -27,7 +27,7 @@ use ps_shared::config::{ClusterConfig, CompressionKind, TOKEN_ENV};
 use ps_shared::pki::CertPair;
 use ps_shared::simulate::Simulation;
 use ps_shared::transport::read_pem;
-use ps_tests::{synthetic_bucket, test_config};
+use ps_tests::{server_binary, synthetic_bucket, test_config};
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_worker, WorkerOptions};
 
@@ -40,48 +40,6 @@ const STEPS_PER_EPOCH: u64 = 4096 / 2 / 64;
 const KILL_AT: u64 = 50;
 const CHECKPOINT_EVERY: u64 = 20;
 const SIGKILL: i32 = 9;
-
-/// The `ps-server` binary of the build this test belongs to.
-///
-/// Cargo builds a package's binaries only for that package's own
-/// integration tests (`CARGO_BIN_EXE_<name>`), never for a package that
-/// depends on it, and artifact dependencies are not stable. ps-tests
-/// depends on the ps-server library; the ps-server binary comes from the
-/// ps-server package's own integration test (`server/tests/cli.rs`), which
-/// makes `cargo test --workspace` (and `cargo test -p ps-server`) build it
-/// into the target profile directory this test runs from:
-/// `<target>/<profile>/deps/process-<hash>` next to `<target>/<profile>/ps-server`.
-/// Running cargo from inside the test instead would rebuild with the test's
-/// environment (cargo fingerprints depend on it) and contend with the outer
-/// build. So the test takes that binary, and refuses it when it is missing
-/// or older than a source file it was built from (its dep-info file
-/// `ps-server.d` lists them), rather than test stale code.
-fn server_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test executable's path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("the test runs from <target>/<profile>/deps");
-    let bin = profile_dir.join("ps-server");
-    let hint = "build it with `cargo build -p ps-server` in the same profile \
-                (`cargo test --workspace` builds it)";
-    let built = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
-    let deps = std::fs::read_to_string(profile_dir.join("ps-server.d")).unwrap_or_default();
-    let sources = deps.split_once(": ").map(|(_, s)| s).unwrap_or("");
-    for source in sources.split_whitespace() {
-        let changed = std::fs::metadata(source)
-            .and_then(|m| m.modified())
-            .unwrap_or(SystemTime::UNIX_EPOCH);
-        assert!(
-            changed <= built,
-            "{} is older than {source}; {hint}",
-            bin.display()
-        );
-    }
-    bin
-}
 
 /// A `ps-server` child process whose log lines (stderr) the test reads.
 struct ServerProcess {

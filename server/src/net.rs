@@ -229,16 +229,13 @@ impl Ctx {
         if none_left {
             if let Some(message) = self.job_stop() {
                 // Every rank has heard: the job ends here.
-                self.outcome.send_if_modified(|o| {
-                    let first = o.is_none();
-                    if first {
-                        *o = Some(Err(ServerExit {
-                            message: message.clone(),
-                            job_stopped: true,
-                        }));
-                    }
-                    first
-                });
+                fail_once(
+                    &self.outcome,
+                    ServerExit {
+                        message,
+                        job_stopped: true,
+                    },
+                );
             }
         }
     }
@@ -261,6 +258,18 @@ impl Ctx {
             })
             .clone()
     }
+}
+
+/// Decide that the server stops with `exit`, unless a stop was decided
+/// already; returns whether this call decided it.
+fn fail_once(outcome: &watch::Sender<Option<Result<(), ServerExit>>>, exit: ServerExit) -> bool {
+    outcome.send_if_modified(|o| {
+        if o.is_some() {
+            return false;
+        }
+        *o = Some(Err(exit.clone()));
+        true
+    })
 }
 
 /// A running server process.
@@ -475,14 +484,7 @@ fn checkpoint_give_up(
     outcome: watch::Sender<Option<Result<(), ServerExit>>>,
 ) -> crate::actor::GiveUp {
     Box::new(move |message: String| {
-        let decided = outcome.send_if_modified(|o| {
-            if o.is_some() {
-                return false;
-            }
-            *o = Some(Err(ServerExit::new(message.clone())));
-            true
-        });
-        if decided {
+        if fail_once(&outcome, ServerExit::new(message.clone())) {
             tracing::error!("{message}; shutting down");
         }
     })

@@ -130,12 +130,7 @@ pub fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> 
         };
     }
     if let Some(l) = e.downcast_ref::<LoaderError>() {
-        return match l {
-            LoaderError::Outage { .. } => Some(ExitCode::BucketOutage),
-            LoaderError::Fetch { source, .. } => bad_sample_code(source),
-            LoaderError::Dataset(d) => bad_sample_code(d),
-            _ => None,
-        };
+        return loader_exit_code(l);
     }
     if let Some(d) = e.downcast_ref::<DatasetError>() {
         return bad_sample_code(d);
@@ -143,13 +138,13 @@ pub fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> 
     None
 }
 
-/// Whether a loader error stops the whole job (a sample that cannot be
-/// decoded under `data.on_bad_sample = "stop"`).
-fn stops_the_job(e: &LoaderError) -> bool {
+/// The exit code a loader error stands for, if any.
+fn loader_exit_code(e: &LoaderError) -> Option<ExitCode> {
     match e {
-        LoaderError::Fetch { source, .. } => bad_sample_code(source).is_some(),
-        LoaderError::Dataset(d) => bad_sample_code(d).is_some(),
-        _ => false,
+        LoaderError::Outage { .. } => Some(ExitCode::BucketOutage),
+        LoaderError::Fetch { source, .. } => bad_sample_code(source),
+        LoaderError::Dataset(d) => bad_sample_code(d),
+        _ => None,
     }
 }
 
@@ -163,7 +158,7 @@ async fn batch_or_stop<T>(
     match next {
         Ok(batch) => Ok(batch),
         Err(e) => {
-            if stops_the_job(&e) {
+            if loader_exit_code(&e) == Some(ExitCode::JobStopped) {
                 let reason = ps_shared::cli::describe_error(&e);
                 tracing::error!(rank, "{reason}; stopping the job");
                 exchange.stop_job(&reason).await;

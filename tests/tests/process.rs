@@ -86,6 +86,17 @@ impl ServerProcess {
 
     /// Wait until the lines logged so far satisfy `done`; fails when the
     /// process ends first.
+    /// Start the server and wait until it listens.
+    async fn listening(bin: &Path, config: &Path, token: &str) -> Self {
+        let mut server = Self::start(bin, config, token);
+        server
+            .wait_for("listening", |log| {
+                lines_with(log, "ps-server listening").next().is_some()
+            })
+            .await;
+        server
+    }
+
     async fn wait_for(&mut self, what: &str, done: impl Fn(&[String]) -> bool) {
         while !done(&self.log) {
             match tokio::time::timeout(RUN_LIMIT, self.lines.recv()).await {
@@ -281,12 +292,7 @@ fn a_killed_server_process_restarts_and_no_update_is_lost() {
     let system = actix::System::new();
     system.block_on(async move {
         let (store, prefix) = synthetic_bucket(&spec).await;
-        let mut first = ServerProcess::start(&bin, &config_path, &token);
-        first
-            .wait_for("listening", |log| {
-                lines_with(log, "ps-server listening").next().is_some()
-            })
-            .await;
+        let mut first = ServerProcess::listening(&bin, &config_path, &token).await;
         let first_pid = first.pid();
         let (steps_tx, mut steps) = watch::channel(0);
         let o0 = WorkerOptions {
@@ -426,12 +432,7 @@ fn a_completed_run_ends_with_a_final_checkpoint() {
     let system = actix::System::new();
     system.block_on(async move {
         let (store, prefix) = synthetic_bucket(&spec).await;
-        let mut server = ServerProcess::start(&bin, &config_path, &token);
-        server
-            .wait_for("listening", |log| {
-                lines_with(log, "ps-server listening").next().is_some()
-            })
-            .await;
+        let server = ServerProcess::listening(&bin, &config_path, &token).await;
         let (a, b) = tokio::time::timeout(
             RUN_LIMIT,
             futures::future::join(
@@ -489,12 +490,7 @@ fn checkpoints_that_cannot_be_written_fail_the_run() {
     let system = actix::System::new();
     system.block_on(async move {
         let (store, prefix) = synthetic_bucket(&spec).await;
-        let mut server = ServerProcess::start(&bin, &config_path, &token);
-        server
-            .wait_for("listening", |log| {
-                lines_with(log, "ps-server listening").next().is_some()
-            })
-            .await;
+        let server = ServerProcess::listening(&bin, &config_path, &token).await;
         // The checkpoint directory becomes a plain file: every write under
         // it fails (also for root, which permissions would not stop).
         let checkpoints = dir.path().join("checkpoints");

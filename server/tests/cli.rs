@@ -3,16 +3,14 @@
 //! start with `tls.generate_if_missing` keeps them as they are (the extra
 //! name included) and creates only what is missing.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::Output;
 
-use ps_shared::config::{ClusterConfig, TOKEN_ENV};
+use ps_shared::config::ClusterConfig;
 
-const BIN: &str = env!("CARGO_BIN_EXE_ps-server");
-/// Upper bound on one run of the binary, so a bug cannot hang the suite.
-const RUN_BOUND: Duration = Duration::from_secs(120);
+use common::{certs_under, command, run_bounded};
 
 /// A one-worker config whose certificates live in `dir`, for a server that
 /// gives up at once when no worker joins.
@@ -23,14 +21,7 @@ fn write_config(dir: &Path) -> PathBuf {
     drop(socket);
     cfg.cluster.workers = 1;
     cfg.server.join_timeout_secs = 0.5;
-    let certs = dir.join("certs");
-    let file = |name: &str| certs.join(name);
-    cfg.tls.ca = file("ca.pem");
-    cfg.tls.ca_key = file("ca.key");
-    cfg.tls.cert = file("server.pem");
-    cfg.tls.key = file("server.key");
-    cfg.tls.worker_cert = file("worker-{rank}.pem").display().to_string();
-    cfg.tls.worker_key = file("worker-{rank}.key").display().to_string();
+    certs_under(&mut cfg, dir);
     cfg.tls.generate_if_missing = true;
     cfg.validate().expect("valid config");
     let path = dir.join("cluster.toml");
@@ -42,27 +33,10 @@ fn write_config(dir: &Path) -> PathBuf {
 
 /// Run the binary with `args` and wait for it to exit (bounded).
 fn ps_server(config: &Path, args: &[&str]) -> Output {
-    let child = Command::new(BIN)
-        .arg("--config")
-        .arg(config)
-        .args(args)
-        .env(TOKEN_ENV, "cli-test-token")
-        .env("STRATUS_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start ps-server");
-    let pid = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(RUN_BOUND) {
-        Ok(output) => output.expect("ps-server ran"),
-        Err(_) => panic!("ps-server {args:?} (pid {pid}) did not exit within {RUN_BOUND:?}"),
-    }
+    run_bounded(
+        command(config, args, "cli-test-token"),
+        &format!("{args:?}"),
+    )
 }
 
 fn text(bytes: &[u8]) -> String {

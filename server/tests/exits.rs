@@ -4,18 +4,18 @@
 //! SIGTERM exits 143 after the shards stopped.
 #![cfg(unix)]
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::mpsc;
-use std::time::Duration;
 
-use ps_shared::config::{ClusterConfig, TOKEN_ENV};
+use ps_shared::config::ClusterConfig;
 
-const BIN: &str = env!("CARGO_BIN_EXE_ps-server");
-/// Upper bound on one run of the binary: a safety net so a bug cannot hang
-/// the suite, not a measure of speed.
-const RUN_BOUND: Duration = Duration::from_secs(120);
+use common::{certs_under, command, run_bounded, RUN_BOUND};
+
+const TOKEN: &str = "exits-test-token";
 
 /// A one-worker config on `addr` whose certificates `ps-server certs`
 /// writes into `dir`; a start does not create missing ones.
@@ -23,14 +23,7 @@ fn write_config(dir: &Path, addr: &str) -> PathBuf {
     let mut cfg = ClusterConfig::embedded_default().expect("embedded config");
     cfg.cluster.servers = vec![addr.to_string()];
     cfg.cluster.workers = 1;
-    let certs = dir.join("certs");
-    let file = |name: &str| certs.join(name);
-    cfg.tls.ca = file("ca.pem");
-    cfg.tls.ca_key = file("ca.key");
-    cfg.tls.cert = file("server.pem");
-    cfg.tls.key = file("server.key");
-    cfg.tls.worker_cert = file("worker-{rank}.pem").display().to_string();
-    cfg.tls.worker_key = file("worker-{rank}.key").display().to_string();
+    certs_under(&mut cfg, dir);
     cfg.tls.generate_if_missing = false;
     cfg.validate().expect("valid config");
     let path = dir.join("cluster.toml");
@@ -40,32 +33,9 @@ fn write_config(dir: &Path, addr: &str) -> PathBuf {
     path
 }
 
-fn command(config: &Path, args: &[&str]) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.arg("--config")
-        .arg(config)
-        .args(args)
-        .env(TOKEN_ENV, "exits-test-token")
-        .env("STRATUS_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    cmd
-}
-
 /// Run the binary with `args` and wait for it to exit (bounded).
 fn ps_server(config: &Path, args: &[&str]) -> Output {
-    let child = command(config, args).spawn().expect("start ps-server");
-    let pid = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(RUN_BOUND) {
-        Ok(output) => output.expect("ps-server ran"),
-        Err(_) => panic!("ps-server {args:?} (pid {pid}) did not exit within {RUN_BOUND:?}"),
-    }
+    run_bounded(command(config, args, TOKEN), &format!("{args:?}"))
 }
 
 /// The exit code and stderr of a run that must not panic.
@@ -147,7 +117,9 @@ fn a_time_field_out_of_range_exits_2_naming_it() {
 fn sigterm_exits_143_after_stopping_the_shards() {
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(dir.path(), &free_addr());
-    let mut child = command(&config, &["run"]).spawn().expect("start ps-server");
+    let mut child = command(&config, &["run"], TOKEN)
+        .spawn()
+        .expect("start ps-server");
     let stderr = child.stderr.take().expect("piped stderr");
     let (tx, lines) = mpsc::channel();
     std::thread::spawn(move || {

@@ -348,12 +348,37 @@ fn for_each_tap(g: &ConvGeom, m: usize, mut f: impl FnMut(usize, usize)) {
 
 /// Unfolds rows `rows` of `x` into `out` (`rows.len() × depth`).
 fn im2col(g: &ConvGeom, x: &[f32], rows: Range<usize>, out: &mut [f32]) {
-    let (depth, c) = (g.depth(), g.in_c);
-    for (m, row) in rows.zip(out.chunks_exact_mut(depth)) {
-        row.fill(0.0);
-        for_each_tap(g, m, |from, to| {
-            row[to..to + c].copy_from_slice(&x[from..from + c]);
-        });
+    let (oh, ow) = (g.out_h(), g.out_w());
+    let (k, c) = (g.kernel, g.in_c);
+    // One kernel row's taps: consecutive pixels of one input row.
+    let line = k * c;
+    for (m, row) in rows.zip(out.chunks_exact_mut(g.depth())) {
+        let (n, pix) = (m / (oh * ow), m % (oh * ow));
+        let (oy, ox) = (pix / ow, pix % ow);
+        let ix0 = (ox * g.stride).wrapping_sub(g.padding);
+        let inside = ix0 < g.in_w && ix0 + k <= g.in_w;
+        for (ky, dst) in row.chunks_exact_mut(line).enumerate() {
+            let iy = (oy * g.stride + ky).wrapping_sub(g.padding);
+            if iy >= g.in_h {
+                dst.fill(0.0);
+                continue;
+            }
+            let base = (n * g.in_h + iy) * g.in_w;
+            if inside {
+                let from = (base + ix0) * c;
+                dst.copy_from_slice(&x[from..from + line]);
+                continue;
+            }
+            for (kx, tap) in dst.chunks_exact_mut(c).enumerate() {
+                let ix = ix0.wrapping_add(kx);
+                if ix < g.in_w {
+                    let from = (base + ix) * c;
+                    tap.copy_from_slice(&x[from..from + c]);
+                } else {
+                    tap.fill(0.0);
+                }
+            }
+        }
     }
 }
 

@@ -8,7 +8,8 @@ thread count:
 and sends it commands on stdin, one per line:
 
     setup NET BATCH     -> "ok PARAMS FIRST_STEP_MS"
-    run STEPS           -> "ok FWD_BWD_MS STEP_MS" (means over the steps)
+    run STEPS           -> "ok FWD_BWD_MS STEP_MS CPU_MS" (means over the steps;
+                           CPU_MS: CPU time of all the process's threads per step)
 
 A step is zero_grad, forward, cross-entropy, backward (FWD_BWD), then the
 worker's error-feedback top-k on the flattened gradient with the default
@@ -150,12 +151,14 @@ def main():
         elif words[:1] == ["run"] and len(words) == 2 and bench is not None:
             steps = int(words[1])
             fb = total = 0.0
+            cpu0 = time.process_time()
             for _ in range(steps):
                 f, c = bench.step()
                 fb += f
                 total += f + c
             n = max(1, steps)
-            print(f"ok {fb / n} {total / n}", flush=True)
+            cpu = 1e3 * (time.process_time() - cpu0)
+            print(f"ok {fb / n} {total / n} {cpu / n}", flush=True)
         else:
             print(f"error: unknown command {line.strip()!r}", flush=True)
 

@@ -252,10 +252,23 @@ impl Bench {
     }
 }
 
+/// CPU nanoseconds all of this process's threads have run so far (the
+/// kernel's per-thread schedstat; 0 where it cannot be read).
+fn process_cpu_ns() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// The child's side: a rayon pool of `threads`, commands on stdin.
 ///
 /// * `setup NET BATCH [nocompress]` → `ok PARAMS FIRST_STEP_MS`
-/// * `run STEPS` → `ok FWD_BWD_MS STEP_MS` (means over the steps)
+/// * `run STEPS` → `ok FWD_BWD_MS STEP_MS CPU_MS` (means over the steps;
+///   CPU_MS is the CPU time of all the child's threads per step)
 fn serve(threads: usize) -> anyhow::Result<()> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -289,13 +302,15 @@ fn serve(threads: usize) -> anyhow::Result<()> {
                     let (b, compress) = bench.as_mut().context("run before setup")?;
                     let steps: usize = steps.parse()?;
                     let (mut fb, mut all) = (0.0, 0.0);
+                    let cpu0 = process_cpu_ns();
                     for _ in 0..steps {
                         let (f, c) = b.step(*compress)?;
                         fb += f;
                         all += f + c;
                     }
                     let n = steps.max(1) as f64;
-                    format!("ok {} {}", fb / n, all / n)
+                    let cpu = 1e-6 * process_cpu_ns().saturating_sub(cpu0) as f64;
+                    format!("ok {} {} {}", fb / n, all / n, cpu / n)
                 }
                 _ => bail!("bench-compute --serve: unknown command `{line}`"),
             };
@@ -377,6 +392,10 @@ struct Row {
     steps: (usize, usize),
     /// Per round: forward + backward and whole step, candle then torch.
     candle: Vec<(f64, f64)>,
+    /// Per round: candle's CPU time per whole step, all threads.
+    candle_cpu: Vec<f64>,
+    /// The same for torch.
+    torch_cpu: Vec<f64>,
     torch: Vec<(f64, f64)>,
 }
 
@@ -399,7 +418,11 @@ fn cpu_model() -> String {
 }
 
 fn measure(args: &Args, nets: &[Net], threads: usize) -> anyhow::Result<Vec<Row>> {
-    let exe = std::env::current_exe().context("locating bench-compute")?;
+    // This very binary, even if the file was replaced since it started.
+    let exe = match PathBuf::from("/proc/self/exe") {
+        p if p.exists() => p,
+        _ => std::env::current_exe().context("locating bench-compute")?,
+    };
     let mut cmd = Command::new(exe);
     cmd.args(["--serve", &threads.to_string()])
         .env("RAYON_NUM_THREADS", threads.to_string())
@@ -445,6 +468,8 @@ fn measure(args: &Args, nets: &[Net], threads: usize) -> anyhow::Result<Vec<Row>
                 params,
                 steps: (steps_c, steps_t),
                 candle: vec![],
+                candle_cpu: vec![],
+                torch_cpu: vec![],
                 torch: vec![],
             };
             let pair = |v: Vec<f64>| (v.first().copied().unwrap_or(f64::NAN), v.get(1).copied().unwrap_or(f64::NAN));
@@ -454,14 +479,19 @@ fn measure(args: &Args, nets: &[Net], threads: usize) -> anyhow::Result<Vec<Row>
                 let torch_first = round % 2 == 1;
                 if torch_first {
                     if let Some(t) = torch.as_mut() {
-                        row.torch.push(pair(t.ask(&format!("run {steps_t}"))?));
+                        let v = t.ask(&format!("run {steps_t}"))?;
+                        row.torch_cpu.push(v.get(2).copied().unwrap_or(f64::NAN));
+                        row.torch.push(pair(v));
                     }
                 }
-                row.candle
-                    .push(pair(candle.ask(&format!("run {steps_c}"))?));
+                let c = candle.ask(&format!("run {steps_c}"))?;
+                row.candle_cpu.push(c.get(2).copied().unwrap_or(f64::NAN));
+                row.candle.push(pair(c));
                 if !torch_first {
                     if let Some(t) = torch.as_mut() {
-                        row.torch.push(pair(t.ask(&format!("run {steps_t}"))?));
+                        let v = t.ask(&format!("run {steps_t}"))?;
+                        row.torch_cpu.push(v.get(2).copied().unwrap_or(f64::NAN));
+                        row.torch.push(pair(v));
                     }
                 }
             }
@@ -469,6 +499,7 @@ fn measure(args: &Args, nets: &[Net], threads: usize) -> anyhow::Result<Vec<Row>
                 "bench-compute: {} batch {batch}, {threads} thread(s) done",
                 net.label()
             );
+            print_row(&row);
             rows.push(row);
         }
     }
@@ -491,10 +522,10 @@ fn ratio(a: &[f64], b: &[f64]) -> f64 {
     median(&r)
 }
 
-fn print_table(rows: &[Row]) {
+fn print_header() {
     println!();
     println!(
-        "{:<22} {:>5} {:>3} | {:>24} {:>24} {:>6} {:>6} {:>4} | {:>24} {:>24} {:>6}",
+        "{:<22} {:>5} {:>3} | {:>24} {:>24} {:>6} {:>6} {:>4} | {:>24} {:>24} {:>6} | {:>10} {:>9} {:>9}",
         "network",
         "batch",
         "thr",
@@ -505,51 +536,58 @@ fn print_table(rows: &[Row]) {
         "",
         "candle step ms",
         "torch step ms",
-        "ratio"
+        "ratio",
+        "candle cpu",
+        "torch cpu",
+        "cpu ratio"
     );
-    for r in rows {
-        let col = |v: &[(f64, f64)], second: bool| -> Vec<f64> {
-            v.iter().map(|p| if second { p.1 } else { p.0 }).collect()
-        };
-        let (cf, cs) = (col(&r.candle, false), col(&r.candle, true));
-        let (tf, ts) = (col(&r.torch, false), col(&r.torch, true));
-        let (torch_f, torch_s, fwd_ratio, verdict, step_ratio) = if r.torch.is_empty() {
-            ("-".into(), "-".into(), "-".into(), "", "-".into())
-        } else {
-            let fr = ratio(&cf, &tf);
-            (
-                cell(&tf),
-                cell(&ts),
-                format!("{fr:.2}x"),
-                if fr <= r.net.target() { "PASS" } else { "MISS" },
-                format!("{:.2}x", ratio(&cs, &ts)),
-            )
-        };
-        println!(
-            "{:<22} {:>5} {:>3} | {:>24} {:>24} {:>6} {:>6} {:>4} | {:>24} {:>24} {:>6}",
-            r.net.label(),
-            r.batch,
-            r.threads,
-            cell(&cf),
-            torch_f,
-            fwd_ratio,
-            format!("<={:.1}x", r.net.target()),
-            verdict,
-            cell(&cs),
-            torch_s,
-            step_ratio
-        );
-    }
-    println!();
-    for r in rows.iter().filter(|r| r.batch == rows[0].batch && r.threads == rows[0].threads) {
-        println!(
-            "{}: {} parameters (candle = torch), {} steps/round candle, {} torch",
-            r.net.label(),
-            r.params,
-            r.steps.0,
-            r.steps.1
-        );
-    }
+}
+
+/// Prints one line of the table as soon as it is measured.
+fn print_row(r: &Row) {
+    let col = |v: &[(f64, f64)], second: bool| -> Vec<f64> {
+        v.iter().map(|p| if second { p.1 } else { p.0 }).collect()
+    };
+    let (cf, cs) = (col(&r.candle, false), col(&r.candle, true));
+    let (tf, ts) = (col(&r.torch, false), col(&r.torch, true));
+    let (torch_cpu, cpu_ratio) = if r.torch_cpu.is_empty() {
+        ("-".to_string(), "-".to_string())
+    } else {
+        (
+            format!("{:.2}", median(&r.torch_cpu)),
+            format!("{:.2}x", ratio(&r.candle_cpu, &r.torch_cpu)),
+        )
+    };
+    let (torch_f, torch_s, fwd_ratio, verdict, step_ratio) = if r.torch.is_empty() {
+        ("-".into(), "-".into(), "-".into(), "", "-".into())
+    } else {
+        let fr = ratio(&cf, &tf);
+        (
+            cell(&tf),
+            cell(&ts),
+            format!("{fr:.2}x"),
+            if fr <= r.net.target() { "PASS" } else { "MISS" },
+            format!("{:.2}x", ratio(&cs, &ts)),
+        )
+    };
+    println!(
+        "{:<22} {:>5} {:>3} | {:>24} {:>24} {:>6} {:>6} {:>4} | {:>24} {:>24} {:>6} | {:>10.2} {:>9} {:>9}",
+        r.net.label(),
+        r.batch,
+        r.threads,
+        cell(&cf),
+        torch_f,
+        fwd_ratio,
+        format!("<={:.1}x", r.net.target()),
+        verdict,
+        cell(&cs),
+        torch_s,
+        step_ratio,
+        median(&r.candle_cpu),
+        torch_cpu,
+        cpu_ratio
+    );
+    let _ = std::io::stdout().flush();
 }
 
 fn main() -> anyhow::Result<()> {
@@ -577,13 +615,26 @@ fn main() -> anyhow::Result<()> {
         "whole step = forward + backward + error-feedback top-k (density {}, {:?}, momentum correction {}, masking {})",
         c.density, c.method, c.momentum_correction, c.momentum_masking
     );
+    print_header();
     let mut rows = vec![];
     for &threads in &args.threads {
         rows.extend(measure(&args, &nets, threads)?);
     }
-    print_table(&rows);
+    println!();
+    for r in rows
+        .iter()
+        .filter(|r| r.batch == rows[0].batch && r.threads == rows[0].threads)
+    {
+        println!(
+            "{}: {} parameters (candle = torch where torch ran); steps per round {} candle, {} torch",
+            r.net.label(),
+            r.params,
+            r.steps.0,
+            r.steps.1
+        );
+    }
     println!(
-        "cells: median [min-max] ms per step over rounds; ratio: median of the per-round candle/torch ratios; target applies to forward + backward"
+        "cells: median [min-max] ms per step over rounds; ratio: median of the per-round candle/torch ratios; target applies to forward + backward; candle cpu / torch cpu: median CPU ms per whole step, all threads of the process; cpu ratio: median per-round ratio of those (less sensitive to a busy machine than wall times)"
     );
     Ok(())
 }

@@ -66,13 +66,7 @@ enum Net {
 }
 
 impl Net {
-    const ALL: [Net; 5] = [
-        Net::Mlp,
-        Net::Cnn,
-        Net::Cnn16,
-        Net::Resnet20,
-        Net::Resnet18,
-    ];
+    const ALL: [Net; 5] = [Net::Mlp, Net::Cnn, Net::Cnn16, Net::Resnet20, Net::Resnet18];
 
     /// Name on the command line and in the torch script.
     fn name(self) -> &'static str {
@@ -198,9 +192,10 @@ fn median(v: &[f64]) -> f64 {
 }
 
 fn min_max(v: &[f64]) -> (f64, f64) {
-    v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
-        (lo.min(x), hi.max(x))
-    })
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+            (lo.min(x), hi.max(x))
+        })
 }
 
 /// One network and batch, set up in the serving child.
@@ -245,10 +240,7 @@ impl Bench {
             std::hint::black_box(self.compressor.compress(&self.grad)?);
         }
         let t2 = Instant::now();
-        Ok((
-            1e3 * (t1 - t0).as_secs_f64(),
-            1e3 * (t2 - t1).as_secs_f64(),
-        ))
+        Ok((1e3 * (t1 - t0).as_secs_f64(), 1e3 * (t2 - t1).as_secs_f64()))
     }
 }
 
@@ -401,7 +393,11 @@ struct Row {
 
 fn steps_for(args: &Args, first_ms: f64) -> usize {
     args.steps
-        .unwrap_or_else(|| (args.round_ms / first_ms.max(1e-3)).round().clamp(1.0, 50.0) as usize)
+        .unwrap_or_else(|| {
+            (args.round_ms / first_ms.max(1e-3))
+                .round()
+                .clamp(1.0, 50.0) as usize
+        })
         .max(1)
 }
 
@@ -472,7 +468,12 @@ fn measure(args: &Args, nets: &[Net], threads: usize) -> anyhow::Result<Vec<Row>
                 torch_cpu: vec![],
                 torch: vec![],
             };
-            let pair = |v: Vec<f64>| (v.first().copied().unwrap_or(f64::NAN), v.get(1).copied().unwrap_or(f64::NAN));
+            let pair = |v: Vec<f64>| {
+                (
+                    v.first().copied().unwrap_or(f64::NAN),
+                    v.get(1).copied().unwrap_or(f64::NAN),
+                )
+            };
             for round in 0..args.rounds {
                 // Alternate who goes first, so neither side always runs on
                 // caches (or a machine) the other has just warmed or loaded.

@@ -1,22 +1,41 @@
-"""Torch reference for bench-compute: mean milliseconds of forward, backward
-and flattening the gradients of an MLP (or, with --model resnet20, of the
-ResNet-20 preset on 3x32x32 images), on a fixed random batch.
+"""Torch side of bench-compute: the same networks, timed on a fixed random batch.
 
-Prints one number (ms per step). Run by target/release/bench-compute --python.
+Run by target/release/bench-compute --python PYTHON, which starts one process per
+thread count:
+
+    python scripts/torch_compute.py --serve --threads N
+
+and sends it commands on stdin, one per line:
+
+    setup NET BATCH     -> "ok PARAMS FIRST_STEP_MS"
+    run STEPS           -> "ok FWD_BWD_MS STEP_MS CPU_MS" (means over the steps;
+                           CPU_MS: CPU time of all the process's threads per step)
+
+A step is zero_grad, forward, cross-entropy, backward (FWD_BWD), then the
+worker's error-feedback top-k on the flattened gradient with the default
+compression settings: u = 0.9 u + g; v += u; the top 1% of |v| (torch.topk)
+is taken out, and zeroed in v and u (STEP = all of it).
+
+A new network is one builder in BUILDERS under the name bench-compute uses.
 """
 import argparse
+import sys
 import time
 
 import torch
 
+nn = torch.nn
 
-class Block(torch.nn.Module):
+DENSITY = 0.01
+MOMENTUM_CORRECTION = 0.9
+
+
+class Block(nn.Module):
     """Basic block: conv-bn-relu-conv-bn plus the input (or a 1x1 conv-bn
     projection of it when the shape changes), then relu."""
 
     def __init__(self, cin, cout, stride):
         super().__init__()
-        nn = torch.nn
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
@@ -34,60 +53,114 @@ class Block(torch.nn.Module):
         return torch.relu(h + skip)
 
 
-def resnet20(width, classes):
-    nn = torch.nn
-    widths = [max(1, int(w * width + 0.5)) for w in (16, 32, 64)]
+def resnet(widths, blocks, strides, width, classes):
+    """CIFAR-style ResNet: 3x3 stem conv-bn-relu, stages of basic blocks,
+    global average pool, linear (the worker's resnet presets)."""
+    widths = [max(1, round(w * width)) for w in widths]
     layers = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()]
     cin = widths[0]
-    for w, stride in zip(widths, (1, 2, 2)):
-        for b in range(3):
+    for w, stride in zip(widths, strides):
+        for b in range(blocks):
             layers.append(Block(cin, w, stride if b == 0 else 1))
             cin = w
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
     return nn.Sequential(*layers)
 
 
+def mlp(widths):
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[i], widths[i + 1]))
+        if i + 2 < len(widths):
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def cnn(channels, side, conv, hidden, classes):
+    """kind = "cnn": per conv width a 3x3 conv (padding 1, bias), ReLU and a
+    2x2 max-pool; then fully connected layers with ReLU between them."""
+    layers = []
+    cin = channels
+    for c in conv:
+        layers += [nn.Conv2d(cin, c, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(2)]
+        cin = c
+        side //= 2
+    layers.append(nn.Flatten())
+    layers.append(mlp([cin * side * side] + hidden + [classes]))
+    return nn.Sequential(*layers)
+
+
+# name: (builder, input shape of one sample)
+BUILDERS = {
+    "mlp": (lambda: mlp([256, 1024, 1024, 10]), (256,)),
+    "cnn": (lambda: cnn(1, 28, [8, 16], [64], 10), (1, 28, 28)),
+    "cnn16": (lambda: cnn(1, 16, [16, 32], [], 10), (1, 16, 16)),
+    "resnet20": (lambda: resnet([16, 32, 64], 3, [1, 2, 2], 1.0, 10), (3, 32, 32)),
+    "resnet18": (lambda: resnet([64, 128, 256, 512], 2, [1, 2, 2, 2], 0.5, 10), (3, 32, 32)),
+}
+
+
+class Bench:
+    def __init__(self, name, batch):
+        build, shape = BUILDERS[name]
+        torch.manual_seed(1)
+        self.model = build()
+        self.model.train()
+        self.x = torch.randn(batch, *shape)
+        self.y = torch.randint(0, 10, (batch,))
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.k = max(1, round(DENSITY * self.params))
+        self.u = torch.zeros(self.params)
+        self.v = torch.zeros(self.params)
+
+    def step(self):
+        """Milliseconds of forward + backward, and of the compression after it."""
+        t0 = time.perf_counter()
+        self.model.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(self.x), self.y)
+        loss.backward()
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            g = torch.cat([p.grad.reshape(-1) for p in self.model.parameters()])
+            self.u.mul_(MOMENTUM_CORRECTION).add_(g)
+            self.v.add_(self.u)
+            idx = torch.topk(self.v.abs(), self.k, sorted=False).indices
+            sent = self.v[idx]
+            self.v[idx] = 0.0
+            self.u[idx] = 0.0
+        t2 = time.perf_counter()
+        del sent, loss
+        return 1e3 * (t1 - t0), 1e3 * (t2 - t1)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="mlp", choices=["mlp", "resnet20"])
-    ap.add_argument("--width", type=float, default=1.0)
-    ap.add_argument("--features", type=int, default=256)
-    ap.add_argument("--hidden", default="1024,1024")
-    ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--serve", action="store_true", required=True)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    torch.manual_seed(1)
-    if a.model == "resnet20":
-        model = resnet20(a.width, a.classes)
-        model.train()
-        x = torch.randn(a.batch, 3, 32, 32)
-    else:
-        widths = [a.features] + [int(h) for h in a.hidden.split(",") if h] + [a.classes]
-        layers = []
-        for i in range(len(widths) - 1):
-            layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
-            if i + 2 < len(widths):
-                layers.append(torch.nn.ReLU())
-        model = torch.nn.Sequential(*layers)
-        x = torch.randn(a.batch, a.features)
-    y = torch.randint(0, a.classes, (a.batch,))
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        return float(loss), flat
-
-    step()
-    t = time.perf_counter()
-    for _ in range(a.steps):
-        step()
-    print(1e3 * (time.perf_counter() - t) / a.steps)
+    print(f"ready torch {torch.__version__} threads {torch.get_num_threads()}", flush=True)
+    bench = None
+    for line in sys.stdin:
+        words = line.split()
+        if words[:1] == ["setup"] and len(words) >= 3:
+            bench = Bench(words[1], int(words[2]))
+            fb, c = bench.step()
+            print(f"ok {bench.params} {fb + c}", flush=True)
+        elif words[:1] == ["run"] and len(words) == 2 and bench is not None:
+            steps = int(words[1])
+            fb = total = 0.0
+            cpu0 = time.process_time()
+            for _ in range(steps):
+                f, c = bench.step()
+                fb += f
+                total += f + c
+            n = max(1, steps)
+            cpu = 1e3 * (time.process_time() - cpu0)
+            print(f"ok {fb / n} {total / n} {cpu / n}", flush=True)
+        else:
+            print(f"error: unknown command {line.strip()!r}", flush=True)
 
 
 if __name__ == "__main__":

@@ -663,6 +663,11 @@ pub struct TrainingSection {
     /// asp/ssp only: compute the next step's gradient while this step's
     /// push and pull are in flight (the gradient is one step stale).
     pub overlap: bool,
+    /// Threads of a worker process's compute pool (forward, backward,
+    /// compression). 0 = automatic: `RAYON_NUM_THREADS` when set, else the
+    /// CPUs divided among the worker processes when every server is on
+    /// loopback (the whole cluster on one machine), else every CPU.
+    pub compute_threads: usize,
 }
 
 impl Default for TrainingSection {
@@ -676,6 +681,7 @@ impl Default for TrainingSection {
             target_accuracy: 0.0,
             max_steps: 0,
             overlap: false,
+            compute_threads: 0,
         }
     }
 }
@@ -685,7 +691,8 @@ impl TrainingSection {
     fn check_ranges(&self) -> Result<(), ConfigError> {
         check_range("training.epochs", self.epochs, 1..=1_000_000)?;
         check_range("training.eval_every", self.eval_every, 0..=1 << 40)?;
-        check_range("training.max_steps", self.max_steps, 0..=1 << 48)
+        check_range("training.max_steps", self.max_steps, 0..=1 << 48)?;
+        check_range("training.compute_threads", self.compute_threads, 0..=1024)
     }
 }
 
@@ -1522,6 +1529,31 @@ impl ClusterConfig {
         self.training.overlap && self.server.mode != SyncMode::Bsp
     }
 
+    /// Threads of a worker process's compute pool on a machine with `cpus`
+    /// CPUs when `training.compute_threads` is 0 and `RAYON_NUM_THREADS`
+    /// is not set: with every server on loopback the whole cluster shares
+    /// this machine, so its worker processes (one per node) split the CPUs;
+    /// otherwise the worker takes them all.
+    pub fn compute_threads(&self, cpus: usize) -> usize {
+        if self.training.compute_threads > 0 {
+            return self.training.compute_threads;
+        }
+        let local = |addr: &String| {
+            let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            host == "localhost"
+                || host
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+        };
+        let cpus = cpus.max(1);
+        if !self.cluster.servers.is_empty() && self.cluster.servers.iter().all(local) {
+            (cpus / self.nodes().max(1)).max(1)
+        } else {
+            cpus
+        }
+    }
+
     /// Number of nodes: `cluster.workers / cluster.workers_per_node`.
     pub fn nodes(&self) -> usize {
         self.cluster.workers / self.cluster.workers_per_node.max(1)
@@ -1588,6 +1620,32 @@ mod tests {
         );
         let cfg = ClusterConfig::embedded_default().unwrap();
         assert_eq!(cfg.cluster.max_ranks(), cfg.cluster.workers);
+    }
+
+    #[test]
+    fn compute_threads_split_the_cpus_of_a_one_machine_cluster() {
+        let mut cfg = ClusterConfig::embedded_default().unwrap();
+        cfg.cluster.workers = 2;
+        cfg.cluster.servers = vec!["127.0.0.1:7400".into(), "localhost:7401".into()];
+        assert_eq!(cfg.compute_threads(8), 4);
+        assert_eq!(cfg.compute_threads(2), 1);
+        assert_eq!(cfg.compute_threads(1), 1);
+        cfg.cluster.servers = vec!["[::1]:7400".into()];
+        assert_eq!(cfg.compute_threads(8), 4);
+        // Four ranks in two node processes: two processes share the CPUs.
+        cfg.cluster.workers = 4;
+        cfg.cluster.workers_per_node = 2;
+        assert_eq!(cfg.compute_threads(8), 4);
+        // One server elsewhere: the workers are not known to share a machine.
+        cfg.cluster.servers.push("10.0.0.7:7400".into());
+        assert_eq!(cfg.compute_threads(8), 8);
+        // An explicit count wins, and is range-checked.
+        cfg.training.compute_threads = 3;
+        assert_eq!(cfg.compute_threads(8), 3);
+        let err = ClusterConfig::from_toml_str("[training]\ncompute_threads = 5000\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("training.compute_threads"), "{err}");
     }
 
     #[test]

@@ -360,6 +360,8 @@ fn train(
     report_path: Option<PathBuf>,
     simulation: Simulation,
 ) -> anyhow::Result<()> {
+    let threads = init_compute_threads(&cfg);
+    tracing::info!("compute pool: {threads} thread(s)");
     let ca_pem = read_pem(&cfg.tls.ca).with_context(|| {
         "the worker needs the cluster CA certificate (tls.ca); `ps-server certs` writes one"
     })?;
@@ -493,6 +495,32 @@ fn train(
 /// Build each rank's TLS client setup once before connecting: a CA that is
 /// not PEM or a key that does not match its certificate is refused here,
 /// naming the files.
+/// Sizes this process's compute: the global rayon pool (the trainer's
+/// steps, candle's matmul, the compressor's passes) and candle's own split of
+/// matmuls and element-wise ops, which it reads from `RAYON_NUM_THREADS` and
+/// `CANDLE_NUM_THREADS`. Left to themselves each would take every CPU, so
+/// two workers and a server on one machine would run several times more
+/// compute threads than CPUs, spinning at candle's barriers while the threads
+/// they wait for sit in the run queue. Called before any other thread starts.
+fn init_compute_threads(cfg: &ClusterConfig) -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let from_env = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0);
+    let threads = match from_env {
+        Some(n) if cfg.training.compute_threads == 0 => n,
+        _ => cfg.compute_threads(cpus),
+    };
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
+    // Already built only if something computed before (never in this binary).
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global();
+    threads
+}
+
 fn check_tls(cfg: &ClusterConfig, options: &[WorkerOptions]) -> anyhow::Result<()> {
     let limits = ps_shared::transport::EndpointLimits {
         idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),

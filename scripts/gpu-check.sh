@@ -67,8 +67,8 @@ say() { echo "gpu-check: $*" >&2; }
 dirs=()
 [[ -n $cuda_lib ]] && dirs+=("$cuda_lib")
 for py in "$root/target/cuda-venv/bin/python" "$python"; do
-    d=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null) || continue
-    [[ -d $d ]] && dirs+=("$d")
+    d=$("$py" -c 'import nvidia, os; print(":".join(p for p in (os.path.join(d, "cu13", "lib") for d in nvidia.__path__) if os.path.isdir(p)))' 2>/dev/null) || continue
+    [[ -n $d ]] && dirs+=("$d")
 done
 [[ -d /usr/local/cuda/lib64 ]] && dirs+=(/usr/local/cuda/lib64)
 libpath=$(IFS=:; echo "${dirs[*]}")

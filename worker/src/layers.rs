@@ -506,8 +506,16 @@ pub fn dropout_mask(len: usize, p: f32, seed: u64, step: u64, slot: usize) -> Ve
 /// a max takes the first maximum of each window by index, so its gradient
 /// goes to exactly one input even when overlapping windows share their
 /// maximum (a max reduction would give it to every tied value).
+///
+/// On other devices an average over windows that tile the image is
+/// candle's `avg_pool2d` (one kernel each way); max pooling keeps the
+/// gathering form there too, because candle's `max_pool2d` backward scales
+/// the gradient by the window's share of maxima.
 pub fn pool(x: &Tensor, kernel: usize, stride: usize, max: bool) -> Result<Tensor> {
     let (b, c, h, w) = x.dims4()?;
+    if !max && !x.device().is_cpu() && kernel == stride && h % kernel == 0 && w % kernel == 0 {
+        return x.avg_pool2d(kernel);
+    }
     let (oh, ow) = ((h - kernel) / stride + 1, (w - kernel) / stride + 1);
     let windows = if kernel == stride && h % kernel == 0 && w % kernel == 0 {
         x.reshape((b, c, oh, kernel, ow, kernel))?

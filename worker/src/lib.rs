@@ -3,6 +3,7 @@
 //! * [`model`]: the candle model seen through the flat parameter space.
 //! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
 //! * [`kernels`]: hand-written CPU kernels (convolution) on reused buffers.
+//! * [`devcheck`]: the same models on two devices, compared (`gpu-check`).
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
@@ -16,6 +17,7 @@ pub mod cache;
 pub mod client;
 pub mod comm;
 pub mod kernels;
+pub mod devcheck;
 pub mod layers;
 pub mod loader;
 pub mod model;

@@ -680,6 +680,19 @@ impl Model {
             .to_scalar::<f32>()?;
         Ok((loss, correct / batch.len() as f32))
     }
+
+    /// The logits of a batch, flat (`batch × classes`, on the host): in
+    /// evaluation mode, or with `train` in training mode (batch statistics,
+    /// the current step's dropout masks; nothing is updated). Used to
+    /// compare devices.
+    pub fn logits(&self, batch: &Batch, train: bool) -> Result<Vec<f32>, ModelError> {
+        let x = self.input_of(batch)?;
+        let logits = match (&self.net, train) {
+            (Some(_), true) => self.train_logits(&x, self.step)?.0,
+            _ => self.forward(&x)?,
+        };
+        Ok(logits.flatten_all()?.to_vec1::<f32>()?)
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
 //! The Stratus worker.
 //!
+//! * [`api`]: train your own candle model (its `Var`s and a closure).
+//! * [`launch`]: a worker process: `ps-worker train`'s flags, signals, exit codes.
 //! * [`model`]: the candle model seen through the flat parameter space.
 //! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
@@ -11,9 +13,11 @@
 //! * [`run`]: one worker's whole training run, or a node's ranks.
 //! * [`plot`]: PNG charts of a run's per-epoch metrics (`ps-worker plot`).
 
+pub mod api;
 pub mod cache;
 pub mod client;
 pub mod comm;
+pub mod launch;
 pub mod layers;
 pub mod loader;
 pub mod model;

@@ -253,12 +253,22 @@ pub fn factory(
 /// The command line of a program built on this module: `ps-worker
 /// train`'s flags.
 #[derive(Parser, Debug)]
-#[command(version, long_about = None, after_help = EXIT_CODES_HELP)]
+#[command(
+    version,
+    about = "A Stratus worker that trains the model this program brings (the flags of `ps-worker train`)",
+    long_about = None,
+    after_help = EXIT_CODES_HELP
+)]
 pub struct Cli {
     /// Cluster config (TOML) with `model.kind = "custom"` listing the
     /// model's tensors (see --print-layout).
-    #[arg(long, short, env = "STRATUS_CONFIG")]
-    pub config: PathBuf,
+    #[arg(
+        long,
+        short,
+        env = "STRATUS_CONFIG",
+        required_unless_present = "print_layout"
+    )]
+    pub config: Option<PathBuf>,
     /// Log filter (error, warn, info, debug, or a tracing filter).
     #[arg(long, default_value = "warn", env = "STRATUS_LOG")]
     pub log: String,
@@ -298,7 +308,10 @@ fn run_cli(
         print!("{}", model.config_tensors());
         return Ok(());
     }
-    let cfg = ClusterConfig::load(&cli.config)?;
+    let Some(path) = &cli.config else {
+        anyhow::bail!(ps_shared::cli::UsageError("--config is required".into()));
+    };
+    let cfg = ClusterConfig::load(path)?;
     crate::launch::train(cfg, cli.train, Some(factory(build)))
 }
 

@@ -11,7 +11,11 @@
 #                                           (fetched with pip the first time)
 #        scripts/local-cluster.sh --mnist-cnn   the same with a small CNN,
 #                                           configs/mnist-cnn.toml
-#        scripts/local-cluster.sh --colocated [--mnist|--mnist-cnn]
+#        scripts/local-cluster.sh --custom-cnn   MNIST with a CNN written in
+#                                           candle-nn, trained through the
+#                                           library API (examples/src/bin/
+#                                           custom-cnn.rs, configs/custom-cnn.toml)
+#        scripts/local-cluster.sh --colocated [--mnist|--mnist-cnn|--custom-cnn]
 #                                           colocated shards: one ps-server
 #                                           per worker (server i beside worker
 #                                           i, one shard each), the layout for
@@ -28,10 +32,12 @@ cd "$(dirname "$0")/.."
 dataset=synthetic
 config=configs/local.toml
 colocated=0
+program=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --mnist) dataset=mnist; config=configs/mnist.toml ;;
         --mnist-cnn) dataset=mnist; config=configs/mnist-cnn.toml ;;
+        --custom-cnn) dataset=mnist; config=configs/custom-cnn.toml; program=custom-cnn ;;
         --colocated) colocated=1 ;;
         -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) echo "local-cluster: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -39,9 +45,12 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-echo "==> building ps-server and ps-worker (release)"
-cargo build --release --bin ps-server --bin ps-worker
+echo "==> building ps-server and ps-worker${program:+ and $program} (release)"
+cargo build --release --bin ps-server --bin ps-worker ${program:+--bin "$program"}
 bin=target/release
+# The workers: ps-worker train, or a program that brings its own model
+# (same flags, no subcommand).
+if [[ -n $program ]]; then worker=("$bin/$program"); else worker=("$bin/ps-worker" train); fi
 
 echo "==> preparing the $dataset dataset"
 if [[ $dataset == synthetic ]]; then
@@ -94,12 +103,12 @@ for ((i = 0; i < nservers; i++)); do
 done
 others=()
 for ((r = 1; r < workers; r++)); do
-    "$bin/ps-worker" --config "$config" train --rank "$r" --no-progress \
+    "${worker[@]}" --config "$config" --rank "$r" --no-progress \
         --report "runs/report-$r.json" >"runs/worker-$r.log" 2>&1 &
     others+=($!)
     pids+=($!)
 done
-"$bin/ps-worker" --config "$config" train --rank 0 --report runs/report-0.json 2>&1 |
+"${worker[@]}" --config "$config" --rank 0 --report runs/report-0.json 2>&1 |
     tee runs/worker-0.log
 status=${PIPESTATUS[0]}
 for pid in "${others[@]}" "${servers_pids[@]}"; do

@@ -308,6 +308,19 @@ pub enum ModelKind {
     /// max-pool): four stages of two basic blocks (64/128/256/512 channels,
     /// strides 1/2/2/2), global average pool, linear.
     Resnet18,
+    /// A model the worker program brings through the library API
+    /// (`ps_worker::api`): its tensors are listed in `model.tensors`, in
+    /// flat-space order, so the servers can lay out the shards without
+    /// knowing the network.
+    Custom,
+}
+
+/// One tensor of a `kind = "custom"` model (`[[model.tensors]]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorDecl {
+    pub name: String,
+    pub shape: Vec<usize>,
 }
 
 /// The model both sides agree on: it fixes the flat parameter space.
@@ -333,6 +346,9 @@ pub struct ModelSection {
     /// Models with batch norm: the last training batches a worker runs
     /// forward to recompute the running statistics before each evaluation.
     pub bn_calibration_batches: usize,
+    /// `kind = "custom"`: the model's tensors in flat-space order (the
+    /// library's `VarModel::config_tensors` prints this list).
+    pub tensors: Vec<TensorDecl>,
 }
 
 impl Default for ModelSection {
@@ -347,6 +363,7 @@ impl Default for ModelSection {
             layers: Vec::new(),
             width: 1.0,
             bn_calibration_batches: 8,
+            tensors: Vec::new(),
         }
     }
 }
@@ -386,9 +403,75 @@ impl TensorSpec {
     }
 }
 
+/// The tensors of a custom model: at least one, each with a unique,
+/// printable name and a shape of 1 to 8 non-zero dimensions, and not more
+/// than 2^32 - 1 values in all (the flat index space is u32).
+fn check_tensor_decls(tensors: &[TensorDecl]) -> Result<(), ConfigError> {
+    if tensors.is_empty() {
+        return Err(invalid(
+            "model.tensors",
+            "a custom model lists its tensors ([[model.tensors]] with name and shape)",
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut total: u64 = 0;
+    for (i, t) in tensors.iter().enumerate() {
+        let field = format!("model.tensors[{i}]");
+        let printable = |c: char| c.is_ascii_graphic();
+        if t.name.is_empty() || t.name.len() > 256 || !t.name.chars().all(printable) {
+            return Err(invalid(
+                format!("{field}.name"),
+                format!(
+                    "`{}` must be 1 to 256 printable ASCII characters without spaces",
+                    t.name
+                ),
+            ));
+        }
+        if !seen.insert(t.name.as_str()) {
+            return Err(invalid(
+                format!("{field}.name"),
+                format!("`{}` is listed twice", t.name),
+            ));
+        }
+        if t.shape.is_empty() || t.shape.len() > 8 || t.shape.contains(&0) {
+            return Err(invalid(
+                format!("{field}.shape"),
+                format!(
+                    "{:?} (tensor `{}`) needs 1 to 8 dimensions, each >= 1",
+                    t.shape, t.name
+                ),
+            ));
+        }
+        let numel = t
+            .shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+        total = numel
+            .and_then(|n| total.checked_add(n))
+            .filter(|&n| n < u64::from(u32::MAX))
+            .ok_or_else(|| {
+                invalid(
+                    format!("{field}.shape"),
+                    "the model's tensors hold 2^32 or more values; the flat index space is 32-bit",
+                )
+            })?;
+    }
+    Ok(())
+}
+
 impl ModelSection {
     /// The model's tensors in the fixed order of the flat parameter space.
     pub fn layout(&self) -> Vec<TensorSpec> {
+        if self.kind == ModelKind::Custom {
+            return self
+                .tensors
+                .iter()
+                .map(|t| TensorSpec {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                })
+                .collect();
+        }
         if self.is_layered() {
             return self
                 .nodes()
@@ -448,7 +531,7 @@ impl ModelSection {
     pub fn named_layers(&self) -> Vec<(String, LayerSpec)> {
         let classes = self.classes;
         match self.kind {
-            ModelKind::Mlp | ModelKind::Cnn => Vec::new(),
+            ModelKind::Mlp | ModelKind::Cnn | ModelKind::Custom => Vec::new(),
             ModelKind::Layers => self
                 .layers
                 .iter()
@@ -1286,6 +1369,12 @@ impl ClusterConfig {
         }
         if m.is_layered() {
             m.nodes()?;
+        }
+        if !m.tensors.is_empty() && m.kind != ModelKind::Custom {
+            return Err(invalid("model.tensors", "only for kind = \"custom\""));
+        }
+        if m.kind == ModelKind::Custom {
+            check_tensor_decls(&m.tensors)?;
         }
         let shards = c.servers.len() * c.shards_per_server;
         if shards > m.num_params() {
@@ -2216,6 +2305,57 @@ out = 3
         .unwrap_err()
         .to_string();
         assert!(e.contains("kernal"), "{e}");
+    }
+
+    #[test]
+    fn custom_models_take_their_layout_from_model_tensors() {
+        let custom = |tensors: &str| {
+            format!("[model]\nkind = \"custom\"\ninput = 64\nclasses = 10\ntensors = [{tensors}]\n")
+        };
+        let cfg = ClusterConfig::from_toml_str(&custom(
+            "{ name = \"w\", shape = [10, 64] }, { name = \"b\", shape = [10] }",
+        ))
+        .unwrap();
+        assert_eq!(cfg.model.num_params(), 650);
+        assert_eq!(cfg.model.tensor_ranges(), vec![0..640, 640..650]);
+        let names: Vec<String> = cfg.model.layout().into_iter().map(|t| t.name).collect();
+        assert_eq!(names, ["w", "b"]);
+        // The hash follows the names and shapes.
+        let renamed = ClusterConfig::from_toml_str(&custom(
+            "{ name = \"w2\", shape = [10, 64] }, { name = \"b\", shape = [10] }",
+        ))
+        .unwrap();
+        assert_ne!(cfg.model.layout_hash(), renamed.model.layout_hash());
+        for (text, field) in [
+            (custom(""), "model.tensors"),
+            (
+                custom("{ name = \"\", shape = [3] }"),
+                "model.tensors[0].name",
+            ),
+            (
+                custom("{ name = \"a\", shape = [3] }, { name = \"a\", shape = [2] }"),
+                "model.tensors[1].name",
+            ),
+            (
+                custom("{ name = \"a\", shape = [3, 0] }"),
+                "model.tensors[0].shape",
+            ),
+            (
+                custom("{ name = \"a\", shape = [] }"),
+                "model.tensors[0].shape",
+            ),
+            (
+                custom("{ name = \"a\", shape = [65536, 65536] }"),
+                "model.tensors[0].shape",
+            ),
+            (
+                "[model]\ntensors = [{ name = \"a\", shape = [3] }]\n".to_string(),
+                "model.tensors",
+            ),
+        ] {
+            let e = ClusterConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(field), "{text:?} gave {e}");
+        }
     }
 
     #[test]

@@ -12,7 +12,9 @@ use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::pki::{CertPair, ClusterCa};
 use ps_shared::simulate::Simulation;
 use ps_worker::comm::WorkerTls;
-use ps_worker::run::{run_node, run_worker, WorkerError, WorkerOptions, WorkerReport};
+use ps_worker::run::{
+    run_node_with, run_worker_with, ModelFactory, WorkerError, WorkerOptions, WorkerReport,
+};
 
 /// Prints the servers' and workers' tracing output when `RUST_LOG` is set
 /// (e.g. `RUST_LOG=ps_server=debug,ps_worker=info`); silent otherwise.
@@ -182,11 +184,28 @@ pub fn rank_runs<'a>(
     store: &Arc<dyn ObjectStore>,
     prefix: &Path,
 ) -> Vec<LocalBoxFuture<'a, Vec<Result<WorkerReport, WorkerError>>>> {
+    rank_runs_with(cfg, opts, store, prefix, None)
+}
+
+/// [`rank_runs`] with each rank's model from `model` (`None`: from `[model]`).
+pub fn rank_runs_with<'a>(
+    cfg: &'a ClusterConfig,
+    opts: impl Fn(u32) -> WorkerOptions,
+    store: &Arc<dyn ObjectStore>,
+    prefix: &Path,
+    model: Option<ModelFactory>,
+) -> Vec<LocalBoxFuture<'a, Vec<Result<WorkerReport, WorkerError>>>> {
     let wpn = cfg.cluster.workers_per_node.max(1) as u32;
     if wpn == 1 {
         (0..cfg.cluster.workers as u32)
             .map(|rank| {
-                let run = run_worker(cfg, opts(rank), store.clone(), prefix.clone());
+                let run = run_worker_with(
+                    cfg,
+                    opts(rank),
+                    store.clone(),
+                    prefix.clone(),
+                    model.clone(),
+                );
                 async move { vec![run.await] }.boxed_local()
             })
             .collect()
@@ -194,7 +213,15 @@ pub fn rank_runs<'a>(
         (0..cfg.nodes() as u32)
             .map(|node| {
                 let ranks = (node * wpn..(node + 1) * wpn).map(&opts).collect();
-                run_node(cfg, node, ranks, store.clone(), prefix.clone()).boxed_local()
+                run_node_with(
+                    cfg,
+                    node,
+                    ranks,
+                    store.clone(),
+                    prefix.clone(),
+                    model.clone(),
+                )
+                .boxed_local()
             })
             .collect()
     }
@@ -213,10 +240,22 @@ pub fn run_cluster_simulated(
 /// [`run_cluster_simulated`], also returning every shard's final status
 /// (versions, counters, server CPU time).
 pub fn run_cluster_detailed(
+    cfg: ClusterConfig,
+    sim: &Simulation,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+) -> anyhow::Result<(Vec<WorkerReport>, Vec<ps_server::actor::ShardStatus>)> {
+    run_cluster_with_model(cfg, sim, store, prefix, None)
+}
+
+/// [`run_cluster_detailed`] with every rank's model from `model` (a model a
+/// program brings through `ps_worker::api`; `None`: from `[model]`).
+pub fn run_cluster_with_model(
     mut cfg: ClusterConfig,
     sim: &Simulation,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
+    model: Option<ModelFactory>,
 ) -> anyhow::Result<(Vec<WorkerReport>, Vec<ps_server::actor::ShardStatus>)> {
     let pki = TestPki::new(cfg.cluster.workers as u32);
     let system = actix::System::new();
@@ -229,7 +268,7 @@ pub fn run_cluster_detailed(
             servers.push(server);
         }
         cfg.cluster.servers = servers.iter().map(|s| s.local_addr().to_string()).collect();
-        let runs = rank_runs(
+        let runs = rank_runs_with(
             &cfg,
             |rank| WorkerOptions {
                 epoch_lines: true,
@@ -238,6 +277,7 @@ pub fn run_cluster_detailed(
             },
             &store,
             &prefix,
+            model,
         );
         let reports = tokio::time::timeout(CLUSTER_TIMEOUT, futures::future::join_all(runs))
             .await

@@ -1,5 +1,7 @@
 //! The Stratus worker.
 //!
+//! * [`api`]: train your own candle model (its `Var`s and a closure).
+//! * [`launch`]: a worker process: `ps-worker train`'s flags, signals, exit codes.
 //! * [`model`]: the candle model seen through the flat parameter space.
 //! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
 //! * [`kernels`]: hand-written CPU kernels (convolution) on reused buffers.
@@ -13,11 +15,13 @@
 //! * [`run`]: one worker's whole training run, or a node's ranks.
 //! * [`plot`]: PNG charts of a run's per-epoch metrics (`ps-worker plot`).
 
+pub mod api;
 pub mod cache;
 pub mod client;
 pub mod comm;
-pub mod kernels;
 pub mod devcheck;
+pub mod kernels;
+pub mod launch;
 pub mod layers;
 pub mod loader;
 pub mod model;

@@ -11,15 +11,9 @@ use ps_dataset::{
     ImportOptions, InputFormat, LabelColumn, Layout, Normalize, SyntheticSpec, TestSplit,
     WriteOptions,
 };
-use ps_shared::cli::{
-    describe_error, exit_code, init_logging, stop_signal, ExitCode, UsageError, EXIT_CODES_HELP,
-};
+use ps_shared::cli::{init_logging, EXIT_CODES_HELP};
 use ps_shared::config::ClusterConfig;
-use ps_shared::pki::CertPair;
-use ps_shared::simulate::Simulation;
-use ps_shared::transport::read_pem;
-use ps_worker::comm::WorkerTls;
-use ps_worker::run::{classify_exit, run_node, run_worker, WorkerError, WorkerOptions};
+use ps_worker::launch::{train, TrainArgs};
 
 /// Stratus worker: trains its share of each step with candle, pushes compressed
 /// gradients to the parameter servers over QUIC and pulls the new parameters.
@@ -42,39 +36,7 @@ struct Cli {
 enum Command {
     /// Train as one worker (the default when no subcommand is given: rank 0),
     /// or as every rank of one node with --node (cluster.workers_per_node > 1).
-    Train {
-        /// This worker's rank in 0..cluster.workers (cluster.workers_per_node = 1).
-        #[arg(long, default_value_t = 0, env = "STRATUS_RANK")]
-        rank: u32,
-        /// Run node N: its cluster.workers_per_node ranks N*workers_per_node ..
-        /// (N+1)*workers_per_node, each with its own model replica and data
-        /// shard, pushing once per node through a node aggregator. Needs each
-        /// rank's certificate; the first rank's authenticates the node.
-        #[arg(long, env = "STRATUS_NODE", conflicts_with = "rank")]
-        node: Option<u32>,
-        /// Bucket URL of the dataset (overrides data.url).
-        #[arg(long)]
-        data: Option<String>,
-        /// Print one line per epoch instead of a progress bar.
-        #[arg(long)]
-        no_progress: bool,
-        /// Write the final report as JSON to this file (with --node: a list,
-        /// one report per rank).
-        #[arg(long)]
-        report: Option<PathBuf>,
-        /// Compute device (overrides training.device): cpu, cuda or cuda:N;
-        /// cuda needs a build with `--features cuda`.
-        #[arg(long, env = "STRATUS_DEVICE")]
-        device: Option<String>,
-        /// Simulate a slow link and/or bucket (tests, benchmarks): a TOML file
-        /// with a [link] section (bandwidth_mbit, latency_ms) and/or a [bucket]
-        /// section (first_byte_ms, per_connection_mb_per_s,
-        /// aggregate_gbit_per_s, transient_error_rate, seed); see
-        /// configs/simulate-slow-bucket.toml. With --node the link is the
-        /// node's one connection per server.
-        #[arg(long, value_name = "FILE")]
-        simulate: Option<PathBuf>,
-    },
+    Train(TrainArgs),
     /// Write a dataset into a bucket: synthetic, MNIST, your own tabular data (import) or images (images, index).
     #[command(subcommand)]
     Dataset(DatasetCommand),
@@ -259,39 +221,16 @@ struct ImportArgs {
 
 mod images_cmd;
 
-/// How long a worker may take to finish its step and say goodbye after
-/// SIGTERM or Ctrl-C before the process exits anyway: inside Kubernetes'
-/// default 30 s grace period.
-const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(25);
-
-/// The stop signal received, if any (its name decides the exit code).
-static SIGNAL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("ps-worker: error: {}", describe_error(e.as_ref()));
-        // A run that a signal stopped ends with the signal's code, whatever
-        // error the stop left behind; a bad config stays a bad config.
-        let code = match (exit_code(e.as_ref(), classify_exit), SIGNAL.get()) {
-            (ExitCode::Config, _) | (_, None) => exit_code(e.as_ref(), classify_exit),
-            (_, Some(name)) => ExitCode::for_signal(name),
-        };
-        std::process::exit(code.code());
-    }
+    ps_worker::launch::exit("ps-worker", run())
 }
 
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging(&cli.log, "warn");
-    let command = cli.command.unwrap_or(Command::Train {
-        rank: 0,
-        node: None,
-        data: None,
-        no_progress: false,
-        report: None,
-        device: None,
-        simulate: None,
-    });
+    let command = cli
+        .command
+        .unwrap_or_else(|| Command::Train(TrainArgs::default()));
     match command {
         Command::ShowConfig => {
             let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
@@ -306,241 +245,11 @@ fn run() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Train {
-            rank,
-            node,
-            data,
-            no_progress,
-            report,
-            device,
-            simulate,
-        } => {
-            let mut cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
-            let simulation = match &simulate {
-                Some(path) => Simulation::load(path)?,
-                None => Simulation::default(),
-            };
-            if let Some(url) = data {
-                cfg.data.url = url;
-            }
-            if let Some(device) = device {
-                cfg.training.device = device;
-                cfg.validate().context("--device")?;
-            }
-            let wpn = cfg.cluster.workers_per_node as u32;
-            let ranks: Vec<u32> = match node {
-                Some(n) if (n as usize) < cfg.nodes() => (n * wpn..(n + 1) * wpn).collect(),
-                Some(n) => bail!(UsageError(format!(
-                    "--node {n}: the cluster has {} nodes (cluster.workers = {} / cluster.workers_per_node = {wpn})",
-                    cfg.nodes(),
-                    cfg.cluster.workers
-                ))),
-                None if wpn > 1 => bail!(UsageError(format!(
-                    "cluster.workers_per_node = {wpn}: start each node with --node N (N in 0..{}), which runs its {wpn} ranks together",
-                    cfg.nodes()
-                ))),
-                None if rank as usize >= cfg.cluster.max_ranks() => bail!(UsageError(format!(
-                    "--rank {rank}: the cluster admits ranks 0..{} (cluster.workers = {}, cluster.max_workers = {})",
-                    cfg.cluster.max_ranks(),
-                    cfg.cluster.workers,
-                    cfg.cluster.max_workers
-                ))),
-                None => vec![rank],
-            };
-            train(cfg, node, ranks, !no_progress, report, simulation)
+        Command::Train(args) => {
+            let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+            train(cfg, args, None)
         }
     }
-}
-
-fn train(
-    cfg: ClusterConfig,
-    node: Option<u32>,
-    ranks: Vec<u32>,
-    progress: bool,
-    report_path: Option<PathBuf>,
-    simulation: Simulation,
-) -> anyhow::Result<()> {
-    let threads = init_compute_threads(&cfg);
-    tracing::info!("compute pool: {threads} thread(s)");
-    let ca_pem = read_pem(&cfg.tls.ca).with_context(|| {
-        "the worker needs the cluster CA certificate (tls.ca); `ps-server certs` writes one"
-    })?;
-    let (store, prefix) = ps_shared::bucket::open_data_bucket(&cfg.data.url)
-        .with_context(|| format!("opening data.url = {}", cfg.data.url))?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut options = Vec::new();
-    for &rank in &ranks {
-        let (cert, key) = cfg.tls.worker_paths(rank);
-        let identity = CertPair::read(&cert, &key).with_context(|| {
-            format!(
-                "the worker needs its rank-{rank} certificate ({} and {}, from tls.worker_cert / tls.worker_key); `ps-server certs` writes one per rank",
-                cert.display(),
-                key.display()
-            )
-        })?;
-        options.push(WorkerOptions {
-            rank,
-            tls: WorkerTls {
-                ca_pem: ca_pem.clone(),
-                identity,
-            },
-            // One progress bar per process: a node prints epoch lines.
-            progress: progress && node.is_none(),
-            epoch_lines: true,
-            crash_after_steps: None,
-            pause_after_steps: None,
-            stop: Some(stop_rx.clone()),
-            steps_done: None,
-            trained: None,
-            simulation: simulation.clone(),
-        });
-    }
-    let system = actix::System::new();
-    // Errors leave the runtime as values: nothing inside it may end the
-    // process or drop a runtime.
-    let outcomes = system.block_on(async {
-        // A CA that is not PEM or a key that does not match its certificate
-        // is a config error now, not a server "unreachable" for
-        // server.connect_timeout_secs.
-        check_tls(&cfg, &options)?;
-        let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
-        // SIGTERM or Ctrl-C: finish the current step (or cut a wait for the
-        // bucket or a server short), say goodbye, stop.
-        actix::spawn(async move {
-            let name = stop_signal().await;
-            let _ = SIGNAL.set(name);
-            eprintln!("ps-worker: {name}: finishing the current step and saying goodbye");
-            let _ = stop_tx.send(true);
-            let _ = stopped_tx.send(name);
-        });
-        let runs = async {
-            match node {
-                Some(n) => run_node(&cfg, n, options, store, prefix).await,
-                None => {
-                    let opts = options.remove(0);
-                    vec![run_worker(&cfg, opts, store, prefix).await]
-                }
-            }
-        };
-        // The run ends by itself, or within STOP_GRACE of a signal.
-        let deadline = async {
-            match stopped_rx.await {
-                Ok(name) => {
-                    tokio::time::sleep(STOP_GRACE).await;
-                    name
-                }
-                Err(_) => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            outcomes = runs => anyhow::Ok(outcomes),
-            name = deadline => bail!(
-                "{name}: the worker did not stop within {} s; exiting without a goodbye",
-                STOP_GRACE.as_secs()
-            ),
-        }
-    });
-    let outcomes = outcomes?;
-    let mut reports = Vec::new();
-    for outcome in outcomes {
-        reports.push(outcome.map_err(|e| match e {
-            WorkerError::Dataset(_) | WorkerError::Mismatch(_) => {
-                anyhow::Error::new(e).context(format!("data.url = {}", cfg.data.url))
-            }
-            other => other.into(),
-        })?);
-    }
-    for report in &reports {
-        let rank = report.rank;
-        if report.steps_short_of_workers > 0 {
-            println!(
-                "worker {rank}: WARNING: {} of {} steps ran with fewer than {} workers in the barrier (as few as {})",
-                report.steps_short_of_workers,
-                report.steps - report.start_step,
-                cfg.cluster.workers,
-                report.min_live_workers
-            );
-        }
-        println!(
-            "worker {rank} done: {} steps, test accuracy {}, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
-            report.steps,
-            ps_worker::run::accuracy_text(report.final_accuracy, 2),
-            report.bytes_pushed_per_step / 1e3,
-            report.bytes_pulled_per_step / 1e3,
-            report.data_wait_s,
-            report.compute_s,
-            report.comm_s
-        );
-    }
-    if let (Some(n), Some(first)) = (node, reports.first()) {
-        println!(
-            "node {n} done: its link carried {:.1} MB up and {:.1} MB down for {} ranks",
-            first.link_sent_bytes as f64 / 1e6,
-            first.link_received_bytes as f64 / 1e6,
-            reports.len()
-        );
-    }
-    if let Some(path) = report_path {
-        // One rank: its report; a node: the list of its ranks' reports.
-        let json = match (node, reports.as_slice()) {
-            (None, [one]) => serde_json::to_string_pretty(one)?,
-            _ => serde_json::to_string_pretty(&reports)?,
-        };
-        std::fs::write(&path, json)
-            .with_context(|| format!("writing report {}", path.display()))?;
-    }
-    Ok(())
-}
-
-/// Build each rank's TLS client setup once before connecting: a CA that is
-/// not PEM or a key that does not match its certificate is refused here,
-/// naming the files.
-/// Sizes this process's compute: the global rayon pool (the trainer's
-/// steps, candle's matmul, the compressor's passes) and candle's own split of
-/// matmuls and element-wise ops, which it reads from `RAYON_NUM_THREADS` and
-/// `CANDLE_NUM_THREADS`. Left to themselves each would take every CPU, so
-/// two workers and a server on one machine would run several times more
-/// compute threads than CPUs, spinning at candle's barriers while the threads
-/// they wait for sit in the run queue. Called before any other thread starts.
-fn init_compute_threads(cfg: &ClusterConfig) -> usize {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let from_env = std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&n| n > 0);
-    let threads = match from_env {
-        Some(n) if cfg.training.compute_threads == 0 => n,
-        _ => cfg.compute_threads(cpus),
-    };
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-    std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
-    // Already built only if something computed before (never in this binary).
-    let _ = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global();
-    threads
-}
-
-fn check_tls(cfg: &ClusterConfig, options: &[WorkerOptions]) -> anyhow::Result<()> {
-    let limits = ps_shared::transport::EndpointLimits {
-        idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
-        keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
-        max_bidi_streams: 16,
-    };
-    for o in options {
-        let (cert, key) = cfg.tls.worker_paths(o.rank);
-        ps_shared::transport::client_endpoint(&o.tls.ca_pem, &o.tls.identity, false, &limits)
-            .with_context(|| {
-                format!(
-                    "rank {}: TLS files {} (tls.ca), {} and {} (tls.worker_cert, tls.worker_key)",
-                    o.rank,
-                    cfg.tls.ca.display(),
-                    cert.display(),
-                    key.display()
-                )
-            })?;
-    }
-    Ok(())
 }
 
 fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
@@ -793,11 +502,12 @@ fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+    use ps_shared::simulate::Simulation;
 
     #[test]
     fn train_takes_a_simulation_file() {
         let cli = Cli::try_parse_from(["ps-worker", "train", "--simulate", "slow.toml"]).unwrap();
-        let Some(Command::Train { simulate, .. }) = cli.command else {
+        let Some(Command::Train(TrainArgs { simulate, .. })) = cli.command else {
             panic!("expected train");
         };
         assert_eq!(simulate, Some(PathBuf::from("slow.toml")));

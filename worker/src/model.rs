@@ -63,6 +63,7 @@ use ps_dataset::Batch;
 use ps_shared::config::{ConfigError, ModelKind, ModelSection, TensorSpec};
 use ps_shared::layers::Init;
 
+use crate::api::Program;
 use crate::layers::{BnStats, Mode, Net};
 
 /// Weight of the current batch in the running batch-norm statistics.
@@ -89,6 +90,19 @@ pub enum ModelError {
         sample: usize,
         label: u32,
         classes: usize,
+    },
+    /// The model's tensors differ from the layout `[model]` gives the
+    /// servers (a custom model and its `model.tensors`).
+    #[error("the model does not match [model]: {0}")]
+    Layout(String),
+    /// `kind = "custom"` asked of the built-in models.
+    #[error("model.kind = \"custom\" is a model a program brings through ps_worker::api; `ps-worker train` builds only the built-in kinds")]
+    CustomKind,
+    /// A custom model's loss or evaluation closure failed.
+    #[error("the model's {what} failed: {source}")]
+    Program {
+        what: &'static str,
+        source: candle_core::Error,
     },
 }
 
@@ -230,11 +244,18 @@ pub struct Model {
     seed: u64,
     /// Gradient computations so far (the dropout masks' step).
     step: u64,
+    /// A model a program brought through [`crate::api`]: its loss and
+    /// evaluation closures (behind a lock: [`Model::evaluate`] takes
+    /// `&self`, the closures may keep state).
+    custom: Option<std::sync::Mutex<Program>>,
 }
 
 impl Model {
     /// Build with Kaiming-uniform weights and zero biases from `seed`.
     pub fn new(spec: &ModelSection, device: Device, seed: u64) -> Result<Self, ModelError> {
+        if spec.kind == ModelKind::Custom {
+            return Err(ModelError::CustomKind);
+        }
         let tensors = spec.layout();
         let ranges = spec.tensor_ranges();
         let nodes = if spec.is_layered() {
@@ -289,7 +310,105 @@ impl Model {
             running,
             seed,
             step: 0,
+            custom: None,
         })
+    }
+
+    /// A model made of the caller's own `Var`s (in flat-space order) and
+    /// closures: see [`crate::api::CustomModel`]. Every tensor must be a
+    /// contiguous f32 tensor on `device`.
+    pub(crate) fn from_program(
+        device: Device,
+        named: Vec<(String, Var)>,
+        program: Program,
+    ) -> Result<Self, ModelError> {
+        let mut tensors = Vec::with_capacity(named.len());
+        let mut vars = Vec::with_capacity(named.len());
+        for (name, var) in named {
+            let t = var.as_tensor();
+            if t.dtype() != DType::F32 || !t.is_contiguous() || !t.device().same_device(&device) {
+                return Err(ModelError::Layout(format!(
+                    "tensor `{name}` must be a contiguous f32 tensor on the run's device ({:?}); it is {:?} on {:?}",
+                    device,
+                    t.dtype(),
+                    t.device()
+                )));
+            }
+            tensors.push(TensorSpec {
+                name,
+                shape: t.dims().to_vec(),
+            });
+            vars.push(var);
+        }
+        let mut start = 0;
+        let ranges = tensors
+            .iter()
+            .map(|t| {
+                let r = start..start + t.numel();
+                start = r.end;
+                r
+            })
+            .collect();
+        let spec = ModelSection {
+            kind: ModelKind::Custom,
+            tensors: tensors
+                .iter()
+                .map(|t| ps_shared::config::TensorDecl {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                })
+                .collect(),
+            ..ModelSection::default()
+        };
+        Ok(Self {
+            spec,
+            device,
+            tensors,
+            ranges,
+            vars,
+            net: None,
+            running: Vec::new(),
+            seed: 0,
+            step: 0,
+            custom: Some(std::sync::Mutex::new(program)),
+        })
+    }
+
+    /// The model's tensors (names and shapes) in flat-space order.
+    pub fn layout(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// Refuses a model whose tensors are not `spec`'s layout (the one the
+    /// servers shard), naming the first tensor that differs.
+    pub fn check_layout(&self, spec: &ModelSection) -> Result<(), ModelError> {
+        let want = spec.layout();
+        let ours = &self.tensors;
+        let show = |t: &TensorSpec| format!("`{}` {:?}", t.name, t.shape);
+        for (i, (a, b)) in ours.iter().zip(&want).enumerate() {
+            if a != b {
+                return Err(ModelError::Layout(format!(
+                    "tensor {i} is {} in the model and {} in the config (model.tensors[{i}])",
+                    show(a),
+                    show(b)
+                )));
+            }
+        }
+        match ours.len().cmp(&want.len()) {
+            std::cmp::Ordering::Equal => Ok(()),
+            std::cmp::Ordering::Greater => Err(ModelError::Layout(format!(
+                "the model has {} tensors, the config lists {}; the first one missing from the config is {}",
+                ours.len(),
+                want.len(),
+                show(&ours[want.len()])
+            ))),
+            std::cmp::Ordering::Less => Err(ModelError::Layout(format!(
+                "the model has {} tensors, the config lists {}; the model lacks {}",
+                ours.len(),
+                want.len(),
+                show(&want[ours.len()])
+            ))),
+        }
     }
 
     /// Whether the model has batch-norm layers (whose running statistics
@@ -526,6 +645,9 @@ impl Model {
     /// Forward + backward on a batch, writing the flat gradient into `out`
     /// (every entry is overwritten); returns the mean cross-entropy loss.
     pub fn gradient_into(&mut self, batch: &Batch, out: &mut [f32]) -> Result<f32, ModelError> {
+        if self.custom.is_some() {
+            return self.program_backward(batch, out);
+        }
         let x = self.checked_input(batch, out)?;
         match self.spec.kind {
             ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out),
@@ -662,10 +784,58 @@ impl Model {
         Ok(loss.to_scalar::<f32>()?)
     }
 
+    /// A custom model's step: its loss closure in training mode, then
+    /// autograd; a tensor the loss does not depend on gets a zero gradient.
+    fn program_backward(&mut self, batch: &Batch, out: &mut [f32]) -> Result<f32, ModelError> {
+        if out.len() != self.num_params() {
+            return Err(ModelError::Length {
+                expected: self.num_params(),
+                got: out.len(),
+            });
+        }
+        let Some(program) = &self.custom else {
+            return Err(ModelError::CustomKind);
+        };
+        let phase = crate::api::Phase::Train { step: self.step };
+        let loss = {
+            let mut p = program.lock().unwrap_or_else(|e| e.into_inner());
+            p.loss(batch, phase).map_err(|source| ModelError::Program {
+                what: "loss",
+                source,
+            })?
+        };
+        let loss = loss.flatten_all()?;
+        if loss.elem_count() != 1 {
+            return Err(ModelError::Program {
+                what: "loss",
+                source: candle_core::Error::Msg(format!(
+                    "it must return one value (a scalar tensor), not shape {:?}",
+                    loss.dims()
+                )),
+            });
+        }
+        let grads = loss.backward()?;
+        for (var, r) in self.vars.iter().zip(&self.ranges) {
+            match grads.get(var.as_tensor()) {
+                Some(g) => copy_to_slice(g, &mut out[r.clone()])?,
+                None => out[r.clone()].fill(0.0),
+            }
+        }
+        self.step += 1;
+        Ok(loss.to_dtype(DType::F32)?.to_vec1::<f32>()?[0])
+    }
+
     /// Mean loss and accuracy on a batch (no gradients).
     pub fn evaluate(&self, batch: &Batch) -> Result<(f32, f32), ModelError> {
         if batch.is_empty() {
             return Ok((0.0, 0.0));
+        }
+        if let Some(program) = &self.custom {
+            let mut p = program.lock().unwrap_or_else(|e| e.into_inner());
+            return p.evaluate(batch).map_err(|source| ModelError::Program {
+                what: "evaluation",
+                source,
+            });
         }
         self.check_labels(batch)?;
         let x = self.input_of(batch)?;

@@ -45,6 +45,7 @@ use crate::trainer::{
     ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, SetStep, TrainerActor,
     TrainerError,
 };
+use candle_core::Device;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -91,6 +92,12 @@ impl WorkerError {
     pub fn exit_code(&self) -> Option<ExitCode> {
         match self {
             WorkerError::Mismatch(_) | WorkerError::Sampler(_) => Some(ExitCode::Config),
+            WorkerError::Model(
+                ModelError::Layout(_)
+                | ModelError::CustomKind
+                | ModelError::Config(_)
+                | ModelError::Device(_),
+            ) => Some(ExitCode::Config),
             WorkerError::Interrupted(_) | WorkerError::StoppedWaiting { .. } => {
                 Some(ExitCode::Terminated)
             }
@@ -506,6 +513,21 @@ pub async fn run_worker(
     store: Arc<dyn ObjectStore>,
     prefix: StorePath,
 ) -> Result<WorkerReport, WorkerError> {
+    run_worker_with(cfg, opts, store, prefix, None).await
+}
+
+/// Builds a rank's model on the run's device: what a program that brings
+/// its own model hands to [`run_worker_with`] (see [`crate::api`]).
+pub type ModelFactory = Arc<dyn Fn(&Device) -> Result<Model, ModelError> + Send + Sync>;
+
+/// [`run_worker`] with the model `model` builds (`None`: from `[model]`).
+pub async fn run_worker_with(
+    cfg: &ClusterConfig,
+    opts: WorkerOptions,
+    store: Arc<dyn ObjectStore>,
+    prefix: StorePath,
+    model: Option<ModelFactory>,
+) -> Result<WorkerReport, WorkerError> {
     if cfg.cluster.workers_per_node > 1 {
         return Err(WorkerError::Node(NodeError::Failed {
             node: cfg.node_of(opts.rank),
@@ -517,7 +539,7 @@ pub async fn run_worker(
             ),
         }));
     }
-    run_rank(cfg, opts, store, prefix, None).await
+    run_rank(cfg, opts, store, prefix, None, model).await
 }
 
 /// Run every rank of node `node` (`cluster.workers_per_node` of them) in
@@ -531,6 +553,18 @@ pub async fn run_node(
     opts: Vec<WorkerOptions>,
     store: Arc<dyn ObjectStore>,
     prefix: StorePath,
+) -> Vec<Result<WorkerReport, WorkerError>> {
+    run_node_with(cfg, node, opts, store, prefix, None).await
+}
+
+/// [`run_node`] with each rank's model from `model` (`None`: from `[model]`).
+pub async fn run_node_with(
+    cfg: &ClusterConfig,
+    node: u32,
+    opts: Vec<WorkerOptions>,
+    store: Arc<dyn ObjectStore>,
+    prefix: StorePath,
+    model: Option<ModelFactory>,
 ) -> Vec<Result<WorkerReport, WorkerError>> {
     let wpn = cfg.cluster.workers_per_node.max(1) as u32;
     let expected: Vec<u32> = (node * wpn..(node + 1) * wpn).collect();
@@ -550,10 +584,16 @@ pub async fn run_node(
         Ok((_, members)) => members,
         Err(e) => return vec![Err(e.into())],
     };
-    let runs = opts
-        .into_iter()
-        .zip(members)
-        .map(|(o, m)| run_rank(cfg, o, store.clone(), prefix.clone(), Some(m)));
+    let runs = opts.into_iter().zip(members).map(|(o, m)| {
+        run_rank(
+            cfg,
+            o,
+            store.clone(),
+            prefix.clone(),
+            Some(m),
+            model.clone(),
+        )
+    });
     futures::future::join_all(runs).await
 }
 
@@ -631,6 +671,7 @@ async fn run_rank(
     store: Arc<dyn ObjectStore>,
     prefix: StorePath,
     node: Option<NodeMember>,
+    factory: Option<ModelFactory>,
 ) -> Result<WorkerReport, WorkerError> {
     let rank = opts.rank;
     let store: Arc<dyn ObjectStore> = match &opts.simulation.bucket {
@@ -720,7 +761,13 @@ async fn run_rank(
     }
 
     let device = device_from_str(&cfg.training.device)?;
-    let model = Model::new(&cfg.model, device, cfg.training.init_seed)?;
+    let model = match &factory {
+        Some(build) => build(&device)?,
+        None => Model::new(&cfg.model, device, cfg.training.init_seed)?,
+    };
+    // The servers lay out the shards from `[model]`: a model brought
+    // through the library must have exactly that layout.
+    model.check_layout(&cfg.model)?;
     let num_params = model.num_params();
     // Ranks of a node hand their dense gradient to the node, which
     // compresses the node's mean.

@@ -39,8 +39,8 @@
 //! use ps_shared::config::{OptimizerSection, SyncMode};
 //! use ps_shared::protocol::{Response, WireGrad, WireValues};
 //!
-//! let rule = OptimizerSection { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars_eta: 0.0 };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false };
+//! let rule = OptimizerSection { lr: 0.5, ..OptimizerSection::default() };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new() };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -65,7 +65,7 @@ use ps_shared::sparse::{topk_exact, SparseGrad};
 use rayon::prelude::*;
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
-use crate::optimizer::{check_update, fused_update_timed};
+use crate::optimizer::{check_update, fused_update_timed, lazy_update, UpdatePlan};
 
 /// Identifies one worker connection (assigned by the network layer).
 pub type ConnId = u64;
@@ -100,6 +100,9 @@ pub struct ShardSetup {
     /// changed entries, not the union of every push. No effect on dense
     /// updates (dense pushes, or an optimizer that moves every entry).
     pub global_topk: bool,
+    /// Per segment: whether weight decay applies (`optimizer.no_decay`);
+    /// empty = every segment.
+    pub decay: Vec<bool>,
 }
 
 /// Changed-index sets kept for sparse replies (one per recent version).
@@ -515,15 +518,11 @@ impl ShardCore {
         checkpoint: Option<ShardCheckpoint>,
     ) -> Self {
         let len = setup.hi - setup.lo;
-        let rule = setup.rule;
-        let moves_untouched = rule.moves_untouched();
+        let moves_untouched = setup.rule.moves_untouched();
+        let state_len = setup.rule.state_per_param() * len;
         Self {
             params: Vec::new(),
-            momentum: if rule.uses_momentum() {
-                vec![0.0; len]
-            } else {
-                Vec::new()
-            },
+            momentum: vec![0.0; state_len],
             agg: vec![0.0; len],
             marked: vec![false; len],
             touched: Vec::new(),
@@ -1143,6 +1142,14 @@ impl ShardCore {
             }
             if ckpt.momentum.len() == self.momentum.len() {
                 self.momentum = ckpt.momentum;
+            } else if !ckpt.momentum.is_empty() || !self.momentum.is_empty() {
+                tracing::warn!(
+                    shard = self.id(),
+                    checkpoint = ckpt.momentum.len(),
+                    expected = self.momentum.len(),
+                    "the checkpoint's optimizer state does not fit optimizer.kind/momentum of \
+                     this run; the optimizer state starts from zero"
+                );
             }
             if !self.residual.is_empty() && ckpt.residual.validate(self.len()).is_ok() {
                 for (&i, &v) in ckpt.residual.indices.iter().zip(&ckpt.residual.values) {
@@ -1536,12 +1543,17 @@ impl ShardCore {
     /// changed, the pushes are dropped and the version stays.
     fn apply(&mut self, scale: f32, out: &mut Vec<Action>) -> Result<(), String> {
         let sparse = !self.all_touched && !self.moves_untouched;
-        if !sparse {
+        let plan = UpdatePlan {
+            segments: &self.setup.segments,
+            decay: &self.setup.decay,
+            step: self.version,
+        };
+        {
             if let Err(e) = check_update(
                 &self.params,
                 &self.agg,
                 &self.momentum,
-                &self.setup.segments,
+                &plan,
                 &self.setup.rule,
             ) {
                 self.stats.failed_updates += 1;
@@ -1559,14 +1571,29 @@ impl ShardCore {
         let entries;
         if sparse {
             // Plain SGD on the pushed entries only: O(k), not O(P).
+            // Plain SGD, or lazy Adam/AdamW (only pushed entries and their
+            // moments move).
             let changed = if self.setup.global_topk {
                 self.select_global_topk(scale)
             } else {
-                let step = self.setup.rule.lr * scale;
                 self.touched.sort_unstable();
+                let plan = UpdatePlan {
+                    segments: &self.setup.segments,
+                    decay: &self.setup.decay,
+                    step: self.version,
+                };
+                // Checked above: the lengths fit.
+                let _ = lazy_update(
+                    &mut self.params,
+                    &self.agg,
+                    &mut self.momentum,
+                    &self.touched,
+                    &plan,
+                    &self.setup.rule,
+                    scale,
+                );
                 for &i in &self.touched {
                     let i = i as usize;
-                    self.params[i] -= step * self.agg[i];
                     self.agg[i] = 0.0;
                     self.marked[i] = false;
                 }
@@ -1585,11 +1612,16 @@ impl ShardCore {
             self.residual_idx.clear();
             // Checked above: the update runs (an `Err` here would have
             // written nothing).
+            let plan = UpdatePlan {
+                segments: &self.setup.segments,
+                decay: &self.setup.decay,
+                step: self.version,
+            };
             if let Ok(cpu) = fused_update_timed(
                 &mut self.params,
                 &self.agg,
                 &mut self.momentum,
-                &self.setup.segments,
+                &plan,
                 &self.setup.rule,
                 scale,
             ) {
@@ -1659,11 +1691,23 @@ impl ShardCore {
             }
             chosen
         };
-        let lr = self.setup.rule.lr;
+        let plan = UpdatePlan {
+            segments: &self.setup.segments,
+            decay: &self.setup.decay,
+            step: self.version,
+        };
+        // The residual is in mean units already; the lengths were checked.
+        let _ = lazy_update(
+            &mut self.params,
+            &self.residual,
+            &mut self.momentum,
+            &chosen,
+            &plan,
+            &self.setup.rule,
+            1.0,
+        );
         for &i in &chosen {
-            let i = i as usize;
-            self.params[i] -= lr * self.residual[i];
-            self.residual[i] = 0.0;
+            self.residual[i as usize] = 0.0;
         }
         chosen
     }
@@ -1820,6 +1864,7 @@ mod tests {
             mode,
             staleness: 0,
             global_topk: false,
+            decay: Vec::new(),
         }
     }
 

@@ -2140,6 +2140,129 @@ mod tests {
     }
 
     #[test]
+    fn schedules_at_known_steps() {
+        let close = |a: f32, b: f64| (f64::from(a) - b).abs() <= 1e-6 * b.abs().max(1e-3);
+        // Warm-up from 0.1 * lr over 4 steps, cosine to 0.01 at step 12.
+        let cosine = ScheduleSection {
+            kind: ScheduleKind::Cosine,
+            warmup_steps: 4,
+            warmup_start: 0.1,
+            total_steps: 12,
+            min_lr: 0.01,
+            ..ScheduleSection::default()
+        };
+        for (step, expected) in [
+            (0u64, 0.01),
+            (1, 0.0325),
+            (3, 0.0775),
+            (4, 0.1),
+            // Half way: min + (lr - min) / 2.
+            (8, 0.055),
+            // A quarter: min + (lr - min) * (1 + cos(pi/4)) / 2.
+            (
+                6,
+                0.01 + 0.09 * 0.5 * (1.0 + std::f64::consts::FRAC_1_SQRT_2),
+            ),
+            (12, 0.01),
+            (1000, 0.01),
+        ] {
+            let got = cosine.lr_at(0.1, step);
+            assert!(
+                close(got, expected),
+                "cosine step {step}: {got} vs {expected}"
+            );
+        }
+        let every = ScheduleSection {
+            kind: ScheduleKind::Step,
+            step_size: 10,
+            gamma: 0.5,
+            ..ScheduleSection::default()
+        };
+        for (step, expected) in [(0u64, 1.0), (9, 1.0), (10, 0.5), (25, 0.25)] {
+            assert!(close(every.lr_at(1.0, step), expected), "step {step}");
+        }
+        let milestones = ScheduleSection {
+            kind: ScheduleKind::Step,
+            milestones: vec![3, 7],
+            gamma: 0.1,
+            warmup_steps: 2,
+            ..ScheduleSection::default()
+        };
+        for (step, expected) in [(0u64, 0.0), (1, 0.5), (2, 1.0), (3, 0.1), (7, 0.01)] {
+            assert!(
+                close(milestones.lr_at(1.0, step), expected),
+                "milestone step {step}"
+            );
+        }
+        let constant = ScheduleSection::default();
+        assert_eq!(constant.lr_at(0.3, 12345), 0.3);
+    }
+
+    #[test]
+    fn optimizer_fields_that_do_not_apply_are_named() {
+        for (text, field) in [
+            ("[optimizer]
+kind = \"adamw\"
+momentum = 0.9
+", "optimizer.momentum"),
+            ("[optimizer]
+kind = \"adam\"
+lars_eta = 0.001
+", "optimizer.lars_eta"),
+            ("[optimizer]
+beta1 = 0.8
+", "optimizer.beta1"),
+            ("[optimizer]
+kind = \"adamw\"
+beta2 = 1.0
+", "optimizer.beta2"),
+            ("[optimizer]
+kind = \"adamw\"
+eps = 0.0
+", "optimizer.eps"),
+            ("[optimizer]
+no_decay = [\"\"]
+", "optimizer.no_decay"),
+            ("[optimizer]
+clip_grad_norm = -1.0
+", "optimizer.clip_grad_norm"),
+            // Two shards by default: a global norm cannot be exact.
+            ("[optimizer]
+clip_grad_norm = 1.0
+", "optimizer.clip_grad_norm"),
+            (
+                "[cluster]\nshards_per_server = 1\n[compression]\nkind = \"topk\"\n[optimizer]\nclip_grad_norm = 1.0\n",
+                "clips dense updates only",
+            ),
+            (
+                "[optimizer.schedule]\nkind = \"cosine\"\nwarmup_steps = 10\ntotal_steps = 5\n",
+                "optimizer.schedule.total_steps",
+            ),
+            (
+                "[optimizer.schedule]\nkind = \"cosine\"\ntotal_steps = 5\nmin_lr = 1.0\n",
+                "optimizer.schedule.min_lr",
+            ),
+            ("[optimizer.schedule]\nkind = \"step\"\n", "optimizer.schedule.step_size"),
+            (
+                "[optimizer.schedule]\nkind = \"step\"\nmilestones = [5, 2]\n",
+                "optimizer.schedule.milestones",
+            ),
+            ("[optimizer.schedule]\ngamma = 0.5\n", "optimizer.schedule.gamma"),
+            ("[optimizer.schedule]\nwarmup_start = 2.0\n", "optimizer.schedule.warmup_start"),
+        ] {
+            let e = ClusterConfig::from_toml_str(text).unwrap_err().to_string();
+            assert!(e.contains(field), "{text}: {e}");
+        }
+        let ok = ClusterConfig::from_toml_str(
+            "[cluster]\nshards_per_server = 1\n[compression]\nkind = \"none\"\n\
+             [optimizer]\nkind = \"adamw\"\nlr = 0.001\n\
+             weight_decay = 0.01\nno_decay = [\"bias\"]\nclip_grad_norm = 1.0\n\
+             [optimizer.schedule]\nkind = \"cosine\"\nwarmup_steps = 10\ntotal_steps = 100\n",
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+
+    #[test]
     fn bad_values_name_their_field() {
         for (text, field) in [
             ("[optimizer]\nlr = 0.0\n", "optimizer.lr"),

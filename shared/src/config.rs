@@ -1950,6 +1950,7 @@ mod tests {
         for text in [
             DEFAULT_CONFIG,
             include_str!("../../configs/mnist.toml"),
+            include_str!("../../configs/mnist-adamw.toml"),
             include_str!("../../configs/mnist-cnn.toml"),
             include_str!("../../configs/compose.toml"),
             include_str!("../../configs/resnet20.toml"),

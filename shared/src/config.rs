@@ -986,11 +986,9 @@ impl ScheduleSection {
                 }
             }
             ScheduleKind::Step => {
-                let decays = if self.step_size > 0 {
-                    t / self.step_size
-                } else {
+                let decays = t.checked_div(self.step_size).unwrap_or_else(|| {
                     self.milestones.iter().filter(|&&m| m <= step).count() as u64
-                };
+                });
                 lr64 * f64::from(self.gamma).powi(decays.min(i32::MAX as u64) as i32)
             }
         };

@@ -1735,7 +1735,7 @@ mod tests {
                 "comm_s"
             ]
         );
-        assert_eq!(header.last(), Some(&"fetch_retries"));
+        assert_eq!(header.last(), Some(&"lr"));
         let first: Vec<&str> = rows[1].split(',').collect();
         assert_eq!(first.len(), header.len());
         assert_eq!(first[..2], ["1", "7"]);

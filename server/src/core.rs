@@ -39,8 +39,8 @@
 //! use ps_shared::config::{OptimizerSection, SyncMode};
 //! use ps_shared::protocol::{Response, WireGrad, WireValues};
 //!
-//! let rule = OptimizerSection { lr: 0.5, momentum: 0.0, nesterov: false, weight_decay: 0.0, lars_eta: 0.0 };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false };
+//! let rule = OptimizerSection { lr: 0.5, ..OptimizerSection::default() };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new() };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -65,7 +65,7 @@ use ps_shared::sparse::{topk_exact, SparseGrad};
 use rayon::prelude::*;
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
-use crate::optimizer::{check_update, fused_update_timed};
+use crate::optimizer::{check_update, fused_update_timed, lazy_update, UpdatePlan};
 
 /// Identifies one worker connection (assigned by the network layer).
 pub type ConnId = u64;
@@ -100,6 +100,9 @@ pub struct ShardSetup {
     /// changed entries, not the union of every push. No effect on dense
     /// updates (dense pushes, or an optimizer that moves every entry).
     pub global_topk: bool,
+    /// Per segment: whether weight decay applies (`optimizer.no_decay`);
+    /// empty = every segment.
+    pub decay: Vec<bool>,
 }
 
 /// Changed-index sets kept for sparse replies (one per recent version).
@@ -515,15 +518,11 @@ impl ShardCore {
         checkpoint: Option<ShardCheckpoint>,
     ) -> Self {
         let len = setup.hi - setup.lo;
-        let rule = setup.rule;
-        let moves_untouched = rule.moves_untouched();
+        let moves_untouched = setup.rule.moves_untouched();
+        let state_len = setup.rule.state_per_param() * len;
         Self {
             params: Vec::new(),
-            momentum: if rule.uses_momentum() {
-                vec![0.0; len]
-            } else {
-                Vec::new()
-            },
+            momentum: vec![0.0; state_len],
             agg: vec![0.0; len],
             marked: vec![false; len],
             touched: Vec::new(),
@@ -1141,8 +1140,17 @@ impl ShardCore {
                     "the checkpoint differs from the workers' agreeing copies; keeping the copies"
                 );
             }
-            if ckpt.momentum.len() == self.momentum.len() {
+            let state_fits = ckpt.momentum.len() == self.momentum.len();
+            if state_fits {
                 self.momentum = ckpt.momentum;
+            } else {
+                tracing::warn!(
+                    shard = self.id(),
+                    checkpoint = ckpt.momentum.len(),
+                    expected = self.momentum.len(),
+                    "the checkpoint's optimizer state does not fit optimizer.kind/momentum of \
+                     this run; the optimizer state starts from zero"
+                );
             }
             if !self.residual.is_empty() && ckpt.residual.validate(self.len()).is_ok() {
                 for (&i, &v) in ckpt.residual.indices.iter().zip(&ckpt.residual.values) {
@@ -1158,7 +1166,11 @@ impl ShardCore {
                 );
             }
             if !self.momentum.is_empty() {
-                report.momentum_updates_lost = self.version - ckpt.version.min(self.version);
+                report.momentum_updates_lost = if state_fits {
+                    self.version - ckpt.version.min(self.version)
+                } else {
+                    self.version
+                };
             }
         } else {
             if !self.momentum.is_empty() {
@@ -1536,12 +1548,17 @@ impl ShardCore {
     /// changed, the pushes are dropped and the version stays.
     fn apply(&mut self, scale: f32, out: &mut Vec<Action>) -> Result<(), String> {
         let sparse = !self.all_touched && !self.moves_untouched;
-        if !sparse {
+        let plan = UpdatePlan {
+            segments: &self.setup.segments,
+            decay: &self.setup.decay,
+            step: self.version,
+        };
+        {
             if let Err(e) = check_update(
                 &self.params,
                 &self.agg,
                 &self.momentum,
-                &self.setup.segments,
+                &plan,
                 &self.setup.rule,
             ) {
                 self.stats.failed_updates += 1;
@@ -1559,14 +1576,29 @@ impl ShardCore {
         let entries;
         if sparse {
             // Plain SGD on the pushed entries only: O(k), not O(P).
+            // Plain SGD, or lazy Adam/AdamW (only pushed entries and their
+            // moments move).
             let changed = if self.setup.global_topk {
                 self.select_global_topk(scale)
             } else {
-                let step = self.setup.rule.lr * scale;
                 self.touched.sort_unstable();
+                let plan = UpdatePlan {
+                    segments: &self.setup.segments,
+                    decay: &self.setup.decay,
+                    step: self.version,
+                };
+                // Checked above: the lengths fit.
+                let _ = lazy_update(
+                    &mut self.params,
+                    &self.agg,
+                    &mut self.momentum,
+                    &self.touched,
+                    &plan,
+                    &self.setup.rule,
+                    scale,
+                );
                 for &i in &self.touched {
                     let i = i as usize;
-                    self.params[i] -= step * self.agg[i];
                     self.agg[i] = 0.0;
                     self.marked[i] = false;
                 }
@@ -1585,11 +1617,16 @@ impl ShardCore {
             self.residual_idx.clear();
             // Checked above: the update runs (an `Err` here would have
             // written nothing).
+            let plan = UpdatePlan {
+                segments: &self.setup.segments,
+                decay: &self.setup.decay,
+                step: self.version,
+            };
             if let Ok(cpu) = fused_update_timed(
                 &mut self.params,
                 &self.agg,
                 &mut self.momentum,
-                &self.setup.segments,
+                &plan,
                 &self.setup.rule,
                 scale,
             ) {
@@ -1659,11 +1696,23 @@ impl ShardCore {
             }
             chosen
         };
-        let lr = self.setup.rule.lr;
+        let plan = UpdatePlan {
+            segments: &self.setup.segments,
+            decay: &self.setup.decay,
+            step: self.version,
+        };
+        // The residual is in mean units already; the lengths were checked.
+        let _ = lazy_update(
+            &mut self.params,
+            &self.residual,
+            &mut self.momentum,
+            &chosen,
+            &plan,
+            &self.setup.rule,
+            1.0,
+        );
         for &i in &chosen {
-            let i = i as usize;
-            self.params[i] -= lr * self.residual[i];
-            self.residual[i] = 0.0;
+            self.residual[i as usize] = 0.0;
         }
         chosen
     }
@@ -1820,6 +1869,7 @@ mod tests {
             mode,
             staleness: 0,
             global_topk: false,
+            decay: Vec::new(),
         }
     }
 
@@ -2112,6 +2162,67 @@ mod tests {
         again.handle(step(6, 1, 2, dense(0.0)), t0);
         assert_eq!(again.params()[5], -1.0);
         assert!(again.snapshot().residual.is_empty());
+    }
+
+    #[test]
+    fn adamw_sparse_updates_stay_sparse_and_moments_survive_a_checkpoint() {
+        use ps_shared::config::OptimizerKind;
+        let adamw = || ShardSetup {
+            rule: OptimizerSection {
+                lr: 0.1,
+                kind: OptimizerKind::Adamw,
+                weight_decay: 0.01,
+                ..OptimizerSection::default()
+            },
+            ..setup(1, 0.0, SyncMode::Bsp)
+        };
+        let (mut c, t0) = serving_with(adamw());
+        assert_eq!(c.snapshot().momentum.len(), 16, "two moments per parameter");
+        // A sparse push moves only its entry, and the reply is sparse.
+        let acts = c.handle(step(1, 0, 0, sparse(vec![2], vec![1.0])), t0);
+        assert!(acts
+            .iter()
+            .any(|a| matches!(a, Action::Applied { entries: 1, .. })));
+        match replies(&acts)[0].1 {
+            Response::Params {
+                update: ParamUpdate::Sparse { indices, values },
+                ..
+            } => {
+                assert_eq!(indices, &vec![2]);
+                // Step 1: lr * sign(g).
+                assert!((values[0] + 0.1).abs() < 1e-6, "{values:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let m = c.snapshot().momentum;
+        for i in 0..8 {
+            assert_eq!(m[i] != 0.0, i == 2, "first moment {i}: {}", m[i]);
+            assert_eq!(m[8 + i] != 0.0, i == 2, "second moment {i}");
+        }
+        let dense = |v: f32| WireGrad::Dense(WireValues::F32(vec![v; 8]));
+        c.handle(step(2, 0, 1, dense(0.5)), t0);
+        // Restart from the checkpoint: parameters and moments come back, and
+        // the next update is the same bit for bit as on the old core.
+        let saved = c.snapshot();
+        let mut again = ShardCore::new(adamw(), CoreSettings::default(), Some(saved.clone()));
+        again.handle(Event::Joined { rank: 0, conn: 100 }, t0);
+        again.handle(offer(0, 2, c.params().to_vec()), t0);
+        assert!(again.is_serving());
+        assert_eq!(again.snapshot().momentum, saved.momentum);
+        assert_eq!(again.recovery_report().unwrap().momentum_updates_lost, 0);
+        c.handle(step(3, 0, 2, dense(-0.25)), t0);
+        again.handle(step(3, 0, 2, dense(-0.25)), t0);
+        assert_eq!(again.params(), c.params());
+        assert_eq!(again.snapshot().momentum, c.snapshot().momentum);
+        // A checkpoint of another optimizer (SGD momentum: one float per
+        // parameter) does not fit: the state starts from zero and the
+        // report counts every update's state as lost.
+        let sgd = ckpt(2, saved.params.clone(), vec![0.5; 8]);
+        let mut other = ShardCore::new(adamw(), CoreSettings::default(), Some(sgd));
+        other.handle(Event::Joined { rank: 0, conn: 100 }, t0);
+        other.handle(offer(0, 2, saved.params.clone()), t0);
+        assert_eq!(other.snapshot().momentum, vec![0.0; 16]);
+        assert_eq!(other.recovery_report().unwrap().momentum_updates_lost, 2);
     }
 
     #[test]

@@ -502,6 +502,25 @@ fn segments_within(range: &Range<usize>, tensors: &[Range<usize>]) -> Vec<Range<
         .collect()
 }
 
+/// Per segment of [`segments_within`]: whether its tensor is decayed
+/// (`optimizer.no_decay`); empty when every tensor is.
+fn decay_within(
+    range: &Range<usize>,
+    tensors: &[Range<usize>],
+    names: &[String],
+    rule: &ps_shared::config::OptimizerSection,
+) -> Vec<bool> {
+    if rule.no_decay.is_empty() {
+        return Vec::new();
+    }
+    tensors
+        .iter()
+        .zip(names)
+        .filter(|(t, _)| t.start.max(range.start) < t.end.min(range.end))
+        .map(|(_, name)| rule.decays(name))
+        .collect()
+}
+
 fn secs(v: f64) -> Duration {
     ps_shared::config::secs(v)
 }
@@ -546,6 +565,7 @@ pub async fn start(
     let map = ShardMap::balanced(num_params, cfg.total_shards())
         .map_err(|e| ServerError::Shards(e.to_string()))?;
     let tensors = cfg.model.tensor_ranges();
+    let names: Vec<String> = cfg.model.layout().into_iter().map(|t| t.name).collect();
     let s = &cfg.server;
     let checkpoints = if s.checkpoint_url.trim().is_empty() {
         None
@@ -648,8 +668,9 @@ pub async fn start(
             shard: shard as u32,
             lo: range.start,
             hi: range.end,
+            decay: decay_within(&range, &tensors, &names, &cfg.optimizer),
             segments: segments_within(&range, &tensors),
-            rule: cfg.optimizer,
+            rule: cfg.optimizer.clone(),
             // The barrier's clients: one per node (per worker when
             // cluster.workers_per_node is 1).
             workers: cfg.nodes() as u32,

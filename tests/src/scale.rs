@@ -413,8 +413,7 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
         // runs use plain SGD, so the sparse update path applies.
         momentum: if case.density.is_none() { 0.9 } else { 0.0 },
         nesterov: false,
-        weight_decay: 0.0,
-        lars_eta: 0.0,
+        ..OptimizerSection::default()
     };
     let settings = CoreSettings {
         recovery_window: Duration::ZERO,
@@ -431,11 +430,12 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
             lo: range.start,
             hi: range.end,
             segments: std::iter::once(0..len).collect(),
-            rule,
+            rule: rule.clone(),
             workers: case.workers as u32,
             mode: SyncMode::Bsp,
             staleness: 0,
             global_topk: case.global_topk,
+            decay: Vec::new(),
         };
         let core = ShardCore::new(setup, settings.clone(), None);
         let (version_tx, _) = watch::channel(0);

@@ -356,6 +356,10 @@ pub struct EpochReport {
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
+    /// The learning rate of the epoch's last update, from
+    /// `[optimizer.schedule]` at the worker's global step (the servers'
+    /// step in BSP; in ASP/SSP each shard counts its own updates).
+    pub lr: f32,
 }
 
 impl EpochReport {
@@ -488,6 +492,8 @@ struct EpochAcc {
     min_live: Option<u32>,
     short_steps: u64,
     started: Option<Instant>,
+    /// The scheduled learning rate of the epoch's last update.
+    lr: f32,
 }
 
 /// The result of a start-up read under the retry policy: a permanent error
@@ -977,6 +983,7 @@ async fn train(
         };
         if finished_epoch {
             let tested = evals.at(step, trainer, &test).await?;
+            acc.lr = cfg.optimizer.lr_at(step.saturating_sub(1));
             let mut report = close_epoch(rank, epoch, cfg.cluster.workers as u32, &mut acc, tested);
             if stopping.is_none() && evals.reached_target() {
                 stopping = Some(StopReason::TargetAccuracy);
@@ -1134,9 +1141,10 @@ async fn train(
         }
         bar.inc(1);
         let text = format!(
-            "epoch {}/{epochs}, last step's train_loss {:.4}",
+            "epoch {}/{epochs}, last step's train_loss {:.4}, lr {:.3e}",
             pos.epoch + 1,
-            out.loss
+            out.loss,
+            cfg.optimizer.lr_at(step.saturating_sub(1))
         );
         if outage.current().is_none() {
             bar.set_message(text.clone());
@@ -1352,6 +1360,7 @@ fn close_epoch(
         round_trips: a.round_trips,
         min_live_workers: a.min_live.unwrap_or(workers),
         steps_short_of_workers: a.short_steps,
+        lr: a.lr,
     }
 }
 
@@ -1773,7 +1782,7 @@ mod tests {
                 "comm_s"
             ]
         );
-        assert_eq!(header.last(), Some(&"fetch_retries"));
+        assert_eq!(header.last(), Some(&"lr"));
         let first: Vec<&str> = rows[1].split(',').collect();
         assert_eq!(first.len(), header.len());
         assert_eq!(first[..2], ["1", "7"]);

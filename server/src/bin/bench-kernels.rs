@@ -199,15 +199,15 @@ fn main() -> anyhow::Result<()> {
         momentum: 0.9,
         nesterov: false,
         weight_decay: 1e-4,
-        lars_eta: 0.0,
+        ..OptimizerSection::default()
     };
     let nesterov = OptimizerSection {
         nesterov: true,
-        ..sgd
+        ..sgd.clone()
     };
     let lars = OptimizerSection {
         lars_eta: 0.001,
-        ..sgd
+        ..sgd.clone()
     };
     let full_range = 0..len;
     let whole = std::slice::from_ref(&full_range);

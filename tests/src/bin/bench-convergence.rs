@@ -19,7 +19,7 @@ use anyhow::Context;
 use clap::Parser;
 
 use ps_dataset::SyntheticSpec;
-use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::config::{ClusterConfig, CompressionKind, OptimizerKind};
 use ps_shared::sparse::TopKMethod;
 use ps_tests::{fit_frames_to_model, run_cluster, synthetic_bucket, test_config};
 use ps_worker::run::{EvalPoint, WorkerReport};
@@ -95,6 +95,15 @@ struct Args {
     /// Top-k values travel as f16 (`compression.f16_values`).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     f16_values: bool,
+    /// Server optimizer of every mode: sgd (dense with momentum 0.9, top-k
+    /// with the DGC recipe above) or adam/adamw (`optimizer.kind`; top-k
+    /// modes then use plain error feedback, no momentum correction: the
+    /// servers keep the moments, lazily for sparse updates).
+    #[arg(long, default_value = "sgd", value_parser = ["sgd", "adam", "adamw"])]
+    optimizer: String,
+    /// `optimizer.weight_decay` (adam/adamw).
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
 }
 
 fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
@@ -130,6 +139,17 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
             cfg.compression.clip_norm = args.clip_norm;
             cfg.compression.momentum_masking = args.momentum_masking;
         }
+    }
+    if args.optimizer != "sgd" {
+        cfg.optimizer.kind = if args.optimizer == "adam" {
+            OptimizerKind::Adam
+        } else {
+            OptimizerKind::Adamw
+        };
+        cfg.optimizer.momentum = 0.0;
+        cfg.optimizer.weight_decay = args.weight_decay;
+        cfg.compression.momentum_correction = 0.0;
+        cfg.compression.momentum_masking = false;
     }
     fit_frames_to_model(&mut cfg);
     cfg.validate().context("benchmark configuration")?;
@@ -168,8 +188,10 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec));
     let mut means = Vec::new();
+    let mut final_losses = Vec::new();
     for mode in &args.modes {
         let (mut to95, mut to_target, mut missed) = (Vec::new(), Vec::new(), 0);
+        let mut losses = Vec::new();
         for seed in 1..=args.seeds {
             let cfg = config(&args, mode, seed)?;
             let reports = run_cluster(cfg, store.clone(), prefix.clone())
@@ -187,13 +209,18 @@ fn main() -> anyhow::Result<()> {
                     e.bytes_pulled as f64 / 1e3
                 )
             });
+            let last = r.evals.last();
+            losses.extend(last.map(|e| f64::from(e.test_loss)));
             println!(
-                "{mode:>13} seed {seed}: 95% at {}, {:.0}% at {} ({bytes}), best {:.2}% in {} steps",
+                "{mode:>13} seed {seed}: 95% at {}, {:.0}% at {} ({bytes}), best {:.2}% in {} steps, \
+                 last test_loss {} at step {}",
                 a.map_or("-".into(), |s| s.to_string()),
                 100.0 * args.target,
                 b.map_or("-".into(), |s| s.to_string()),
                 100.0 * best,
-                r.steps
+                r.steps,
+                last.map_or("-".into(), |e| format!("{:.4}", e.test_loss)),
+                last.map_or("-".into(), |e| e.step.to_string()),
             );
             to95.extend(a);
             match b {
@@ -215,6 +242,25 @@ fn main() -> anyhow::Result<()> {
             }
         );
         means.push((mode.clone(), mean));
+        if !losses.is_empty() {
+            let mean_loss = losses.iter().sum::<f64>() / losses.len() as f64;
+            println!(
+                "{mode:>13}: last test_loss mean {mean_loss:.4} (min {:.4}, max {:.4}, {} seeds)",
+                losses.iter().copied().fold(f64::INFINITY, f64::min),
+                losses.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                losses.len()
+            );
+            final_losses.push((mode.clone(), mean_loss));
+        }
+    }
+    if let Some((_, dense_loss)) = final_losses.iter().find(|(m, _)| m == "dense").cloned() {
+        for (mode, loss) in final_losses.iter().filter(|(m, _)| m != "dense") {
+            println!(
+                "{mode} / dense last test_loss: {:.3}x ({:+.1}%)",
+                loss / dense_loss,
+                100.0 * (loss / dense_loss - 1.0)
+            );
+        }
     }
     // Ratios need dense as the reference: without it in --modes, none.
     let Some((_, dense)) = means.iter().find(|(m, _)| m == "dense").cloned() else {

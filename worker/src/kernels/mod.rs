@@ -1,0 +1,120 @@
+//! Hand-written CPU kernels for the layered models: NHWC activations, f32,
+//! buffers owned by the caller and reused across steps.
+//!
+//! * [`conv`]: 2-d convolution forward and its two gradients.
+//! * [`norm`]: batch norm (training and evaluation) fused with the ReLU and
+//!   residual add that follow it, and its backward pass.
+//! * [`pool`]: max / average pooling and the global average pool.
+//! * [`net`]: the executor that runs a whole layered network's training
+//!   forward and backward pass with these kernels.
+
+pub mod conv;
+pub mod net;
+pub mod norm;
+pub mod pool;
+
+use rayon::prelude::*;
+
+/// Whether a `rows x cols` matrix with strides `rs`, `cs` lies inside a
+/// slice of `len` values.
+fn fits(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
+    rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
+}
+
+/// A strided matrix view: `data[r * rs + c * cs]` is entry `(r, c)`.
+#[derive(Clone, Copy)]
+pub struct Mat<'a> {
+    pub data: &'a [f32],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// Row-major with `cols` columns.
+    pub fn rows(data: &'a [f32], cols: usize) -> Self {
+        Mat {
+            data,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose of a row-major matrix with `cols` columns.
+    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
+        Mat {
+            data,
+            rs: 1,
+            cs: cols,
+        }
+    }
+}
+
+/// `c = a · b` (or `c += a · b` when `accumulate`), with `a` `m x k`, `b`
+/// `k x n` and `c` row-major `m x n` (row stride `n`). Runs on the current
+/// rayon pool's threads.
+///
+/// # Panics
+/// When a matrix does not fit its slice (a bug in the caller's sizes).
+pub fn matmul(m: usize, n: usize, k: usize, c: &mut [f32], accumulate: bool, a: Mat, b: Mat) {
+    assert!(
+        fits(c.len(), m, n, n, 1) && fits(a.data.len(), m, k, a.rs, a.cs),
+        "matmul: {m}x{k} · {k}x{n} does not fit its buffers"
+    );
+    assert!(
+        fits(b.data.len(), k, n, b.rs, b.cs),
+        "matmul: rhs too small"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c[..m * n].fill(0.0);
+        }
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 && m * n * k >= 1 << 15 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: every index the product touches was checked to lie inside its
+    // slice above; `c` is borrowed mutably and cannot alias `a` or `b`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+/// Rows per parallel chunk when `rows` rows are split over the pool.
+pub fn chunk_rows(rows: usize) -> usize {
+    rows.div_ceil(rayon::current_num_threads().max(1)).max(1)
+}
+
+/// `dst[i] += src[i]`, in parallel.
+pub fn add_into(dst: &mut [f32], src: &[f32]) {
+    let chunk = chunk_rows(dst.len()).max(4096);
+    dst.par_chunks_mut(chunk)
+        .zip(src.par_chunks(chunk))
+        .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s));
+}

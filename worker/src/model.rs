@@ -479,6 +479,14 @@ impl Model {
         Ok(())
     }
 
+    /// Each batch-norm layer's running mean and variance, in layer order.
+    pub fn bn_running(&self) -> Result<Vec<(Vec<f32>, Vec<f32>)>, ModelError> {
+        self.running
+            .iter()
+            .map(|r| Ok((r.mean.to_vec1()?, r.var.to_vec1()?)))
+            .collect()
+    }
+
     pub fn num_params(&self) -> usize {
         self.ranges.last().map_or(0, |r| r.end)
     }
@@ -1550,6 +1558,144 @@ mod tests {
         for (a, b) in before.iter().zip(&after) {
             assert!((a - b).abs() < 1e-5, "{before:?} vs {after:?}");
         }
+    }
+
+    /// Largest `|a - b|` over `b`'s largest magnitude, per tensor range.
+    fn assert_close(what: &str, a: &[f32], b: &[f32], ranges: &[Range<usize>], names: &[String]) {
+        for (r, name) in ranges.iter().zip(names) {
+            let scale = b[r.clone()].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let diff = a[r.clone()]
+                .iter()
+                .zip(&b[r.clone()])
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                diff <= 1e-4 * scale + 1e-7,
+                "{what} {name}: differs by {diff} at scale {scale}"
+            );
+        }
+    }
+
+    /// Two training steps through the executor and through autograd from
+    /// the same weights: the losses, every gradient and the running
+    /// statistics agree; then so do the evaluation-mode logits.
+    fn check_exec_matches_autograd(spec: &ModelSection, samples: usize) {
+        let mut ours = Model::new(spec, Device::Cpu, 7).unwrap();
+        let mut auto = Model::new(spec, Device::Cpu, 7).unwrap();
+        assert!(ours.exec.is_some(), "no executor for {:?}", spec.kind);
+        let n = ours.num_params();
+        let (mut g1, mut g2) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let names: Vec<String> = spec.layout().into_iter().map(|t| t.name).collect();
+        for step in 0..2 {
+            let batch = image_batch(samples, spec.input, spec.classes, step * 5);
+            let l1 = ours.gradient_into(&batch, &mut g1).unwrap();
+            let l2 = auto.autograd_gradient_into(&batch, &mut g2).unwrap();
+            assert!((l1 - l2).abs() <= 1e-4 * l2.abs(), "loss {l1} vs {l2}");
+            assert!(g2.iter().any(|&g| g.abs() > 1e-3), "gradients all ~0");
+            assert_close("gradient", &g1, &g2, &ours.ranges, &names);
+        }
+        for (i, (a, b)) in ours.running.iter().zip(&auto.running).enumerate() {
+            for (x, y) in [(&a.mean, &b.mean), (&a.var, &b.var)] {
+                let (x, y): (Vec<f32>, Vec<f32>) = (x.to_vec1().unwrap(), y.to_vec1().unwrap());
+                for (x, y) in x.iter().zip(&y) {
+                    assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "bn {i}: {x} vs {y}");
+                }
+            }
+        }
+        let batch = image_batch(samples + 1, spec.input, spec.classes, 3);
+        let exec = ours.exec_eval(&batch).unwrap().unwrap();
+        let reference = logits(&auto, &batch);
+        let scale = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (a, b) in exec.iter().zip(&reference) {
+            assert!((a - b).abs() <= 1e-4 * scale, "{exec:?} vs {reference:?}");
+        }
+        let (e1, e2) = (ours.evaluate(&batch).unwrap(), auto.evaluate(&batch).unwrap());
+        assert!((e1.0 - e2.0).abs() <= 1e-4 * e2.0.abs() && e1.1 == e2.1);
+    }
+
+    #[test]
+    fn executor_matches_autograd_on_every_layer_kind() {
+        let spec = layered(
+            2,
+            10,
+            3,
+            vec![
+                conv(4, 3, 1, 1, true),
+                LayerSpec::BatchNorm,
+                LayerSpec::Relu,
+                LayerSpec::Residual { out: 4, stride: 1 },
+                LayerSpec::MaxPool {
+                    kernel: 3,
+                    stride: Some(2),
+                },
+                LayerSpec::AvgPool {
+                    kernel: 2,
+                    stride: Some(1),
+                },
+                LayerSpec::Residual { out: 6, stride: 2 },
+                conv(5, 3, 1, 1, false),
+                LayerSpec::BatchNorm,
+                LayerSpec::Dropout { p: 0.3 },
+                LayerSpec::Relu,
+                LayerSpec::Flatten,
+                linear(8),
+                LayerSpec::Relu,
+                LayerSpec::Dropout { p: 0.5 },
+                linear(3),
+            ],
+        );
+        check_exec_matches_autograd(&spec, 4);
+        // A linear layer straight on an image, a global pool, a batch norm
+        // as the first layer.
+        let spec = layered(
+            2,
+            6,
+            3,
+            vec![
+                LayerSpec::BatchNorm,
+                conv(3, 3, 2, 1, true),
+                LayerSpec::Relu,
+                linear(3),
+            ],
+        );
+        check_exec_matches_autograd(&spec, 3);
+        let spec = layered(
+            3,
+            5,
+            4,
+            vec![
+                conv(4, 3, 1, 0, true),
+                LayerSpec::GlobalAvgPool,
+                linear(4),
+            ],
+        );
+        check_exec_matches_autograd(&spec, 2);
+    }
+
+    #[test]
+    fn executor_matches_autograd_on_a_narrow_resnet20() {
+        let spec = ModelSection {
+            kind: ModelKind::Resnet20,
+            input: 3 * 8 * 8,
+            in_channels: 3,
+            classes: 5,
+            width: 0.25,
+            ..ModelSection::default()
+        };
+        check_exec_matches_autograd(&spec, 4);
+    }
+
+    #[test]
+    fn executor_matches_autograd_on_the_cnn() {
+        let spec = ModelSection {
+            kind: ModelKind::Cnn,
+            input: 8 * 8,
+            in_channels: 1,
+            conv: vec![4, 6],
+            hidden: vec![7],
+            classes: 3,
+            ..ModelSection::default()
+        };
+        check_exec_matches_autograd(&spec, 3);
     }
 
     #[test]

@@ -118,3 +118,73 @@ pub fn add_into(dst: &mut [f32], src: &[f32]) {
         .zip(src.par_chunks(chunk))
         .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d += s));
 }
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// `n` values uniform in [-1, 1) from `seed`.
+    pub fn random(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+    }
+
+    /// Checks `analytic` against central differences of `loss` at every
+    /// entry of `x` (step `eps`); `what` names the gradient in failures.
+    pub fn check_gradient(
+        what: &str,
+        x: &[f32],
+        analytic: &[f32],
+        eps: f32,
+        loss: impl Fn(&[f32]) -> f64,
+    ) {
+        assert_eq!(x.len(), analytic.len(), "{what}: lengths");
+        let mut largest = 0.0f32;
+        let mut p = x.to_vec();
+        for i in 0..x.len() {
+            p[i] = x[i] + eps;
+            let up = loss(&p);
+            p[i] = x[i] - eps;
+            let down = loss(&p);
+            p[i] = x[i];
+            let fd = ((up - down) / (2.0 * f64::from(eps))) as f32;
+            let g = analytic[i];
+            largest = largest.max(g.abs());
+            assert!(
+                (fd - g).abs() <= 2e-3 + 2e-2 * g.abs(),
+                "{what}[{i}]: finite difference {fd} vs {g}"
+            );
+        }
+        assert!(largest > 1e-3, "{what}: all gradients ~0, the check proves nothing");
+    }
+
+    /// `Σ y ⊙ r` in f64.
+    pub fn dot(y: &[f32], r: &[f32]) -> f64 {
+        y.iter().zip(r).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::random;
+    use super::*;
+
+    #[test]
+    fn matmul_with_strides_matches_a_naive_product() {
+        let (m, n, k) = (5, 7, 3);
+        let a = random(m * k, 1);
+        let b = random(k * n, 2);
+        // a given transposed (k x m storage), b row-major.
+        let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
+        let mut c = random(m * n, 3);
+        let before = c.clone();
+        matmul(m, n, k, &mut c, true, Mat::transposed(&at, m), Mat::rows(&b, n));
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|l| a[i * k + l] * b[l * n + j]).sum();
+                let got = c[i * n + j] - before[i * n + j];
+                assert!((got - want).abs() < 1e-5, "({i}, {j}): {got} vs {want}");
+            }
+        }
+    }
+}

@@ -224,3 +224,128 @@ pub fn train_backward(
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{check_gradient, dot, random};
+    use super::*;
+
+    const C: usize = 3;
+
+    /// Naive batch norm with its epilogue, in f64.
+    fn reference(x: &[f32], gamma: &[f32], beta: &[f32], epi: Epilogue) -> Vec<f32> {
+        let rows = x.len() / C;
+        let mut y = vec![0.0f32; x.len()];
+        for ch in 0..C {
+            let vals: Vec<f64> = (0..rows).map(|r| f64::from(x[r * C + ch])).collect();
+            let mu = vals.iter().sum::<f64>() / rows as f64;
+            let var = vals.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / rows as f64;
+            for r in 0..rows {
+                let mut v = (vals[r] - mu) / (var + 1e-5).sqrt() * f64::from(gamma[ch])
+                    + f64::from(beta[ch]);
+                if let Some(s) = epi.skip {
+                    v += f64::from(s[r * C + ch]);
+                }
+                if epi.relu {
+                    v = v.max(0.0);
+                }
+                y[r * C + ch] = v as f32;
+            }
+        }
+        y
+    }
+
+    fn run(x: &[f32], gamma: &[f32], beta: &[f32], epi: Epilogue) -> (Vec<f32>, [Vec<f32>; 3]) {
+        let mut y = vec![0.0; x.len()];
+        let (mut mean, mut inv, mut var) = (vec![0.0; C], vec![0.0; C], vec![0.0; C]);
+        let mut s = NormScratch::default();
+        train_forward(
+            x, C, gamma, beta, 1e-5, epi, &mut y, &mut mean, &mut inv, &mut var, &mut s,
+        );
+        (y, [mean, inv, var])
+    }
+
+    #[test]
+    fn training_forward_matches_a_naive_batch_norm() {
+        let x = random(7 * C, 1);
+        let skip = random(7 * C, 2);
+        let (gamma, beta) = (random(C, 3), random(C, 4));
+        for epi in [
+            Epilogue { skip: None, relu: false },
+            Epilogue { skip: Some(&skip), relu: true },
+        ] {
+            let (y, [mean, _, var]) = run(&x, &gamma, &beta, epi);
+            let want = reference(&x, &gamma, &beta, epi);
+            for (a, b) in y.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "{y:?} vs {want:?}");
+            }
+            // The unbiased variance, for the running statistics.
+            for ch in 0..C {
+                let vals: Vec<f32> = (0..7).map(|r| x[r * C + ch]).collect();
+                let mu = vals.iter().sum::<f32>() / 7.0;
+                let v = vals.iter().map(|v| (v - mu).powi(2)).sum::<f32>() / 6.0;
+                assert!((mean[ch] - mu).abs() < 1e-6 && (var[ch] - v).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn eval_forward_uses_the_running_statistics() {
+        let x = random(4 * C, 5);
+        let (gamma, beta) = (random(C, 6), random(C, 7));
+        let (rm, rv) = (vec![0.1, -0.2, 0.3], vec![0.5, 1.5, 2.0]);
+        let mut y = vec![0.0; x.len()];
+        let mut inv = vec![0.0; C];
+        let epi = Epilogue { skip: None, relu: false };
+        eval_forward(&x, C, &gamma, &beta, &rm, &rv, 1e-5, epi, &mut y, &mut inv);
+        for (i, (&y, &x)) in y.iter().zip(&x).enumerate() {
+            let ch = i % C;
+            let want = (x - rm[ch]) / (rv[ch] + 1e-5).sqrt() * gamma[ch] + beta[ch];
+            assert!((y - want).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences_with_and_without_relu_and_skip() {
+        let rows = 6;
+        let x = random(rows * C, 8);
+        let skip = random(rows * C, 9);
+        let r = random(rows * C, 10);
+        let (gamma, beta) = (random(C, 11), random(C, 12));
+        for (with_skip, relu) in [(false, false), (false, true), (true, true)] {
+            let epi = Epilogue {
+                skip: with_skip.then_some(&skip[..]),
+                relu,
+            };
+            let (y, [mean, inv, _]) = run(&x, &gamma, &beta, epi);
+            let mut dy = r.clone();
+            let mut dx = vec![0.0; x.len()];
+            let (mut dg, mut db) = (vec![0.0; C], vec![0.0; C]);
+            let mut s = NormScratch::default();
+            train_backward(
+                &x,
+                C,
+                &gamma,
+                &mean,
+                &inv,
+                relu.then_some(&y[..]),
+                &mut dy,
+                &mut dx,
+                &mut dg,
+                &mut db,
+                &mut s,
+            );
+            let loss = |x: &[f32], g: &[f32], b: &[f32]| dot(&run(x, g, b, epi).0, &r);
+            check_gradient("dx", &x, &dx, 1e-3, |p| loss(p, &gamma, &beta));
+            check_gradient("dgamma", &gamma, &dg, 1e-3, |p| loss(&x, p, &beta));
+            check_gradient("dbeta", &beta, &db, 1e-3, |p| loss(&x, &gamma, p));
+            if with_skip {
+                // dy now holds the gradient of the sum, which is the skip's.
+                check_gradient("dskip", &skip, &dy, 1e-3, |s| {
+                    let epi = Epilogue { skip: Some(s), relu };
+                    dot(&run(&x, &gamma, &beta, epi).0, &r)
+                });
+            }
+        }
+    }
+}

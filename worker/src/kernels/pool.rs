@@ -158,3 +158,110 @@ pub fn global_avg_backward(pixels: usize, c: usize, dy: &[f32], dx: &mut [f32]) 
             }
         });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{check_gradient, dot, random};
+    use super::*;
+
+    /// Naive pooling on NHWC samples: window values gathered per output.
+    fn reference(g: &PoolGeom, x: &[f32], max: bool) -> Vec<f32> {
+        let batch = x.len() / g.in_len();
+        let mut y = Vec::new();
+        for n in 0..batch {
+            for oy in 0..g.out_h() {
+                for ox in 0..g.out_w() {
+                    for ch in 0..g.c {
+                        let mut vals = Vec::new();
+                        for i in 0..g.kernel {
+                            for j in 0..g.kernel {
+                                let (h, w) = (oy * g.stride + i, ox * g.stride + j);
+                                vals.push(x[n * g.in_len() + (h * g.in_w + w) * g.c + ch]);
+                            }
+                        }
+                        y.push(if max {
+                            vals.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+                        } else {
+                            vals.iter().sum::<f32>() / vals.len() as f32
+                        });
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    fn geoms() -> [PoolGeom; 3] {
+        [
+            // Overlapping strided windows, tiling windows, a ragged edge.
+            PoolGeom { in_h: 5, in_w: 5, c: 2, kernel: 3, stride: 2 },
+            PoolGeom { in_h: 4, in_w: 4, c: 3, kernel: 2, stride: 2 },
+            PoolGeom { in_h: 5, in_w: 4, c: 1, kernel: 2, stride: 2 },
+        ]
+    }
+
+    fn max_pool(g: &PoolGeom, x: &[f32]) -> (Vec<f32>, Vec<u32>) {
+        let n = x.len() / g.in_len() * g.out_len();
+        let (mut y, mut arg) = (vec![0.0; n], vec![0; n]);
+        max_forward(g, x, &mut y, &mut arg);
+        (y, arg)
+    }
+
+    fn avg_pool(g: &PoolGeom, x: &[f32]) -> Vec<f32> {
+        let mut y = vec![0.0; x.len() / g.in_len() * g.out_len()];
+        avg_forward(g, x, &mut y);
+        y
+    }
+
+    #[test]
+    fn pools_match_naive_windows_and_finite_differences() {
+        for (s, g) in geoms().iter().enumerate() {
+            let x = random(2 * g.in_len(), s as u64);
+            let r = random(2 * g.out_len(), 10 + s as u64);
+            let (y, arg) = max_pool(g, &x);
+            assert_eq!(y, reference(g, &x, true));
+            let mut dx = vec![0.0; x.len()];
+            max_backward(g, &r, &arg, &mut dx);
+            check_gradient("max dx", &x, &dx, 1e-3, |p| dot(&max_pool(g, p).0, &r));
+            let y = avg_pool(g, &x);
+            for (a, b) in y.iter().zip(reference(g, &x, false)) {
+                assert!((a - b).abs() < 1e-6);
+            }
+            avg_backward(g, &r, &mut dx);
+            check_gradient("avg dx", &x, &dx, 1e-3, |p| dot(&avg_pool(g, p), &r));
+        }
+    }
+
+    #[test]
+    fn a_tied_max_sends_its_gradient_to_the_first_input() {
+        let g = PoolGeom { in_h: 2, in_w: 2, c: 1, kernel: 2, stride: 2 };
+        let (y, arg) = max_pool(&g, &[0.0, 1.0, 1.0, 0.5]);
+        assert_eq!((y, arg), (vec![1.0], vec![1]));
+        let mut dx = vec![9.0; 4];
+        max_backward(&g, &[2.0], &[1], &mut dx);
+        assert_eq!(dx, [0.0, 2.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn global_average_pool_and_its_gradient() {
+        let (pixels, c) = (6, 3);
+        let x = random(2 * pixels * c, 20);
+        let r = random(2 * c, 21);
+        let gap = |x: &[f32]| {
+            let mut y = vec![0.0; 2 * c];
+            global_avg_forward(pixels, c, x, &mut y);
+            y
+        };
+        let y = gap(&x);
+        for n in 0..2 {
+            for ch in 0..c {
+                let want: f32 =
+                    (0..pixels).map(|p| x[(n * pixels + p) * c + ch]).sum::<f32>() / 6.0;
+                assert!((y[n * c + ch] - want).abs() < 1e-6);
+            }
+        }
+        let mut dx = vec![0.0; x.len()];
+        global_avg_backward(pixels, c, &r, &mut dx);
+        check_gradient("gap dx", &x, &dx, 1e-3, |p| dot(&gap(p), &r));
+    }
+}

@@ -1597,7 +1597,10 @@ mod tests {
             for (x, y) in [(&a.mean, &b.mean), (&a.var, &b.var)] {
                 let (x, y): (Vec<f32>, Vec<f32>) = (x.to_vec1().unwrap(), y.to_vec1().unwrap());
                 for (x, y) in x.iter().zip(&y) {
-                    assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "bn {i}: {x} vs {y}");
+                    assert!(
+                        (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                        "bn {i}: {x} vs {y}"
+                    );
                 }
             }
         }
@@ -1608,7 +1611,10 @@ mod tests {
         for (a, b) in exec.iter().zip(&reference) {
             assert!((a - b).abs() <= 1e-4 * scale, "{exec:?} vs {reference:?}");
         }
-        let (e1, e2) = (ours.evaluate(&batch).unwrap(), auto.evaluate(&batch).unwrap());
+        let (e1, e2) = (
+            ours.evaluate(&batch).unwrap(),
+            auto.evaluate(&batch).unwrap(),
+        );
         assert!((e1.0 - e2.0).abs() <= 1e-4 * e2.0.abs() && e1.1 == e2.1);
     }
 
@@ -1662,11 +1668,7 @@ mod tests {
             3,
             5,
             4,
-            vec![
-                conv(4, 3, 1, 0, true),
-                LayerSpec::GlobalAvgPool,
-                linear(4),
-            ],
+            vec![conv(4, 3, 1, 0, true), LayerSpec::GlobalAvgPool, linear(4)],
         );
         check_exec_matches_autograd(&spec, 2);
     }

@@ -61,14 +61,27 @@ fn check(name: &str, spec: &ModelSection) {
     };
     let (loss, grad) = model.gradient(&batch).unwrap();
     let want = values(&f, "loss")[0];
-    assert!((loss - want).abs() <= 1e-4 * want.abs(), "loss {loss} vs torch {want}");
+    assert!(
+        (loss - want).abs() <= 1e-4 * want.abs(),
+        "loss {loss} vs torch {want}"
+    );
     for (t, r) in layout.iter().zip(spec.tensor_ranges()) {
         let want = values(&f, &format!("grad.{}", t.name));
         assert_close(&t.name, &grad[r], &want, 1e-4);
     }
     for (i, (mean, var)) in model.bn_running().unwrap().iter().enumerate() {
-        assert_close(&format!("running mean {i}"), mean, &values(&f, &format!("running_mean.{i}")), 1e-5);
-        assert_close(&format!("running var {i}"), var, &values(&f, &format!("running_var.{i}")), 1e-5);
+        assert_close(
+            &format!("running mean {i}"),
+            mean,
+            &values(&f, &format!("running_mean.{i}")),
+            1e-5,
+        );
+        assert_close(
+            &format!("running var {i}"),
+            var,
+            &values(&f, &format!("running_var.{i}")),
+            1e-5,
+        );
     }
 }
 

@@ -155,12 +155,18 @@ pub(crate) mod testing {
                 "{what}[{i}]: finite difference {fd} vs {g}"
             );
         }
-        assert!(largest > 1e-3, "{what}: all gradients ~0, the check proves nothing");
+        assert!(
+            largest > 1e-3,
+            "{what}: all gradients ~0, the check proves nothing"
+        );
     }
 
     /// `Σ y ⊙ r` in f64.
     pub fn dot(y: &[f32], r: &[f32]) -> f64 {
-        y.iter().zip(r).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum()
+        y.iter()
+            .zip(r)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum()
     }
 }
 
@@ -178,7 +184,15 @@ mod tests {
         let at: Vec<f32> = (0..k * m).map(|i| a[(i % m) * k + i / m]).collect();
         let mut c = random(m * n, 3);
         let before = c.clone();
-        matmul(m, n, k, &mut c, true, Mat::transposed(&at, m), Mat::rows(&b, n));
+        matmul(
+            m,
+            n,
+            k,
+            &mut c,
+            true,
+            Mat::transposed(&at, m),
+            Mat::rows(&b, n),
+        );
         for i in 0..m {
             for j in 0..n {
                 let want: f32 = (0..k).map(|l| a[i * k + l] * b[l * n + j]).sum();

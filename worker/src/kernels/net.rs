@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use ps_shared::layers::{LayerSpec, Node, Shape};
 
-use super::conv::{Conv2d, ConvGeom};
+use super::conv::{Conv2d, ConvError, ConvGeom};
 use super::norm::{self, Epilogue, NormScratch};
 use super::pool::{self, PoolGeom};
 use super::{add_into, chunk_rows, matmul, Mat};
@@ -56,11 +56,12 @@ impl ConvLayer {
         }
     }
 
-    fn forward(&mut self, params: &[&[f32]], x: &[f32], y: &mut [f32]) {
-        self.conv.forward(x, params[self.weight], y);
+    fn forward(&mut self, params: &[&[f32]], x: &[f32], y: &mut [f32]) -> Result<(), ConvError> {
+        self.conv.forward(x, params[self.weight], y)?;
         if let Some(b) = self.bias {
             add_rows(y, params[b]);
         }
+        Ok(())
     }
 
     /// Weight (and bias) gradients into `grads`; `dx` when asked for.
@@ -72,15 +73,16 @@ impl ConvLayer {
         dx: Option<&mut [f32]>,
         grads: &mut [f32],
         ranges: &[Range<usize>],
-    ) {
+    ) -> Result<(), ConvError> {
         self.conv
-            .backward_weight(x, dy, &mut grads[ranges[self.weight].clone()]);
+            .backward_weight(x, dy, &mut grads[ranges[self.weight].clone()])?;
         if let Some(b) = self.bias {
             sum_rows(dy, &mut grads[ranges[b].clone()]);
         }
         if let Some(dx) = dx {
-            self.conv.backward_data(dy, params[self.weight], dx);
+            self.conv.backward_data(dy, params[self.weight], dx)?;
         }
+        Ok(())
     }
 }
 
@@ -295,6 +297,8 @@ pub enum ExecError {
     NoForward,
     #[error("{0} running statistics given, the network has {1} batch-norm layers")]
     Running(usize, usize),
+    #[error(transparent)]
+    Conv(#[from] ConvError),
 }
 
 fn image(shape: Shape) -> (usize, usize, usize) {
@@ -653,7 +657,7 @@ impl NetExec {
         for (i, step) in steps.iter_mut().enumerate() {
             let (before, after) = acts.split_at_mut(i + 1);
             let (x, y) = (&before[i][..], &mut after[0][..]);
-            forward_step(step, params, &ctx, x, y, stats, scratch);
+            forward_step(step, params, &ctx, x, y, stats, scratch)?;
         }
         self.trained = ctx.running.is_none();
         Ok(self.logits())
@@ -721,7 +725,7 @@ impl NetExec {
                 grads,
                 ranges,
                 scratch,
-            );
+            )?;
             std::mem::swap(&mut cur, &mut next);
         }
         Ok(())
@@ -736,9 +740,9 @@ fn forward_step(
     y: &mut [f32],
     stats: &mut [BatchStats],
     scratch: &mut NormScratch,
-) {
+) -> Result<(), ConvError> {
     match step {
-        Step::Conv(c) => c.forward(params, x, y),
+        Step::Conv(c) => c.forward(params, x, y)?,
         Step::Norm { norm, relu } => {
             let epi = Epilogue {
                 skip: None,
@@ -755,7 +759,7 @@ fn forward_step(
         Step::MaxPool { geom, arg } => pool::max_forward(geom, x, y, arg),
         Step::AvgPool(geom) => pool::avg_forward(geom, x, y),
         Step::GlobalAvgPool { pixels, c } => pool::global_avg_forward(*pixels, *c, x, y),
-        Step::Residual(b) => b.forward(params, ctx, x, y, stats, scratch),
+        Step::Residual(b) => b.forward(params, ctx, x, y, stats, scratch)?,
         Step::Dropout {
             p,
             slot,
@@ -795,6 +799,7 @@ fn forward_step(
             }
         }
     }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -808,9 +813,9 @@ fn backward_step(
     grads: &mut [f32],
     ranges: &[Range<usize>],
     scratch: &mut NormScratch,
-) {
+) -> Result<(), ConvError> {
     match step {
-        Step::Conv(c) => c.backward(params, x, dy, dx, grads, ranges),
+        Step::Conv(c) => c.backward(params, x, dy, dx, grads, ranges)?,
         Step::Norm { norm, relu } => {
             let mut own;
             let dx = match dx {
@@ -852,7 +857,7 @@ fn backward_step(
                 pool::global_avg_backward(*pixels, *c, dy, dx);
             }
         }
-        Step::Residual(b) => b.backward(params, x, y, dy, dx, grads, ranges, scratch),
+        Step::Residual(b) => b.backward(params, x, y, dy, dx, grads, ranges, scratch)?,
         Step::Dropout { mask, active, .. } => {
             if let Some(dx) = dx {
                 if *active {
@@ -895,6 +900,7 @@ fn backward_step(
             }
         }
     }
+    Ok(())
 }
 
 impl Block {
@@ -906,22 +912,22 @@ impl Block {
         y: &mut [f32],
         stats: &mut [BatchStats],
         scratch: &mut NormScratch,
-    ) {
+    ) -> Result<(), ConvError> {
         let plain = Epilogue {
             skip: None,
             relu: false,
         };
-        self.conv1.forward(params, x, &mut self.a1);
+        self.conv1.forward(params, x, &mut self.a1)?;
         let relu = Epilogue {
             skip: None,
             relu: true,
         };
         self.bn1
             .forward(params, ctx, &self.a1, relu, &mut self.r1, stats, scratch);
-        self.conv2.forward(params, &self.r1, &mut self.a2);
+        self.conv2.forward(params, &self.r1, &mut self.a2)?;
         let skip = match &mut self.shortcut {
             Some((conv, bn)) => {
-                conv.forward(params, x, &mut self.s);
+                conv.forward(params, x, &mut self.s)?;
                 bn.forward(params, ctx, &self.s, plain, &mut self.sb, stats, scratch);
                 &self.sb[..]
             }
@@ -933,6 +939,7 @@ impl Block {
         };
         self.bn2
             .forward(params, ctx, &self.a2, last, y, stats, scratch);
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -946,7 +953,7 @@ impl Block {
         grads: &mut [f32],
         ranges: &[Range<usize>],
         scratch: &mut NormScratch,
-    ) {
+    ) -> Result<(), ConvError> {
         // dy becomes the gradient of bn2's output + skip (ReLU mask).
         self.bn2.backward(
             params,
@@ -965,7 +972,7 @@ impl Block {
             Some(&mut self.g1),
             grads,
             ranges,
-        );
+        )?;
         self.bn1.backward(
             params,
             &self.a1,
@@ -977,7 +984,7 @@ impl Block {
             scratch,
         );
         self.conv1
-            .backward(params, x, &self.g2, dx.as_deref_mut(), grads, ranges);
+            .backward(params, x, &self.g2, dx.as_deref_mut(), grads, ranges)?;
         match &mut self.shortcut {
             Some((conv, bn)) => {
                 // g1 is free again: the shortcut bn's input gradient.
@@ -992,7 +999,7 @@ impl Block {
                     scratch,
                 );
                 let gx = dx.is_some().then_some(&mut self.gx[..]);
-                conv.backward(params, x, &self.g1, gx, grads, ranges);
+                conv.backward(params, x, &self.g1, gx, grads, ranges)?;
                 if let Some(dx) = dx {
                     add_into(dx, &self.gx);
                 }
@@ -1003,6 +1010,7 @@ impl Block {
                 }
             }
         }
+        Ok(())
     }
 }
 

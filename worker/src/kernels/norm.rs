@@ -271,8 +271,14 @@ mod tests {
         let skip = random(7 * C, 2);
         let (gamma, beta) = (random(C, 3), random(C, 4));
         for epi in [
-            Epilogue { skip: None, relu: false },
-            Epilogue { skip: Some(&skip), relu: true },
+            Epilogue {
+                skip: None,
+                relu: false,
+            },
+            Epilogue {
+                skip: Some(&skip),
+                relu: true,
+            },
         ] {
             let (y, [mean, _, var]) = run(&x, &gamma, &beta, epi);
             let want = reference(&x, &gamma, &beta, epi);
@@ -296,7 +302,10 @@ mod tests {
         let (rm, rv) = (vec![0.1, -0.2, 0.3], vec![0.5, 1.5, 2.0]);
         let mut y = vec![0.0; x.len()];
         let mut inv = vec![0.0; C];
-        let epi = Epilogue { skip: None, relu: false };
+        let epi = Epilogue {
+            skip: None,
+            relu: false,
+        };
         eval_forward(&x, C, &gamma, &beta, &rm, &rv, 1e-5, epi, &mut y, &mut inv);
         for (i, (&y, &x)) in y.iter().zip(&x).enumerate() {
             let ch = i % C;
@@ -342,7 +351,10 @@ mod tests {
             if with_skip {
                 // dy now holds the gradient of the sum, which is the skip's.
                 check_gradient("dskip", &skip, &dy, 1e-3, |s| {
-                    let epi = Epilogue { skip: Some(s), relu };
+                    let epi = Epilogue {
+                        skip: Some(s),
+                        relu,
+                    };
                     dot(&run(&x, &gamma, &beta, epi).0, &r)
                 });
             }

@@ -194,9 +194,27 @@ mod tests {
     fn geoms() -> [PoolGeom; 3] {
         [
             // Overlapping strided windows, tiling windows, a ragged edge.
-            PoolGeom { in_h: 5, in_w: 5, c: 2, kernel: 3, stride: 2 },
-            PoolGeom { in_h: 4, in_w: 4, c: 3, kernel: 2, stride: 2 },
-            PoolGeom { in_h: 5, in_w: 4, c: 1, kernel: 2, stride: 2 },
+            PoolGeom {
+                in_h: 5,
+                in_w: 5,
+                c: 2,
+                kernel: 3,
+                stride: 2,
+            },
+            PoolGeom {
+                in_h: 4,
+                in_w: 4,
+                c: 3,
+                kernel: 2,
+                stride: 2,
+            },
+            PoolGeom {
+                in_h: 5,
+                in_w: 4,
+                c: 1,
+                kernel: 2,
+                stride: 2,
+            },
         ]
     }
 
@@ -234,7 +252,13 @@ mod tests {
 
     #[test]
     fn a_tied_max_sends_its_gradient_to_the_first_input() {
-        let g = PoolGeom { in_h: 2, in_w: 2, c: 1, kernel: 2, stride: 2 };
+        let g = PoolGeom {
+            in_h: 2,
+            in_w: 2,
+            c: 1,
+            kernel: 2,
+            stride: 2,
+        };
         let (y, arg) = max_pool(&g, &[0.0, 1.0, 1.0, 0.5]);
         assert_eq!((y, arg), (vec![1.0], vec![1]));
         let mut dx = vec![9.0; 4];
@@ -255,8 +279,10 @@ mod tests {
         let y = gap(&x);
         for n in 0..2 {
             for ch in 0..c {
-                let want: f32 =
-                    (0..pixels).map(|p| x[(n * pixels + p) * c + ch]).sum::<f32>() / 6.0;
+                let want: f32 = (0..pixels)
+                    .map(|p| x[(n * pixels + p) * c + ch])
+                    .sum::<f32>()
+                    / 6.0;
                 assert!((y[n * c + ch] - want).abs() < 1e-6);
             }
         }

@@ -503,6 +503,29 @@ impl NetExec {
         })
     }
 
+    /// Values the executor's buffers can hold (activations, gradients,
+    /// saved values and the kernels' scratch): steady once warm.
+    pub fn workspace_len(&self) -> usize {
+        let mut n: usize = self.acts.iter().chain(&self.grads).map(Vec::capacity).sum();
+        let conv = |c: &ConvLayer| c.conv.workspace_len();
+        for step in &self.steps {
+            n += match step {
+                Step::Conv(c) => conv(c),
+                Step::MaxPool { arg, .. } => arg.capacity(),
+                Step::Dropout { mask, drawn, .. } => mask.capacity() + drawn.capacity(),
+                Step::Residual(b) => {
+                    let bufs = [&b.a1, &b.r1, &b.a2, &b.s, &b.sb, &b.g1, &b.g2, &b.gx];
+                    bufs.iter().map(|v| v.capacity()).sum::<usize>()
+                        + conv(&b.conv1)
+                        + conv(&b.conv2)
+                        + b.shortcut.as_ref().map_or(0, |(c, _)| conv(c))
+                }
+                _ => 0,
+            };
+        }
+        n
+    }
+
     /// Batch-norm layers, in order.
     pub fn norms(&self) -> usize {
         self.stats.len()

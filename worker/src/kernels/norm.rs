@@ -175,28 +175,43 @@ pub fn train_backward(
     scratch: &mut NormScratch,
 ) {
     let rows = x.len() / c;
-    if let Some(out) = relu_out {
-        let chunk = chunk_rows(rows) * c;
-        dy.par_chunks_mut(chunk)
-            .zip(out.par_chunks(chunk))
-            .for_each(|(d, o)| {
-                for (d, &o) in d.iter_mut().zip(o) {
-                    if o <= 0.0 {
-                        *d = 0.0;
+    // One pass: the ReLU mask applied to dy in place, and per chunk of rows
+    // the sums of dz and dz · x̂.
+    let chunk = chunk_rows(rows);
+    let parts = rows.div_ceil(chunk).max(1);
+    let partial = &mut scratch.partial;
+    partial.clear();
+    partial.resize(parts * 2 * c, 0.0);
+    partial
+        .par_chunks_mut(2 * c)
+        .zip(dy.par_chunks_mut(chunk * c))
+        .enumerate()
+        .for_each(|(p, (out, d))| {
+            let (sb, sg) = out.split_at_mut(c);
+            for (r, d) in d.chunks_exact_mut(c).enumerate() {
+                let at = (p * chunk + r) * c;
+                if let Some(o) = relu_out {
+                    for (d, &o) in d.iter_mut().zip(&o[at..at + c]) {
+                        if o <= 0.0 {
+                            *d = 0.0;
+                        }
                     }
                 }
-            });
+                let x = &x[at..at + c];
+                for ch in 0..c {
+                    let xhat = (x[ch] - mean[ch]) * inv_std[ch];
+                    sb[ch] += f64::from(d[ch]);
+                    sg[ch] += f64::from(d[ch] * xhat);
+                }
+            }
+        });
+    let mut sums = vec![0.0f64; 2 * c];
+    for part in partial.chunks_exact(2 * c) {
+        for (t, v) in sums.iter_mut().zip(part) {
+            *t += v;
+        }
     }
     let dz: &[f32] = dy;
-    let sums = channel_sums(rows, 2 * c, &mut scratch.partial, |r, out| {
-        let (sb, sg) = out.split_at_mut(c);
-        let (x, d) = (&x[r * c..(r + 1) * c], &dz[r * c..(r + 1) * c]);
-        for ch in 0..c {
-            let xhat = (x[ch] - mean[ch]) * inv_std[ch];
-            sb[ch] += f64::from(d[ch]);
-            sg[ch] += f64::from(d[ch] * xhat);
-        }
-    });
     let n = rows as f32;
     // dx = γ/σ · (dz - dβ/n - x̂ dγ/n)
     let mut coef = vec![0.0f32; 3 * c];

@@ -64,7 +64,7 @@ use ps_dataset::Batch;
 use ps_shared::config::{ConfigError, ModelKind, ModelSection, TensorSpec};
 use ps_shared::layers::{plan, Init, LayerSpec, Node, Shape};
 
-use crate::kernels::net::{ExecError, NetExec, Running};
+use crate::kernels::net::{BatchStats, ExecError, NetExec, Running};
 use crate::layers::{BnStats, Mode, Net};
 
 /// Weight of the current batch in the running batch-norm statistics.
@@ -480,10 +480,15 @@ impl Model {
     }
 
     /// Each batch-norm layer's running mean and variance, in layer order.
-    pub fn bn_running(&self) -> Result<Vec<(Vec<f32>, Vec<f32>)>, ModelError> {
+    pub fn bn_running(&self) -> Result<Vec<BatchStats>, ModelError> {
         self.running
             .iter()
-            .map(|r| Ok((r.mean.to_vec1()?, r.var.to_vec1()?)))
+            .map(|r| {
+                Ok(BatchStats {
+                    mean: r.mean.to_vec1()?,
+                    var: r.var.to_vec1()?,
+                })
+            })
             .collect()
     }
 

@@ -75,7 +75,8 @@ fn check(name: &str, spec: &ModelSection) {
     for ((t, r), want) in layout.iter().zip(spec.tensor_ranges()).zip(&wants) {
         assert_close(&t.name, &grad[r], want, 1e-4, 0.1 * largest);
     }
-    for (i, (mean, var)) in model.bn_running().unwrap().iter().enumerate() {
+    for (i, stats) in model.bn_running().unwrap().iter().enumerate() {
+        let (mean, var) = (&stats.mean, &stats.var);
         assert_close(
             &format!("running mean {i}"),
             mean,

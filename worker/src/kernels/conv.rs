@@ -36,6 +36,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 /// Geometry of one 2-d convolution; activations are NHWC, f32, contiguous.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvGeom {
@@ -190,24 +192,43 @@ impl ConvGeom {
 #[derive(Debug)]
 pub struct Conv2d {
     geom: ConvGeom,
-    /// A chunk of the unfolded input, or of its gradient.
-    cols: Vec<f32>,
     /// The weight as a `[kernel² · in_c, out_c]` matrix, or its gradient.
     packed: Vec<f32>,
+    /// One per parallel task.
+    scratch: Vec<Scratch>,
+}
+
+/// One task's buffers.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// A chunk of the unfolded input, or of its gradient.
+    cols: Vec<f32>,
+    /// The task's share of the packed weight gradient.
+    acc: Vec<f32>,
 }
 
 /// Rows of the unfolded input processed at a time.
 fn chunk_rows(geom: &ConvGeom) -> usize {
     // About 256 KiB of columns: the chunk stays in L2 between its
     // unfolding and the matrix product.
-    let target = (256 * 1024 / 4) / geom.depth().max(1);
-    target.clamp(64, geom.rows().max(64))
+    ((256 * 1024 / 4) / geom.depth().max(1)).max(16)
 }
 
-fn parallelism() -> gemm::Parallelism {
+/// How the batch is split: `(tasks, images per task)`. Each task takes a
+/// run of whole images, so that the input gradients they fold do not
+/// overlap.
+fn split(batch: usize) -> (usize, usize) {
+    let threads = rayon::current_num_threads().max(1);
+    let per = batch.div_ceil(threads.min(batch).max(1)).max(1);
+    (batch.div_ceil(per), per)
+}
+
+/// The product's own threads: only when the batch gives one task and the
+/// pool has more than one thread.
+fn parallelism(tasks: usize) -> gemm::Parallelism {
     match rayon::current_num_threads() {
-        0 | 1 => gemm::Parallelism::None,
-        n => gemm::Parallelism::Rayon(n),
+        n if n > 1 && tasks <= 1 => gemm::Parallelism::Rayon(n),
+        _ => gemm::Parallelism::None,
     }
 }
 
@@ -327,12 +348,37 @@ fn for_each_tap(g: &ConvGeom, m: usize, mut f: impl FnMut(usize, usize)) {
 
 /// Unfolds rows `rows` of `x` into `out` (`rows.len() × depth`).
 fn im2col(g: &ConvGeom, x: &[f32], rows: Range<usize>, out: &mut [f32]) {
-    let (depth, c) = (g.depth(), g.in_c);
-    for (m, row) in rows.zip(out.chunks_exact_mut(depth)) {
-        row.fill(0.0);
-        for_each_tap(g, m, |from, to| {
-            row[to..to + c].copy_from_slice(&x[from..from + c]);
-        });
+    let (oh, ow) = (g.out_h(), g.out_w());
+    let (k, c) = (g.kernel, g.in_c);
+    // One kernel row's taps: consecutive pixels of one input row.
+    let line = k * c;
+    for (m, row) in rows.zip(out.chunks_exact_mut(g.depth())) {
+        let (n, pix) = (m / (oh * ow), m % (oh * ow));
+        let (oy, ox) = (pix / ow, pix % ow);
+        let ix0 = (ox * g.stride).wrapping_sub(g.padding);
+        let inside = ix0 < g.in_w && ix0 + k <= g.in_w;
+        for (ky, dst) in row.chunks_exact_mut(line).enumerate() {
+            let iy = (oy * g.stride + ky).wrapping_sub(g.padding);
+            if iy >= g.in_h {
+                dst.fill(0.0);
+                continue;
+            }
+            let base = (n * g.in_h + iy) * g.in_w;
+            if inside {
+                let from = (base + ix0) * c;
+                dst.copy_from_slice(&x[from..from + line]);
+                continue;
+            }
+            for (kx, tap) in dst.chunks_exact_mut(c).enumerate() {
+                let ix = ix0.wrapping_add(kx);
+                if ix < g.in_w {
+                    let from = (base + ix) * c;
+                    tap.copy_from_slice(&x[from..from + c]);
+                } else {
+                    tap.fill(0.0);
+                }
+            }
+        }
     }
 }
 
@@ -348,13 +394,66 @@ fn col2im_add(g: &ConvGeom, cols: &[f32], rows: Range<usize>, dx: &mut [f32]) {
     }
 }
 
+/// The forward pass on a packed weight, `scratch.len()` tasks of `per`
+/// images each.
+fn forward_tasks(
+    g: &ConvGeom,
+    x: &[f32],
+    packed: &[f32],
+    scratch: &mut [Scratch],
+    per: usize,
+    y: &mut [f32],
+) {
+    let g = *g;
+    let (depth, o, pixels) = (g.depth(), g.out_c, g.out_h() * g.out_w());
+    let w = Mat {
+        data: packed,
+        rs: o,
+        cs: 1,
+    };
+    let tasks = scratch.len();
+    let par = parallelism(tasks);
+    let task = |(t, (y, s)): (usize, (&mut [f32], &mut Scratch))| {
+        let first = t * per * pixels;
+        let rows = y.len() / o;
+        for start in (0..rows).step_by(chunk_rows(&g)) {
+            let end = (start + chunk_rows(&g)).min(rows);
+            let lhs = if g.is_pointwise() {
+                &x[(first + start) * depth..(first + end) * depth]
+            } else {
+                let cols = &mut s.cols[..(end - start) * depth];
+                im2col(&g, x, first + start..first + end, cols);
+                cols
+            };
+            let lhs = Mat {
+                data: lhs,
+                rs: depth,
+                cs: 1,
+            };
+            let y = &mut y[start * o..end * o];
+            matmul((end - start, o, depth), y, o, false, lhs, w, par);
+        }
+    };
+    if tasks > 1 {
+        y.par_chunks_mut(per * pixels * o)
+            .zip(scratch.par_iter_mut())
+            .enumerate()
+            .for_each(task);
+    } else {
+        y.chunks_mut(per * pixels * o)
+            .zip(scratch.iter_mut())
+            .enumerate()
+            .for_each(task);
+    }
+}
+
 impl Conv2d {
     /// A convolution of geometry `geom`; buffers are sized on first use.
     pub fn new(geom: ConvGeom) -> Self {
         Conv2d {
             geom,
-            cols: Vec::new(),
             packed: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 
@@ -370,7 +469,32 @@ impl Conv2d {
     /// Scratch values held (capacity of all buffers): stays the same from
     /// one call to the next at the same geometry.
     pub fn workspace_len(&self) -> usize {
-        self.cols.capacity() + self.packed.capacity()
+        self.packed.capacity()
+            + self
+                .scratch
+                .iter()
+                .map(|s| s.cols.capacity() + s.acc.capacity())
+                .sum::<usize>()
+    }
+
+    /// Sizes the task buffers for this batch: `(tasks, images per task)`.
+    fn prepare(&mut self, g: &ConvGeom, acc: bool) -> (usize, usize) {
+        let (tasks, per) = split(g.batch);
+        if self.scratch.len() < tasks {
+            self.scratch.resize_with(tasks, Scratch::default);
+        }
+        let cols = if g.is_pointwise() {
+            0
+        } else {
+            chunk_rows(g) * g.depth()
+        };
+        for s in &mut self.scratch[..tasks] {
+            ensure(&mut s.cols, cols);
+            if acc {
+                ensure(&mut s.acc, g.depth() * g.out_c);
+            }
+        }
+        (tasks, per)
     }
 
     /// Repacks the OIHW weight as the `[kernel² · in_c, out_c]` matrix.
@@ -387,6 +511,22 @@ impl Conv2d {
         }
     }
 
+    /// Packs the OIHW weight for the stride-1 input gradient: tap
+    /// `(k - 1 - ky, k - 1 - kx)` of output channel `o` is row
+    /// `tap · out_c + o`, input channel `c` its column.
+    fn pack_flipped(&mut self, weight: &[f32]) {
+        let g = self.geom;
+        let (kk, c, o) = (g.kernel * g.kernel, g.in_c, g.out_c);
+        ensure(&mut self.packed, kk * c * o);
+        for (oi, filter) in weight.chunks_exact(c * kk).enumerate() {
+            for (ci, taps) in filter.chunks_exact(kk).enumerate() {
+                for (t, &w) in taps.iter().enumerate() {
+                    self.packed[((kk - 1 - t) * o + oi) * c + ci] = w;
+                }
+            }
+        }
+    }
+
     /// y = conv(x, weight).
     ///
     /// x: `[batch, in_h, in_w, in_c]`; weight: `[out_c, in_c, k, k]` (OIHW,
@@ -398,43 +538,12 @@ impl Conv2d {
         g.check_len("input x", x.len(), g.input_len())?;
         g.check_len("weight", weight.len(), g.weight_len())?;
         g.check_len("output y", y.len(), g.output_len())?;
-        self.pack_weight(weight);
-        let (rows, depth, o) = (g.rows(), g.depth(), g.out_c);
-        let w = Mat {
-            data: &self.packed,
-            rs: o,
-            cs: 1,
-        };
-        if g.is_pointwise() {
-            let lhs = Mat {
-                data: x,
-                rs: depth,
-                cs: 1,
-            };
-            matmul((rows, o, depth), y, o, false, lhs, w, parallelism());
+        if g.batch == 0 {
             return Ok(());
         }
-        let chunk = chunk_rows(&g);
-        ensure(&mut self.cols, chunk * depth);
-        for start in (0..rows).step_by(chunk) {
-            let end = (start + chunk).min(rows);
-            let cols = &mut self.cols[..(end - start) * depth];
-            im2col(&g, x, start..end, cols);
-            let lhs = Mat {
-                data: cols,
-                rs: depth,
-                cs: 1,
-            };
-            matmul(
-                (end - start, o, depth),
-                &mut y[start * o..end * o],
-                o,
-                false,
-                lhs,
-                w,
-                parallelism(),
-            );
-        }
+        self.pack_weight(weight);
+        let (tasks, per) = self.prepare(&g, false);
+        forward_tasks(&g, x, &self.packed, &mut self.scratch[..tasks], per, y);
         Ok(())
     }
 
@@ -451,44 +560,82 @@ impl Conv2d {
         g.check_len("output gradient dy", dy.len(), g.output_len())?;
         g.check_len("weight", weight.len(), g.weight_len())?;
         g.check_len("input gradient dx", dx.len(), g.input_len())?;
+        if g.batch == 0 {
+            return Ok(());
+        }
+        if g.stride == 1 && !g.is_pointwise() {
+            // A stride-1 input gradient is the forward convolution of dy
+            // with the flipped kernel, channels swapped, padded by
+            // `kernel - 1 - padding`: the unfolding gathers, and nothing is
+            // folded back.
+            let flipped = ConvGeom {
+                in_h: g.out_h(),
+                in_w: g.out_w(),
+                in_c: g.out_c,
+                out_c: g.in_c,
+                padding: g.kernel - 1 - g.padding,
+                ..g
+            };
+            self.pack_flipped(weight);
+            let (tasks, per) = self.prepare(&flipped, false);
+            forward_tasks(
+                &flipped,
+                dy,
+                &self.packed,
+                &mut self.scratch[..tasks],
+                per,
+                dx,
+            );
+            return Ok(());
+        }
         self.pack_weight(weight);
-        let (rows, depth, o) = (g.rows(), g.depth(), g.out_c);
+        let (tasks, per) = self.prepare(&g, false);
+        let (depth, o, pixels) = (g.depth(), g.out_c, g.out_h() * g.out_w());
+        let image = g.in_h * g.in_w * g.in_c;
         // W'ᵀ: [out_c, depth].
         let wt = Mat {
             data: &self.packed,
             rs: 1,
             cs: o,
         };
-        if g.is_pointwise() {
-            let lhs = Mat {
-                data: dy,
-                rs: o,
-                cs: 1,
-            };
-            matmul((rows, depth, o), dx, depth, false, lhs, wt, parallelism());
-            return Ok(());
-        }
-        dx.fill(0.0);
-        let chunk = chunk_rows(&g);
-        ensure(&mut self.cols, chunk * depth);
-        for start in (0..rows).step_by(chunk) {
-            let end = (start + chunk).min(rows);
-            let cols = &mut self.cols[..(end - start) * depth];
-            let lhs = Mat {
-                data: &dy[start * o..end * o],
-                rs: o,
-                cs: 1,
-            };
-            matmul(
-                (end - start, depth, o),
-                cols,
-                depth,
-                false,
-                lhs,
-                wt,
-                parallelism(),
-            );
-            col2im_add(&g, cols, start..end, dx);
+        let par = parallelism(tasks);
+        let task = |(t, (dx, s)): (usize, (&mut [f32], &mut Scratch))| {
+            let first = t * per * pixels;
+            let rows = dx.len() / image * pixels;
+            if g.is_pointwise() {
+                let lhs = Mat {
+                    data: &dy[first * o..(first + rows) * o],
+                    rs: o,
+                    cs: 1,
+                };
+                matmul((rows, depth, o), dx, depth, false, lhs, wt, par);
+                return;
+            }
+            dx.fill(0.0);
+            for start in (0..rows).step_by(chunk_rows(&g)) {
+                let end = (start + chunk_rows(&g)).min(rows);
+                let cols = &mut s.cols[..(end - start) * depth];
+                let lhs = Mat {
+                    data: &dy[(first + start) * o..(first + end) * o],
+                    rs: o,
+                    cs: 1,
+                };
+                matmul((end - start, depth, o), cols, depth, false, lhs, wt, par);
+                // Rows are numbered from this task's first image.
+                col2im_add(&g, cols, start..end, dx);
+            }
+        };
+        let scratch = &mut self.scratch[..tasks];
+        if tasks > 1 {
+            dx.par_chunks_mut(per * image)
+                .zip(scratch.par_iter_mut())
+                .enumerate()
+                .for_each(task);
+        } else {
+            dx.chunks_mut(per * image)
+                .zip(scratch.iter_mut())
+                .enumerate()
+                .for_each(task);
         }
         Ok(())
     }
@@ -507,59 +654,57 @@ impl Conv2d {
         g.check_len("input x", x.len(), g.input_len())?;
         g.check_len("output gradient dy", dy.len(), g.output_len())?;
         g.check_len("weight gradient dweight", dweight.len(), g.weight_len())?;
-        let (rows, depth, o) = (g.rows(), g.depth(), g.out_c);
-        ensure(&mut self.packed, depth * o);
-        let packed = &mut self.packed[..depth * o];
-        if g.is_pointwise() {
-            let lhs = Mat {
-                data: x,
-                rs: 1,
-                cs: depth,
-            };
-            let rhs = Mat {
-                data: dy,
-                rs: o,
-                cs: 1,
-            };
-            matmul((depth, o, rows), packed, o, false, lhs, rhs, parallelism());
-        } else {
-            let chunk = chunk_rows(&g);
-            ensure(&mut self.cols, chunk * depth);
-            for start in (0..rows).step_by(chunk) {
-                let end = (start + chunk).min(rows);
-                let cols = &mut self.cols[..(end - start) * depth];
-                im2col(&g, x, start..end, cols);
+        let (depth, o, pixels) = (g.depth(), g.out_c, g.out_h() * g.out_w());
+        if g.batch == 0 {
+            dweight.fill(0.0);
+            return Ok(());
+        }
+        let (tasks, per) = self.prepare(&g, true);
+        let par = parallelism(tasks);
+        let task = |(t, s): (usize, &mut Scratch)| {
+            let first = t * per * pixels;
+            let rows = (per * pixels).min(g.rows() - first);
+            let Scratch { cols, acc } = s;
+            let acc = &mut acc[..depth * o];
+            for start in (0..rows).step_by(chunk_rows(&g)) {
+                let end = (start + chunk_rows(&g)).min(rows);
+                let (a, b) = (first + start, first + end);
+                let data = if g.is_pointwise() {
+                    &x[a * depth..b * depth]
+                } else {
+                    let cols = &mut cols[..(end - start) * depth];
+                    im2col(&g, x, a..b, cols);
+                    cols
+                };
                 // colsᵀ: [depth, rows].
                 let lhs = Mat {
-                    data: cols,
+                    data,
                     rs: 1,
                     cs: depth,
                 };
                 let rhs = Mat {
-                    data: &dy[start * o..end * o],
+                    data: &dy[a * o..b * o],
                     rs: o,
                     cs: 1,
                 };
-                matmul(
-                    (depth, o, end - start),
-                    packed,
-                    o,
-                    start > 0,
-                    lhs,
-                    rhs,
-                    parallelism(),
-                );
+                matmul((depth, o, end - start), acc, o, start > 0, lhs, rhs, par);
             }
-            if rows == 0 {
-                packed.fill(0.0);
-            }
+        };
+        let scratch = &mut self.scratch[..tasks];
+        if tasks > 1 {
+            scratch.par_iter_mut().enumerate().for_each(task);
+        } else {
+            scratch.iter_mut().enumerate().for_each(task);
         }
-        // Unpack [kernel² · in_c, out_c] to OIHW.
+        // Sum the tasks' shares, then unpack [kernel² · in_c, out_c] to OIHW.
+        let (first, rest) = scratch.split_at(1);
+        let total = &first[0].acc[..depth * o];
         let (kk, c) = (g.kernel * g.kernel, g.in_c);
         for (oi, filter) in dweight.chunks_exact_mut(c * kk).enumerate() {
             for (ci, taps) in filter.chunks_exact_mut(kk).enumerate() {
                 for (t, w) in taps.iter_mut().enumerate() {
-                    *w = packed[(t * c + ci) * o + oi];
+                    let i = (t * c + ci) * o + oi;
+                    *w = total[i] + rest.iter().map(|s| s.acc[i]).sum::<f32>();
                 }
             }
         }
@@ -706,6 +851,27 @@ mod tests {
         ];
         for (i, g) in cases.into_iter().enumerate() {
             check_against_reference(g, i as u64).unwrap();
+        }
+    }
+
+    #[test]
+    fn any_thread_count_gives_the_same_results() {
+        // One task, one task per image, and a short last task.
+        let cases = [
+            geom(1, (9, 9), (4, 8), 3, 1, 1),
+            geom(3, (9, 9), (4, 8), 3, 2, 1),
+            geom(5, (8, 8), (16, 16), 1, 1, 0),
+            geom(7, (6, 6), (3, 5), 1, 2, 0),
+        ];
+        for threads in [1, 2, 3, 4] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for (i, g) in cases.into_iter().enumerate() {
+                pool.install(|| check_against_reference(g, i as u64))
+                    .unwrap_or_else(|e| panic!("{threads} threads: {e}"));
+            }
         }
     }
 

@@ -490,14 +490,21 @@ fn channel_mean(x: &Tensor) -> Result<Tensor> {
 /// The dropout mask of layer `slot` at `step`: each entry is 0 with
 /// probability `p`, else `1 / (1 - p)`.
 pub fn dropout_mask(len: usize, p: f32, seed: u64, step: u64, slot: usize) -> Vec<f32> {
+    let mut mask = vec![0.0; len];
+    dropout_mask_into(&mut mask, p, seed, step, slot);
+    mask
+}
+
+/// [`dropout_mask`] written into `mask` (its length is the mask's).
+pub fn dropout_mask_into(mask: &mut [f32], p: f32, seed: u64, step: u64, slot: usize) {
     let mixed = seed
         ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15)
         ^ (slot as u64 + 1).wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
     let mut rng = StdRng::seed_from_u64(mixed);
     let keep = 1.0 / (1.0 - p);
-    (0..len)
-        .map(|_| if rng.random::<f32>() < p { 0.0 } else { keep })
-        .collect()
+    for m in mask {
+        *m = if rng.random::<f32>() < p { 0.0 } else { keep };
+    }
 }
 
 /// Max or average over `kernel × kernel` windows moved by `stride` (no

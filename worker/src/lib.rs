@@ -3,8 +3,8 @@
 //! * [`api`]: train your own candle model (its `Var`s and a closure).
 //! * [`launch`]: a worker process: `ps-worker train`'s flags, signals, exit codes.
 //! * [`model`]: the candle model seen through the flat parameter space.
+//! * [`kernels`]: hand-written CPU kernels and the layered models' executor.
 //! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
-//! * [`kernels`]: hand-written CPU kernels (convolution) on reused buffers.
 //! * [`devcheck`]: the same models on two devices, compared (`gpu-check`).
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.

@@ -54,6 +54,7 @@
 //! sets the step it joins the run at).
 
 use std::ops::Range;
+use std::sync::Mutex;
 
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Module, Storage, Tensor, Var, D};
 use candle_nn::Linear;
@@ -61,9 +62,10 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use ps_dataset::Batch;
 use ps_shared::config::{ConfigError, ModelKind, ModelSection, TensorSpec};
-use ps_shared::layers::Init;
+use ps_shared::layers::{plan, Init, LayerSpec, Node, Shape};
 
 use crate::api::Program;
+use crate::kernels::net::{BatchStats, ExecError, NetExec, Running};
 use crate::layers::{BnStats, Mode, Net};
 
 /// Weight of the current batch in the running batch-norm statistics.
@@ -104,6 +106,10 @@ pub enum ModelError {
         what: &'static str,
         source: candle_core::Error,
     },
+    #[error("layer executor: {0}")]
+    Exec(#[from] ExecError),
+    #[error("parameter tensor {0} is not a contiguous f32 CPU tensor")]
+    NotHostF32(String),
 }
 
 /// Pick a candle device from a config string.
@@ -200,8 +206,20 @@ impl InplaceOp1 for Write<'_> {
 /// Loss and logit gradient of the mean softmax cross-entropy, on the host
 /// (a batch of logits is small): `(mean loss, (softmax - onehot) / batch)`.
 fn softmax_cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<(f32, Vec<f32>), ModelError> {
-    let (batch, classes) = logits.dims2()?;
+    let (_, classes) = logits.dims2()?;
     let mut grad = logits.flatten_all()?.to_vec1::<f32>()?;
+    let loss = softmax_cross_entropy_in_place(&mut grad, classes, labels)?;
+    Ok((loss, grad))
+}
+
+/// [`softmax_cross_entropy`] on host logits (`[batch, classes]`, turned
+/// into their gradient in place).
+fn softmax_cross_entropy_in_place(
+    grad: &mut [f32],
+    classes: usize,
+    labels: &[u32],
+) -> Result<f32, ModelError> {
+    let batch = labels.len();
     let mut loss = 0.0f64;
     let scale = 1.0 / batch as f32;
     for (sample, (row, &label)) in grad.chunks_exact_mut(classes).zip(labels).enumerate() {
@@ -225,7 +243,85 @@ fn softmax_cross_entropy(logits: &Tensor, labels: &[u32]) -> Result<(f32, Vec<f3
         }
         row[label] -= scale;
     }
-    Ok(((loss / batch as f64) as f32, grad))
+    Ok((loss / batch as f64) as f32)
+}
+
+/// Every parameter as a host slice (no copy), for the layer executor.
+fn with_param_slices<R>(
+    vars: &[Var],
+    tensors: &[TensorSpec],
+    f: impl FnOnce(&[&[f32]]) -> R,
+) -> Result<R, ModelError> {
+    let guards: Vec<_> = vars
+        .iter()
+        .map(|v| v.as_tensor().storage_and_layout())
+        .collect();
+    let mut slices = Vec::with_capacity(guards.len());
+    for ((storage, layout), t) in guards.iter().zip(tensors) {
+        match (&**storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(data)), Some((a, b))) => slices.push(&data[a..b]),
+            _ => return Err(ModelError::NotHostF32(t.name.clone())),
+        }
+    }
+    Ok(f(&slices))
+}
+
+/// The executor's plan for a CPU model: the layered models' nodes, or the
+/// CNN written as the same layers (conv-relu-maxpool blocks, flatten, the
+/// fully connected layers) with the same parameter order. `None` where
+/// the executor does not apply.
+fn plan_exec(spec: &ModelSection, nodes: &[Node]) -> Option<NetExec> {
+    if spec.is_layered() {
+        return NetExec::new(nodes).ok();
+    }
+    if spec.kind != ModelKind::Cnn {
+        return None;
+    }
+    let side = spec.image_side()?;
+    let mut layers = Vec::new();
+    let mut at = side;
+    for &c in &spec.conv {
+        // The autograd CNN pools by a reshape: only even sides.
+        if at % 2 != 0 {
+            return None;
+        }
+        at /= 2;
+        layers.push(LayerSpec::Conv2d {
+            out: c,
+            kernel: 3,
+            stride: 1,
+            padding: Some(1),
+            bias: true,
+        });
+        layers.push(LayerSpec::Relu);
+        layers.push(LayerSpec::MaxPool {
+            kernel: 2,
+            stride: None,
+        });
+    }
+    layers.push(LayerSpec::Flatten);
+    for &h in &spec.hidden {
+        layers.push(LayerSpec::Linear { out: h, bias: true });
+        layers.push(LayerSpec::Relu);
+    }
+    layers.push(LayerSpec::Linear {
+        out: spec.classes,
+        bias: true,
+    });
+    let named: Vec<(String, LayerSpec)> = layers
+        .into_iter()
+        .enumerate()
+        .map(|(i, l)| (format!("cnn.{i}"), l))
+        .collect();
+    let input = Shape::Image {
+        c: spec.in_channels,
+        h: side,
+        w: side,
+    };
+    let nodes = plan(&named, input, |i| format!("cnn[{i}]")).ok()?;
+    let exec = NetExec::new(&nodes).ok()?;
+    let count: usize = nodes.iter().map(|n| n.params().len()).sum();
+    (count == spec.layout().len()).then_some(exec)
 }
 
 /// An MLP, a small CNN or a layered model whose parameters map onto one
@@ -247,7 +343,11 @@ pub struct Model {
     /// A model a program brought through [`crate::api`]: its loss and
     /// evaluation closures (behind a lock: [`Model::evaluate`] takes
     /// `&self`, the closures may keep state).
-    custom: Option<std::sync::Mutex<Program>>,
+    custom: Option<Mutex<Program>>,
+    /// CPU layered models and the CNN: the hand-written forward/backward
+    /// (behind a lock so evaluation, which borrows the model shared, can
+    /// use its buffers too).
+    exec: Option<Mutex<NetExec>>,
 }
 
 impl Model {
@@ -293,6 +393,11 @@ impl Model {
             vars.push(Var::from_tensor(&init)?);
         }
         let net = (!nodes.is_empty()).then(|| Net::new(&nodes));
+        let exec = if device.is_cpu() {
+            plan_exec(spec, &nodes).map(Mutex::new)
+        } else {
+            None
+        };
         let mut running = Vec::new();
         for &c in net.iter().flat_map(|n| n.norms()) {
             running.push(BnStats {
@@ -311,6 +416,7 @@ impl Model {
             seed,
             step: 0,
             custom: None,
+            exec,
         })
     }
 
@@ -370,7 +476,8 @@ impl Model {
             running: Vec::new(),
             seed: 0,
             step: 0,
-            custom: Some(std::sync::Mutex::new(program)),
+            custom: Some(Mutex::new(program)),
+            exec: None,
         })
     }
 
@@ -442,9 +549,31 @@ impl Model {
             if batch.is_empty() || self.running.is_empty() {
                 continue;
             }
-            let x = self.input_of(batch)?;
-            let mut stats = Vec::with_capacity(self.running.len());
-            net.forward(&self.vars, &self.running, &x, mode, &mut stats)?;
+            let stats = match &self.exec {
+                Some(exec) => {
+                    self.check_dim(batch)?;
+                    let mut exec = exec.lock().unwrap_or_else(|e| e.into_inner());
+                    with_param_slices(&self.vars, &self.tensors, |params| {
+                        exec.forward(params, &batch.features, batch.len(), mode, None)
+                            .map(|_| ())
+                    })??;
+                    exec.batch_stats()
+                        .iter()
+                        .map(|s| {
+                            Ok(BnStats {
+                                mean: Tensor::from_slice(&s.mean, s.mean.len(), &self.device)?,
+                                var: Tensor::from_slice(&s.var, s.var.len(), &self.device)?,
+                            })
+                        })
+                        .collect::<Result<Vec<_>, candle_core::Error>>()?
+                }
+                None => {
+                    let x = self.input_of(batch)?;
+                    let mut stats = Vec::with_capacity(self.running.len());
+                    net.forward(&self.vars, &self.running, &x, mode, &mut stats)?;
+                    stats
+                }
+            };
             sums = Some(match sums {
                 None => stats,
                 Some(sums) => sums
@@ -468,6 +597,19 @@ impl Model {
             }
         }
         Ok(())
+    }
+
+    /// Each batch-norm layer's running mean and variance, in layer order.
+    pub fn bn_running(&self) -> Result<Vec<BatchStats>, ModelError> {
+        self.running
+            .iter()
+            .map(|r| {
+                Ok(BatchStats {
+                    mean: r.mean.to_vec1()?,
+                    var: r.var.to_vec1()?,
+                })
+            })
+            .collect()
     }
 
     pub fn num_params(&self) -> usize {
@@ -609,13 +751,18 @@ impl Model {
         Ok(h)
     }
 
-    fn input_of(&self, batch: &Batch) -> Result<Tensor, ModelError> {
-        if batch.dim != self.spec.input {
+    fn check_dim(&self, batch: &Batch) -> Result<(), ModelError> {
+        if batch.dim != self.spec.input || batch.features.len() != batch.len() * batch.dim {
             return Err(ModelError::BatchDim {
                 expected: self.spec.input,
                 got: batch.dim,
             });
         }
+        Ok(())
+    }
+
+    fn input_of(&self, batch: &Batch) -> Result<Tensor, ModelError> {
+        self.check_dim(batch)?;
         Ok(Tensor::from_slice(
             &batch.features,
             (batch.len(), batch.dim),
@@ -648,6 +795,10 @@ impl Model {
         if self.custom.is_some() {
             return self.program_backward(batch, out);
         }
+        if self.exec.is_some() {
+            self.check_batch(batch, out)?;
+            return self.exec_backward(batch, out);
+        }
         let x = self.checked_input(batch, out)?;
         match self.spec.kind {
             ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out),
@@ -673,6 +824,13 @@ impl Model {
     /// The batch's input tensor, once `out` fits the flat gradient and every
     /// label is a class.
     fn checked_input(&self, batch: &Batch, out: &[f32]) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, out)?;
+        self.input_of(batch)
+    }
+
+    /// `out` fits the flat gradient, every label is a class and the
+    /// features have the model's input width.
+    fn check_batch(&self, batch: &Batch, out: &[f32]) -> Result<(), ModelError> {
         if out.len() != self.num_params() {
             return Err(ModelError::Length {
                 expected: self.num_params(),
@@ -680,7 +838,7 @@ impl Model {
             });
         }
         self.check_labels(batch)?;
-        self.input_of(batch)
+        self.check_dim(batch)
     }
 
     /// The MLP's backward pass by hand, in a feature-major layout: each
@@ -720,6 +878,65 @@ impl Model {
             }
         }
         Ok(loss)
+    }
+
+    /// A training step through the layer executor: forward in training mode,
+    /// backward by hand into `out`, then the batch statistics folded into
+    /// the running ones (as [`Model::train_backward`] does) and the dropout
+    /// step advanced.
+    fn exec_backward(&mut self, batch: &Batch, out: &mut [f32]) -> Result<f32, ModelError> {
+        let exec = self.exec.as_mut().ok_or(ModelError::NotLayered)?;
+        let exec = exec.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mode = Mode::Train {
+            seed: self.seed,
+            step: self.step,
+        };
+        let ranges = &self.ranges;
+        let loss = with_param_slices(&self.vars, &self.tensors, |params| {
+            exec.forward(params, &batch.features, batch.len(), mode, None)?;
+            let classes = exec.classes();
+            let (logits, grad) = exec.logits_and_grad();
+            grad.copy_from_slice(logits);
+            let loss = softmax_cross_entropy_in_place(grad, classes, &batch.labels)?;
+            exec.backward(params, out, ranges)?;
+            Ok::<_, ModelError>(loss)
+        })??;
+        self.step += 1;
+        for (r, s) in self.running.iter_mut().zip(exec.batch_stats()) {
+            let mean = Tensor::from_slice(&s.mean, s.mean.len(), &self.device)?;
+            let var = Tensor::from_slice(&s.var, s.var.len(), &self.device)?;
+            r.mean = ((&r.mean * (1.0 - BN_MOMENTUM))? + (mean * BN_MOMENTUM)?)?;
+            r.var = ((&r.var * (1.0 - BN_MOMENTUM))? + (var * BN_MOMENTUM)?)?;
+        }
+        Ok(loss)
+    }
+
+    /// Eval-mode logits through the layer executor (`None` without one).
+    fn exec_eval(&self, batch: &Batch) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(exec) = &self.exec else {
+            return Ok(None);
+        };
+        let mut exec = exec.lock().unwrap_or_else(|e| e.into_inner());
+        let host: Vec<(Vec<f32>, Vec<f32>)> = self
+            .running
+            .iter()
+            .map(|r| Ok((r.mean.to_vec1::<f32>()?, r.var.to_vec1::<f32>()?)))
+            .collect::<Result<_, candle_core::Error>>()?;
+        let running: Vec<Running> = host
+            .iter()
+            .map(|(mean, var)| Running { mean, var })
+            .collect();
+        let logits = with_param_slices(&self.vars, &self.tensors, |params| {
+            exec.forward(
+                params,
+                &batch.features,
+                batch.len(),
+                Mode::Eval,
+                Some(&running),
+            )
+            .map(<[f32]>::to_vec)
+        })??;
+        Ok(Some(logits))
     }
 
     /// A layered model's training step: forward in training mode, backward
@@ -838,6 +1055,21 @@ impl Model {
             });
         }
         self.check_labels(batch)?;
+        self.check_dim(batch)?;
+        if let Some(mut logits) = self.exec_eval(batch)? {
+            let classes = self.spec.classes;
+            let mut correct = 0usize;
+            for (row, &label) in logits.chunks_exact(classes).zip(&batch.labels) {
+                // The first largest logit, as an argmax picks it.
+                let best = row
+                    .iter()
+                    .enumerate()
+                    .fold(0, |best, (i, &v)| if v > row[best] { i } else { best });
+                correct += usize::from(best == label as usize);
+            }
+            let loss = softmax_cross_entropy_in_place(&mut logits, classes, &batch.labels)?;
+            return Ok((loss, correct as f32 / batch.len() as f32));
+        }
         let x = self.input_of(batch)?;
         let y = Tensor::from_slice(&batch.labels, batch.len(), &self.device)?;
         let logits = self.forward(&x)?.detach();
@@ -1515,6 +1747,177 @@ mod tests {
         for (a, b) in before.iter().zip(&after) {
             assert!((a - b).abs() < 1e-5, "{before:?} vs {after:?}");
         }
+    }
+
+    /// Per tensor range, `|a - b|` within 1e-4 of `b`'s largest magnitude
+    /// there (or 1e-5 of the largest over all tensors, for a tensor whose
+    /// gradient is zero up to rounding, such as a conv bias before a batch
+    /// norm).
+    fn assert_close(what: &str, a: &[f32], b: &[f32], ranges: &[Range<usize>], names: &[String]) {
+        let global = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (r, name) in ranges.iter().zip(names) {
+            let scale = b[r.clone()].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let diff = a[r.clone()]
+                .iter()
+                .zip(&b[r.clone()])
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                diff <= 1e-4 * scale + 1e-5 * global,
+                "{what} {name}: differs by {diff} at scale {scale}"
+            );
+        }
+    }
+
+    /// Two training steps through the executor and through autograd from
+    /// the same weights: the losses, every gradient and the running
+    /// statistics agree; then so do the evaluation-mode logits.
+    fn check_exec_matches_autograd(spec: &ModelSection, samples: usize) {
+        let mut ours = Model::new(spec, Device::Cpu, 7).unwrap();
+        let mut auto = Model::new(spec, Device::Cpu, 7).unwrap();
+        assert!(ours.exec.is_some(), "no executor for {:?}", spec.kind);
+        let n = ours.num_params();
+        let (mut g1, mut g2) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let names: Vec<String> = spec.layout().into_iter().map(|t| t.name).collect();
+        for step in 0..2 {
+            let batch = image_batch(samples, spec.input, spec.classes, step * 5);
+            let l1 = ours.gradient_into(&batch, &mut g1).unwrap();
+            let l2 = auto.autograd_gradient_into(&batch, &mut g2).unwrap();
+            assert!((l1 - l2).abs() <= 1e-4 * l2.abs(), "loss {l1} vs {l2}");
+            assert!(g2.iter().any(|&g| g.abs() > 1e-3), "gradients all ~0");
+            assert_close("gradient", &g1, &g2, &ours.ranges, &names);
+        }
+        for (i, (a, b)) in ours.running.iter().zip(&auto.running).enumerate() {
+            for (x, y) in [(&a.mean, &b.mean), (&a.var, &b.var)] {
+                let (x, y): (Vec<f32>, Vec<f32>) = (x.to_vec1().unwrap(), y.to_vec1().unwrap());
+                for (x, y) in x.iter().zip(&y) {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                        "bn {i}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+        let batch = image_batch(samples + 1, spec.input, spec.classes, 3);
+        let exec = ours.exec_eval(&batch).unwrap().unwrap();
+        let reference = logits(&auto, &batch);
+        let scale = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (a, b) in exec.iter().zip(&reference) {
+            assert!((a - b).abs() <= 1e-4 * scale, "{exec:?} vs {reference:?}");
+        }
+        let (e1, e2) = (
+            ours.evaluate(&batch).unwrap(),
+            auto.evaluate(&batch).unwrap(),
+        );
+        assert!((e1.0 - e2.0).abs() <= 1e-4 * e2.0.abs() && e1.1 == e2.1);
+    }
+
+    #[test]
+    fn executor_matches_autograd_on_every_layer_kind() {
+        let spec = layered(
+            2,
+            10,
+            3,
+            vec![
+                conv(4, 3, 1, 1, true),
+                LayerSpec::BatchNorm,
+                LayerSpec::Relu,
+                LayerSpec::Residual { out: 4, stride: 1 },
+                LayerSpec::MaxPool {
+                    kernel: 3,
+                    stride: Some(2),
+                },
+                LayerSpec::AvgPool {
+                    kernel: 2,
+                    stride: Some(1),
+                },
+                LayerSpec::Residual { out: 6, stride: 2 },
+                conv(5, 3, 1, 1, false),
+                LayerSpec::BatchNorm,
+                LayerSpec::Dropout { p: 0.3 },
+                LayerSpec::Relu,
+                LayerSpec::Flatten,
+                linear(8),
+                LayerSpec::Relu,
+                LayerSpec::Dropout { p: 0.5 },
+                linear(3),
+            ],
+        );
+        check_exec_matches_autograd(&spec, 4);
+        // A linear layer straight on an image, a global pool, a batch norm
+        // as the first layer.
+        let spec = layered(
+            2,
+            6,
+            3,
+            vec![
+                LayerSpec::BatchNorm,
+                conv(3, 3, 2, 1, true),
+                LayerSpec::Relu,
+                linear(3),
+            ],
+        );
+        check_exec_matches_autograd(&spec, 3);
+        let spec = layered(
+            3,
+            5,
+            4,
+            vec![conv(4, 3, 1, 0, true), LayerSpec::GlobalAvgPool, linear(4)],
+        );
+        check_exec_matches_autograd(&spec, 2);
+    }
+
+    #[test]
+    fn executor_matches_autograd_on_a_narrow_resnet20() {
+        let spec = ModelSection {
+            kind: ModelKind::Resnet20,
+            input: 3 * 8 * 8,
+            in_channels: 3,
+            classes: 5,
+            width: 0.25,
+            ..ModelSection::default()
+        };
+        check_exec_matches_autograd(&spec, 4);
+    }
+
+    #[test]
+    fn executor_buffers_stay_put_once_warm() {
+        let spec = ModelSection {
+            kind: ModelKind::Resnet20,
+            input: 3 * 8 * 8,
+            in_channels: 3,
+            classes: 5,
+            width: 0.25,
+            ..ModelSection::default()
+        };
+        let mut m = Model::new(&spec, Device::Cpu, 1).unwrap();
+        let workspace = |m: &Model| m.exec.as_ref().unwrap().lock().unwrap().workspace_len();
+        let big = image_batch(6, spec.input, 5, 0);
+        m.gradient(&big).unwrap();
+        let warm = workspace(&m);
+        assert!(warm > 0);
+        m.gradient(&big).unwrap();
+        m.evaluate(&big).unwrap();
+        assert_eq!(workspace(&m), warm);
+        // A smaller last batch reuses the buffers; a larger one grows them.
+        let (loss, _) = m.gradient(&image_batch(2, spec.input, 5, 1)).unwrap();
+        assert!(loss.is_finite());
+        assert_eq!(workspace(&m), warm);
+        m.gradient(&image_batch(9, spec.input, 5, 2)).unwrap();
+        assert!(workspace(&m) > warm);
+    }
+
+    #[test]
+    fn executor_matches_autograd_on_the_cnn() {
+        let spec = ModelSection {
+            kind: ModelKind::Cnn,
+            input: 8 * 8,
+            in_channels: 1,
+            conv: vec![4, 6],
+            hidden: vec![7],
+            classes: 3,
+            ..ModelSection::default()
+        };
+        check_exec_matches_autograd(&spec, 3);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The Stratus worker.
 //!
 //! * [`model`]: the candle model seen through the flat parameter space.
+//! * [`gpt`]: the GPT preset (a decoder-only transformer on token windows).
 //! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
@@ -14,6 +15,7 @@
 pub mod cache;
 pub mod client;
 pub mod comm;
+pub mod gpt;
 pub mod layers;
 pub mod loader;
 pub mod model;

@@ -84,6 +84,13 @@ pub enum ModelError {
     NotLayered,
     #[error("unknown device `{0}`: use cpu, cuda or cuda:N")]
     Device(String),
+    #[error("token {value} at position {position} of sample {sample} is not an id below the vocabulary size {vocab}")]
+    Token {
+        sample: usize,
+        position: usize,
+        value: f32,
+        vocab: usize,
+    },
     #[error("label {label} of sample {sample} is out of range for {classes} classes")]
     Label {
         sample: usize,
@@ -255,7 +262,14 @@ impl Model {
         };
         let mut rng = StdRng::seed_from_u64(seed);
         let mut vars = Vec::with_capacity(tensors.len());
-        for (t, &(kind, gain)) in tensors.iter().zip(&inits) {
+        if spec.kind == ModelKind::Gpt {
+            let values = crate::gpt::init_values(&spec.gpt, &mut rng);
+            for (t, v) in tensors.iter().zip(values) {
+                let init = Tensor::from_vec(v, t.shape.as_slice(), &device)?;
+                vars.push(Var::from_tensor(&init)?);
+            }
+        }
+        for (t, &(kind, gain)) in tensors.iter().zip(&inits).skip(vars.len()) {
             let mut init = vec![0.0f32; t.numel()];
             match kind {
                 Init::Kaiming => {
@@ -353,6 +367,43 @@ impl Model {
 
     pub fn num_params(&self) -> usize {
         self.ranges.last().map_or(0, |r| r.end)
+    }
+
+    /// The model section this model was built from.
+    pub fn spec(&self) -> &ModelSection {
+        &self.spec
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub(crate) fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The seed of this step's dropout masks.
+    pub(crate) fn dropout_seed(&self) -> u64 {
+        self.seed
+            ^ self
+                .step
+                .wrapping_add(1)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    pub(crate) fn advance_step(&mut self) {
+        self.step += 1;
+    }
+
+    /// The named tensors in flat-space order.
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// The flat range of the tensor called `name`.
+    pub fn range_of(&self, name: &str) -> Option<Range<usize>> {
+        let i = self.tensors.iter().position(|t| t.name == name)?;
+        Some(self.ranges[i].clone())
     }
 
     /// The current parameters, flat (a copy).
@@ -526,6 +577,10 @@ impl Model {
     /// Forward + backward on a batch, writing the flat gradient into `out`
     /// (every entry is overwritten); returns the mean cross-entropy loss.
     pub fn gradient_into(&mut self, batch: &Batch, out: &mut [f32]) -> Result<f32, ModelError> {
+        if self.spec.kind == ModelKind::Gpt {
+            self.check_out(out)?;
+            return self.gpt_backward(batch, out);
+        }
         let x = self.checked_input(batch, out)?;
         match self.spec.kind {
             ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out),
@@ -541,6 +596,9 @@ impl Model {
         batch: &Batch,
         out: &mut [f32],
     ) -> Result<f32, ModelError> {
+        if self.spec.kind == ModelKind::Gpt {
+            return self.gradient_into(batch, out);
+        }
         let x = self.checked_input(batch, out)?;
         if self.net.is_some() {
             return self.train_backward(&x, &batch.labels, out);
@@ -551,14 +609,19 @@ impl Model {
     /// The batch's input tensor, once `out` fits the flat gradient and every
     /// label is a class.
     fn checked_input(&self, batch: &Batch, out: &[f32]) -> Result<Tensor, ModelError> {
+        self.check_out(out)?;
+        self.check_labels(batch)?;
+        self.input_of(batch)
+    }
+
+    fn check_out(&self, out: &[f32]) -> Result<(), ModelError> {
         if out.len() != self.num_params() {
             return Err(ModelError::Length {
                 expected: self.num_params(),
                 got: out.len(),
             });
         }
-        self.check_labels(batch)?;
-        self.input_of(batch)
+        Ok(())
     }
 
     /// The MLP's backward pass by hand, in a feature-major layout: each
@@ -652,6 +715,12 @@ impl Model {
     ) -> Result<f32, ModelError> {
         let y = Tensor::from_slice(labels, labels.len(), &self.device)?;
         let loss = candle_nn::loss::cross_entropy(logits, &y)?;
+        self.write_grads(&loss, out)?;
+        Ok(loss.to_scalar::<f32>()?)
+    }
+
+    /// Backward from `loss`, every parameter's gradient written into `out`.
+    pub(crate) fn write_grads(&self, loss: &Tensor, out: &mut [f32]) -> Result<(), ModelError> {
         let grads = loss.backward()?;
         for ((var, t), r) in self.vars.iter().zip(&self.tensors).zip(&self.ranges) {
             let g = grads
@@ -659,13 +728,16 @@ impl Model {
                 .ok_or_else(|| ModelError::MissingGrad(t.name.clone()))?;
             copy_to_slice(g, &mut out[r.clone()])?;
         }
-        Ok(loss.to_scalar::<f32>()?)
+        Ok(())
     }
 
     /// Mean loss and accuracy on a batch (no gradients).
     pub fn evaluate(&self, batch: &Batch) -> Result<(f32, f32), ModelError> {
         if batch.is_empty() {
             return Ok((0.0, 0.0));
+        }
+        if self.spec.kind == ModelKind::Gpt {
+            return self.gpt_evaluate(batch);
         }
         self.check_labels(batch)?;
         let x = self.input_of(batch)?;

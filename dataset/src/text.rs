@@ -323,3 +323,206 @@ pub async fn write_text_dataset(
         }
     }
 }
+
+/// `lines` lines of text from a small fixed grammar, drawn from `seed`:
+/// learnable (a model's loss falls well below uniform) and available
+/// anywhere without downloads. For tests, examples and the shipped config.
+pub fn generated_text(lines: usize, seed: u64) -> String {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    const SUBJECTS: [&str; 6] = [
+        "the cat",
+        "a dog",
+        "the old man",
+        "my friend",
+        "the bird",
+        "a child",
+    ];
+    const VERBS: [&str; 6] = ["sees", "likes", "follows", "finds", "hears", "paints"];
+    const OBJECTS: [&str; 6] = [
+        "the river",
+        "a red ball",
+        "the moon",
+        "an apple",
+        "the garden",
+        "a song",
+    ];
+    const ENDS: [&str; 4] = [".", " today.", " again.", " at night."];
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = String::new();
+    for _ in 0..lines {
+        let s = rng.random_range(0..SUBJECTS.len());
+        // The verb and object depend on the subject: structure to learn.
+        let v = (s + rng.random_range(0..2)) % VERBS.len();
+        let o = (v + rng.random_range(0..2)) % OBJECTS.len();
+        let e = rng.random_range(0..ENDS.len());
+        out.push_str(SUBJECTS[s]);
+        out.push(' ');
+        out.push_str(VERBS[v]);
+        out.push(' ');
+        out.push_str(OBJECTS[o]);
+        out.push_str(ENDS[e]);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::DatasetReader;
+
+    fn options(train: Vec<PathBuf>, seq_len: usize) -> TextOptions {
+        TextOptions {
+            train,
+            test: Vec::new(),
+            test_fraction: 0.25,
+            seq_len,
+            name: "text".into(),
+            write: WriteOptions {
+                layout: crate::Layout::Shards,
+                records_per_shard: 7,
+            },
+            overwrite: false,
+            remove_dir_if_empty: None,
+        }
+    }
+
+    async fn read_back(store: Arc<dyn ObjectStore>, prefix: &Path) -> (Manifest, Batch, Batch) {
+        let reader = DatasetReader::open(store, prefix.clone()).await.unwrap();
+        let train = reader.fetch_all(Split::Train).await.unwrap();
+        let test = reader.fetch_all(Split::Test).await.unwrap();
+        (reader.manifest().clone(), train, test)
+    }
+
+    fn file(dir: &FsPath, name: &str, bytes: &[u8]) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    #[tokio::test]
+    async fn windows_in_shards_are_the_tokenizers_output_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = generated_text(40, 3);
+        let a = file(dir.path(), "a.txt", text.as_bytes());
+        let b = file(dir.path(), "b.txt", "héllo\n".as_bytes());
+        let (store, prefix) = crate::open_bucket("memory://text").unwrap();
+        let seq_len = 9;
+        let o = options(vec![a, b], seq_len);
+        let m = write_text_dataset(store.as_ref(), &prefix, &TextTokenizer::Bytes, &o)
+            .await
+            .unwrap();
+        let (read, train, test) = read_back(store, &prefix).await;
+        assert_eq!(read, m);
+        let info = m.text.as_ref().unwrap();
+        assert_eq!(
+            (info.vocab, info.seq_len, info.tokenizer.as_str()),
+            (256, 9, "bytes")
+        );
+        assert_eq!((m.features, m.classes), (seq_len + 1, 256));
+        let stream: Vec<f32> = text
+            .bytes()
+            .chain("héllo\n".bytes())
+            .map(f32::from)
+            .collect();
+        let windows = stream.len() / (seq_len + 1);
+        let expected_test = (windows as f64 * 0.25).round() as usize;
+        assert_eq!(test.len(), expected_test);
+        assert_eq!(train.len() + test.len(), windows);
+        let mut got = train.features.clone();
+        got.extend(&test.features);
+        assert_eq!(got, stream[..windows * (seq_len + 1)]);
+        // The label is the last token of its window.
+        for (i, row) in train.features.chunks(seq_len + 1).enumerate() {
+            assert_eq!(train.labels[i] as f32, row[seq_len]);
+        }
+        // Every record's checksum is in the manifest.
+        assert_eq!(m.train.crc32.len(), train.len());
+    }
+
+    #[tokio::test]
+    async fn separate_test_files_and_overwrite() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = file(dir.path(), "a.txt", generated_text(20, 1).as_bytes());
+        let t = file(dir.path(), "t.txt", generated_text(5, 2).as_bytes());
+        let (store, prefix) = crate::open_bucket("memory://text").unwrap();
+        let mut o = options(vec![a], 4);
+        o.test = vec![t.clone()];
+        let m = write_text_dataset(store.as_ref(), &prefix, &TextTokenizer::Bytes, &o)
+            .await
+            .unwrap();
+        let test_tokens = std::fs::read(&t).unwrap().len();
+        assert_eq!(m.test.num_samples, test_tokens / 5);
+        let err = write_text_dataset(store.as_ref(), &prefix, &TextTokenizer::Bytes, &o)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("--overwrite"), "{err}");
+        o.overwrite = true;
+        o.seq_len = 6;
+        write_text_dataset(store.as_ref(), &prefix, &TextTokenizer::Bytes, &o)
+            .await
+            .unwrap();
+        let (m, _, _) = read_back(store, &prefix).await;
+        assert_eq!(m.text.unwrap().seq_len, 6);
+    }
+
+    #[tokio::test]
+    async fn bad_input_is_refused_by_name_and_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = file(dir.path(), "good.txt", generated_text(10, 1).as_bytes());
+        let empty = file(dir.path(), "empty.txt", b"");
+        let binary = file(dir.path(), "blob.bin", b"abc\n\x00\x01\x02\n");
+        let missing = dir.path().join("missing.txt");
+        let (store, prefix) = crate::open_bucket("memory://text").unwrap();
+        let cases: Vec<(TextOptions, &str)> = vec![
+            (options(vec![missing], 4), "missing.txt"),
+            (options(vec![empty], 4), "empty.txt"),
+            (options(vec![good.clone(), binary], 4), "blob.bin line 2"),
+            (options(vec![good.clone()], 0), "--seq-len"),
+        ];
+        for (o, needle) in cases {
+            let err = write_text_dataset(store.as_ref(), &prefix, &TextTokenizer::Bytes, &o)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "`{err}` should name {needle}");
+        }
+        use futures::TryStreamExt;
+        let left: Vec<_> = store.list(None).try_collect().await.unwrap();
+        assert!(left.is_empty(), "{left:?}");
+        let bad = file(dir.path(), "tokenizer.json", b"{ not json");
+        let err = TextTokenizer::open(bad.to_str().unwrap())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("tokenizer.json"), "{err}");
+        let err = TextTokenizer::open("/nonexistent/tok.json")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("/nonexistent/tok.json"), "{err}");
+    }
+
+    #[test]
+    fn a_tokenizer_json_tokenizes_and_is_fingerprinted() {
+        let dir = tempfile::tempdir().unwrap();
+        // A word-level tokenizer with a whitespace pre-tokenizer.
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,
+            "model":{"type":"WordLevel","vocab":{"[UNK]":0,"the":1,"cat":2,"sees":3},"unk_token":"[UNK]"}}"#;
+        let p = file(dir.path(), "tokenizer.json", json.as_bytes());
+        let t = TextTokenizer::open(p.to_str().unwrap()).unwrap();
+        assert_eq!(t.vocab(), 4);
+        let mut ids = Vec::new();
+        t.encode("the cat sees a dog\n", &mut ids).unwrap();
+        assert_eq!(ids, vec![1, 2, 3, 0, 0]);
+        let info = t.info(8);
+        assert_eq!(info.tokenizer, "tokenizer.json");
+        assert_eq!(
+            info.tokenizer_crc32,
+            format!("{:08x}", crc32(json.as_bytes()))
+        );
+    }
+}

@@ -104,3 +104,33 @@ fn gpt_loss_and_gradients_equal_torch() {
         "evaluation loss {eval_loss} vs torch {want}"
     );
 }
+
+/// Forward + backward time of a GPT (the size of scripts/torch_gpt.py's
+/// defaults): `RAYON_NUM_THREADS=1 cargo test --release -p ps-worker --test
+/// gpt_torch -- --ignored --nocapture`. Prints the median of 20 runs.
+#[test]
+#[ignore]
+fn gpt_forward_backward_speed() {
+    let (batch, seq_len, d, layers, heads, vocab) = (8, 64, 128, 4, 4, 256);
+    let spec = gpt_spec(vocab, seq_len, d, layers, heads);
+    let mut model = Model::new(&spec, Device::Cpu, 1).unwrap();
+    let data = ps_worker::gpt::random_batch(&spec.gpt, batch, 2);
+    let mut grad = vec![0.0f32; model.num_params()];
+    let mut times = Vec::new();
+    for i in 0..22 {
+        let t0 = std::time::Instant::now();
+        let loss = model.gradient_into(&data, &mut grad).unwrap();
+        assert!(loss.is_finite());
+        if i >= 2 {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "stratus_gpt_ms median={:.3} min={:.3} max={:.3} params={}",
+        times[times.len() / 2],
+        times[0],
+        times[times.len() - 1],
+        model.num_params()
+    );
+}

@@ -245,6 +245,23 @@ pub struct Manifest {
     /// Image layouts only: where each encoded image lies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<ImageIndex>,
+    /// Text datasets only: each record is a window of `seq_len + 1` token
+    /// ids (stored as f32, exact below 2^24; the label is the last token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextInfo>,
+}
+
+/// How a text dataset was tokenized (`ps-worker dataset text`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TextInfo {
+    /// Token ids lie in `0..vocab` (also the manifest's `classes`).
+    pub vocab: usize,
+    /// Tokens of a model input; a record holds `seq_len + 1`.
+    pub seq_len: usize,
+    /// `bytes` or the tokenizer file's name.
+    pub tokenizer: String,
+    /// CRC-32 of the tokenizer file as 8 hex digits (`bytes`: of the name).
+    pub tokenizer_crc32: String,
 }
 
 /// A feature transform applied before the records were written, recorded in
@@ -749,6 +766,7 @@ mod tests {
             },
             normalization: None,
             images: None,
+            text: None,
         };
         good.validate().unwrap();
         assert_eq!(good.split(Split::Train).num_samples, 5);

@@ -378,6 +378,7 @@ fn image_manifest(
             train,
             test,
         }),
+        text: None,
     };
     manifest.validate()?;
     Ok(manifest)

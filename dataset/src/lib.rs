@@ -50,6 +50,7 @@ mod mnist;
 mod plan;
 mod read;
 mod synthetic;
+mod text;
 pub mod webdataset;
 mod write;
 
@@ -62,4 +63,5 @@ pub use plan::*;
 pub use ps_shared::bucket::{open_bucket, BucketError};
 pub use read::*;
 pub use synthetic::*;
+pub use text::*;
 pub use write::*;

@@ -198,6 +198,7 @@ mod tests {
             },
             normalization: None,
             images: None,
+            text: None,
         }
     }
 

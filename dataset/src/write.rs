@@ -159,6 +159,7 @@ pub struct DatasetWriter<'a> {
     record_bytes: usize,
     options: WriteOptions,
     normalization: Option<Normalization>,
+    text: Option<TextInfo>,
     splits: [SplitState; 2],
     in_flight: FuturesUnordered<Upload<'a>>,
     max_in_flight: usize,
@@ -226,6 +227,7 @@ impl<'a> DatasetWriter<'a> {
             record_bytes,
             options: *options,
             normalization: None,
+            text: None,
             splits: Default::default(),
             in_flight: FuturesUnordered::new(),
             max_in_flight,
@@ -240,6 +242,11 @@ impl<'a> DatasetWriter<'a> {
     /// expected to be transformed already).
     pub fn set_normalization(&mut self, normalization: Option<Normalization>) {
         self.normalization = normalization;
+    }
+
+    /// Records how a text dataset was tokenized in the manifest.
+    pub fn set_text(&mut self, text: Option<TextInfo>) {
+        self.text = text;
     }
 
     /// On failure, also remove the local directory `dir` (the bucket's
@@ -354,6 +361,7 @@ impl<'a> DatasetWriter<'a> {
             test,
             normalization: self.normalization.clone(),
             images: None,
+            text: self.text.clone(),
         };
         manifest.validate()?;
         let json = serde_json::to_vec_pretty(&manifest)

@@ -308,6 +308,9 @@ pub enum ModelKind {
     /// max-pool): four stages of two basic blocks (64/128/256/512 channels,
     /// strides 1/2/2/2), global average pool, linear.
     Resnet18,
+    /// A GPT-style decoder-only transformer on token windows (sizes in
+    /// `[model.gpt]`).
+    Gpt,
     /// A model the worker program brings through the library API
     /// (`ps_worker::api`): its tensors are listed in `model.tensors`, in
     /// flat-space order, so the servers can lay out the shards without
@@ -347,8 +350,112 @@ pub struct ModelSection {
     /// forward to recompute the running statistics before each evaluation.
     pub bn_calibration_batches: usize,
     /// `kind = "custom"`: the model's tensors in flat-space order (the
-    /// library's `VarModel::config_tensors` prints this list).
+    /// library's `CustomModel::config_tensors` prints this list).
     pub tensors: Vec<TensorDecl>,
+    /// `kind = "gpt"`: the transformer's sizes.
+    pub gpt: GptSection,
+}
+
+/// Sizes of the GPT preset (`[model.gpt]`). Its tensors follow a
+/// nanoGPT-like naming (`wte.weight`, `h.0.attn.c_attn.weight`, ...).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GptSection {
+    /// Tokens in the vocabulary (must match the text dataset's).
+    pub vocab: usize,
+    /// Context length: tokens per input window (the dataset's windows hold
+    /// `seq_len + 1` tokens).
+    pub seq_len: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Decoder blocks.
+    pub n_layer: usize,
+    /// Attention heads; must divide `d_model`.
+    pub n_head: usize,
+    /// Hidden width of each block's MLP; 0 means `4 * d_model`.
+    pub d_ff: usize,
+    /// Dropout probability on the embeddings, attention weights and
+    /// residual branches (0 turns it off).
+    pub dropout: f64,
+}
+
+impl Default for GptSection {
+    fn default() -> Self {
+        Self {
+            vocab: 256,
+            seq_len: 64,
+            d_model: 64,
+            n_layer: 2,
+            n_head: 4,
+            d_ff: 0,
+            dropout: 0.0,
+        }
+    }
+}
+
+impl GptSection {
+    /// The MLP's hidden width (`d_ff`, or `4 * d_model` when 0).
+    pub fn hidden(&self) -> usize {
+        if self.d_ff == 0 {
+            4 * self.d_model
+        } else {
+            self.d_ff
+        }
+    }
+
+    /// Sizes in range, heads dividing the width, token ids exact in f32.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_range("model.gpt.vocab", self.vocab, 2..=1 << 24)?;
+        check_range("model.gpt.seq_len", self.seq_len, 1..=1 << 16)?;
+        check_range("model.gpt.d_model", self.d_model, 1..=1 << 16)?;
+        check_range("model.gpt.n_layer", self.n_layer, 1..=1024)?;
+        check_range("model.gpt.n_head", self.n_head, 1..=1024)?;
+        check_range("model.gpt.d_ff", self.d_ff, 0..=1 << 18)?;
+        if !self.d_model.is_multiple_of(self.n_head) {
+            return Err(invalid(
+                "model.gpt.n_head",
+                format!(
+                    "must divide model.gpt.d_model = {} (got {})",
+                    self.d_model, self.n_head
+                ),
+            ));
+        }
+        if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
+            return Err(invalid("model.gpt.dropout", "must be in [0, 1)"));
+        }
+        Ok(())
+    }
+
+    /// The tensors in flat-space order.
+    pub fn layout(&self) -> Vec<TensorSpec> {
+        let d = self.d_model;
+        let f = self.hidden();
+        let t = |name: String, shape: Vec<usize>| TensorSpec { name, shape };
+        let mut out = vec![
+            t("wte.weight".into(), vec![self.vocab, d]),
+            t("wpe.weight".into(), vec![self.seq_len, d]),
+        ];
+        for i in 0..self.n_layer {
+            let p = format!("h.{i}");
+            out.extend([
+                t(format!("{p}.ln_1.weight"), vec![d]),
+                t(format!("{p}.ln_1.bias"), vec![d]),
+                t(format!("{p}.attn.c_attn.weight"), vec![3 * d, d]),
+                t(format!("{p}.attn.c_attn.bias"), vec![3 * d]),
+                t(format!("{p}.attn.c_proj.weight"), vec![d, d]),
+                t(format!("{p}.attn.c_proj.bias"), vec![d]),
+                t(format!("{p}.ln_2.weight"), vec![d]),
+                t(format!("{p}.ln_2.bias"), vec![d]),
+                t(format!("{p}.mlp.c_fc.weight"), vec![f, d]),
+                t(format!("{p}.mlp.c_fc.bias"), vec![f]),
+                t(format!("{p}.mlp.c_proj.weight"), vec![d, f]),
+                t(format!("{p}.mlp.c_proj.bias"), vec![d]),
+            ]);
+        }
+        out.push(t("ln_f.weight".into(), vec![d]));
+        out.push(t("ln_f.bias".into(), vec![d]));
+        out
+    }
 }
 
 impl Default for ModelSection {
@@ -364,6 +471,7 @@ impl Default for ModelSection {
             width: 1.0,
             bn_calibration_batches: 8,
             tensors: Vec::new(),
+            gpt: GptSection::default(),
         }
     }
 }
@@ -472,6 +580,9 @@ impl ModelSection {
                 })
                 .collect();
         }
+        if self.kind == ModelKind::Gpt {
+            return self.gpt.layout();
+        }
         if self.is_layered() {
             return self
                 .nodes()
@@ -531,7 +642,7 @@ impl ModelSection {
     pub fn named_layers(&self) -> Vec<(String, LayerSpec)> {
         let classes = self.classes;
         match self.kind {
-            ModelKind::Mlp | ModelKind::Cnn | ModelKind::Custom => Vec::new(),
+            ModelKind::Mlp | ModelKind::Cnn | ModelKind::Custom | ModelKind::Gpt => Vec::new(),
             ModelKind::Layers => self
                 .layers
                 .iter()
@@ -1622,6 +1733,11 @@ impl ClusterConfig {
         }
         if m.kind == ModelKind::Custom {
             check_tensor_decls(&m.tensors)?;
+        }
+        if m.kind == ModelKind::Gpt {
+            m.gpt.validate()?;
+        } else if m.gpt != GptSection::default() {
+            return Err(invalid("model.gpt", "only for kind = \"gpt\""));
         }
         let shards = c.servers.len() * c.shards_per_server;
         if shards > m.num_params() {

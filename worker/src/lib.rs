@@ -4,6 +4,7 @@
 //! * [`launch`]: a worker process: `ps-worker train`'s flags, signals, exit codes.
 //! * [`model`]: the candle model seen through the flat parameter space.
 //! * [`kernels`]: hand-written CPU kernels and the layered models' executor.
+//! * [`gpt`]: the GPT preset (a decoder-only transformer on token windows).
 //! * [`layers`]: forward passes of the layered models (ResNets, batch norm).
 //! * [`devcheck`]: the same models on two devices, compared (`gpu-check`).
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
@@ -20,6 +21,7 @@ pub mod cache;
 pub mod client;
 pub mod comm;
 pub mod devcheck;
+pub mod gpt;
 pub mod kernels;
 pub mod launch;
 pub mod layers;

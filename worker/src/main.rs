@@ -7,9 +7,9 @@ use clap::{Args, Parser, Subcommand};
 
 use ps_dataset::{
     import_dataset, local_output_dir, open_bucket, read_mnist_csv, read_mnist_idx,
-    remove_empty_output_dir, synthetic, train_test_split, write_dataset_with, ImportInput,
-    ImportOptions, InputFormat, LabelColumn, Layout, Normalize, SyntheticSpec, TestSplit,
-    WriteOptions,
+    remove_empty_output_dir, synthetic, train_test_split, write_dataset_with, write_text_dataset,
+    ImportInput, ImportOptions, InputFormat, LabelColumn, Layout, Normalize, SyntheticSpec,
+    TestSplit, TextOptions, TextTokenizer, WriteOptions,
 };
 use ps_shared::cli::{init_logging, EXIT_CODES_HELP};
 use ps_shared::config::ClusterConfig;
@@ -124,6 +124,41 @@ enum DatasetCommand {
         ps-worker dataset import --train digits.npz --x-key data --y-key target --test-fraction 0.2 --out DIR\n  \
         ps-worker dataset import --train train.parquet --test test.parquet --label-column target --out DIR")]
     Import(Box<ImportArgs>),
+    /// Plain text tokenized into windows of seq_len + 1 token ids (for
+    /// `model.kind = "gpt"`). Files are streamed line by line.
+    #[command(after_help = "Examples:\n  \
+        ps-worker dataset text --in corpus.txt --seq-len 64 --out file:///data/text\n  \
+        ps-worker dataset text --in a.txt --in b.txt --test held-out.txt --tokenizer tokenizer.json --seq-len 256 --out s3://bucket/text")]
+    Text(TextArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct TextArgs {
+    /// Text files (UTF-8), tokenized in order as one stream.
+    #[arg(long = "in", required = true, num_args = 1..)]
+    inputs: Vec<PathBuf>,
+    /// Separate test files (default: the last --test-fraction of the windows).
+    #[arg(long, num_args = 1..)]
+    test: Vec<PathBuf>,
+    /// Share of the windows, from the end, held out as the test split.
+    #[arg(long, default_value_t = 0.05)]
+    test_fraction: f64,
+    /// `bytes` (vocabulary 256) or the path of a tokenizer.json.
+    #[arg(long, default_value = "bytes")]
+    tokenizer: String,
+    /// Tokens of a model input; each record holds seq_len + 1.
+    #[arg(long)]
+    seq_len: usize,
+    /// Bucket URL to write to.
+    #[arg(long)]
+    out: String,
+    #[arg(long, default_value_t = 1024)]
+    records_per_shard: usize,
+    #[arg(long, default_value = "text")]
+    name: String,
+    /// Replace a dataset already at --out.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 /// How `dataset make`, `mnist` and `import` cut records into objects.
@@ -265,10 +300,12 @@ fn dataset(cmd: DatasetCommand) -> anyhow::Result<()> {
         }
         DatasetCommand::Synthetic { out, .. } | DatasetCommand::Mnist { out, .. } => out.clone(),
         DatasetCommand::Import(args) => args.out.clone(),
+        DatasetCommand::Text(args) => args.out.clone(),
     };
     let created = local_output_dir(&out).filter(|d| !d.exists());
     let result = match cmd {
         DatasetCommand::Import(args) => import(*args, created.clone()),
+        DatasetCommand::Text(args) => text(args, created.clone()),
         other => write_builtin(other),
     };
     if result.is_err() {
@@ -384,9 +421,54 @@ fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn text(args: TextArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
+    if args.records_per_shard == 0 {
+        bail!("--records-per-shard must be >= 1");
+    }
+    let tokenizer = TextTokenizer::open(&args.tokenizer)?;
+    let options = TextOptions {
+        train: args.inputs,
+        test: args.test,
+        test_fraction: args.test_fraction,
+        seq_len: args.seq_len,
+        name: args.name,
+        write: WriteOptions {
+            layout: Layout::Shards,
+            records_per_shard: args.records_per_shard,
+        },
+        overwrite: args.overwrite,
+        remove_dir_if_empty: created,
+    };
+    let out = &args.out;
+    let (store, prefix) = open_bucket(out).with_context(|| format!("opening {out}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let m = rt.block_on(write_text_dataset(
+        store.as_ref(),
+        &prefix,
+        &tokenizer,
+        &options,
+    ))?;
+    let text = m.text.as_ref().map_or(String::new(), |t| {
+        format!(
+            "tokenizer {} (crc32 {}), vocab {}, seq_len {}",
+            t.tokenizer, t.tokenizer_crc32, t.vocab, t.seq_len
+        )
+    });
+    println!(
+        "wrote {} to {out}: {} train + {} test windows, {text}",
+        m.name, m.train.num_samples, m.test.num_samples
+    );
+    Ok(())
+}
+
 fn write_builtin(cmd: DatasetCommand) -> anyhow::Result<()> {
     let (out, name, features, classes, train, test, per_shard, layout) = match cmd {
-        DatasetCommand::Images(_) | DatasetCommand::Index(_) | DatasetCommand::Import(_) => {
+        DatasetCommand::Images(_)
+        | DatasetCommand::Index(_)
+        | DatasetCommand::Import(_)
+        | DatasetCommand::Text(_) => {
             bail!("not a built-in dataset")
         }
         DatasetCommand::Synthetic {

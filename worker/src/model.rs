@@ -87,6 +87,13 @@ pub enum ModelError {
     NotLayered,
     #[error("unknown device `{0}`: use cpu, cuda or cuda:N")]
     Device(String),
+    #[error("token {value} at position {position} of sample {sample} is not an id below the vocabulary size {vocab}")]
+    Token {
+        sample: usize,
+        position: usize,
+        value: f32,
+        vocab: usize,
+    },
     #[error("label {label} of sample {sample} is out of range for {classes} classes")]
     Label {
         sample: usize,
@@ -376,7 +383,14 @@ impl Model {
         };
         let mut rng = StdRng::seed_from_u64(seed);
         let mut vars = Vec::with_capacity(tensors.len());
-        for (t, &(kind, gain)) in tensors.iter().zip(&inits) {
+        if spec.kind == ModelKind::Gpt {
+            let values = crate::gpt::init_values(&spec.gpt, &mut rng);
+            for (t, v) in tensors.iter().zip(values) {
+                let init = Tensor::from_vec(v, t.shape.as_slice(), &device)?;
+                vars.push(Var::from_tensor(&init)?);
+            }
+        }
+        for (t, &(kind, gain)) in tensors.iter().zip(&inits).skip(vars.len()) {
             let mut init = vec![0.0f32; t.numel()];
             match kind {
                 Init::Kaiming => {
@@ -616,6 +630,43 @@ impl Model {
         self.ranges.last().map_or(0, |r| r.end)
     }
 
+    /// The model section this model was built from.
+    pub fn spec(&self) -> &ModelSection {
+        &self.spec
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub(crate) fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The seed of this step's dropout masks.
+    pub(crate) fn dropout_seed(&self) -> u64 {
+        self.seed
+            ^ self
+                .step
+                .wrapping_add(1)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    pub(crate) fn advance_step(&mut self) {
+        self.step += 1;
+    }
+
+    /// The named tensors in flat-space order.
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    /// The flat range of the tensor called `name`.
+    pub fn range_of(&self, name: &str) -> Option<Range<usize>> {
+        let i = self.tensors.iter().position(|t| t.name == name)?;
+        Some(self.ranges[i].clone())
+    }
+
     /// The current parameters, flat (a copy).
     pub fn flat_params(&self) -> Result<Vec<f32>, ModelError> {
         let mut flat = vec![0.0f32; self.num_params()];
@@ -799,6 +850,10 @@ impl Model {
             self.check_batch(batch, out)?;
             return self.exec_backward(batch, out);
         }
+        if self.spec.kind == ModelKind::Gpt {
+            self.check_out(out)?;
+            return self.gpt_backward(batch, out);
+        }
         let x = self.checked_input(batch, out)?;
         match self.spec.kind {
             ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out),
@@ -814,6 +869,9 @@ impl Model {
         batch: &Batch,
         out: &mut [f32],
     ) -> Result<f32, ModelError> {
+        if self.spec.kind == ModelKind::Gpt {
+            return self.gradient_into(batch, out);
+        }
         let x = self.checked_input(batch, out)?;
         if self.net.is_some() {
             return self.train_backward(&x, &batch.labels, out);
@@ -831,14 +889,20 @@ impl Model {
     /// `out` fits the flat gradient, every label is a class and the
     /// features have the model's input width.
     fn check_batch(&self, batch: &Batch, out: &[f32]) -> Result<(), ModelError> {
+        self.check_out(out)?;
+        self.check_labels(batch)?;
+        self.check_dim(batch)
+    }
+
+    /// `out` has one entry per parameter.
+    fn check_out(&self, out: &[f32]) -> Result<(), ModelError> {
         if out.len() != self.num_params() {
             return Err(ModelError::Length {
                 expected: self.num_params(),
                 got: out.len(),
             });
         }
-        self.check_labels(batch)?;
-        self.check_dim(batch)
+        Ok(())
     }
 
     /// The MLP's backward pass by hand, in a feature-major layout: each
@@ -991,6 +1055,12 @@ impl Model {
     ) -> Result<f32, ModelError> {
         let y = Tensor::from_slice(labels, labels.len(), &self.device)?;
         let loss = candle_nn::loss::cross_entropy(logits, &y)?;
+        self.write_grads(&loss, out)?;
+        Ok(loss.to_scalar::<f32>()?)
+    }
+
+    /// Backward from `loss`, every parameter's gradient written into `out`.
+    pub(crate) fn write_grads(&self, loss: &Tensor, out: &mut [f32]) -> Result<(), ModelError> {
         let grads = loss.backward()?;
         for ((var, t), r) in self.vars.iter().zip(&self.tensors).zip(&self.ranges) {
             let g = grads
@@ -998,7 +1068,7 @@ impl Model {
                 .ok_or_else(|| ModelError::MissingGrad(t.name.clone()))?;
             copy_to_slice(g, &mut out[r.clone()])?;
         }
-        Ok(loss.to_scalar::<f32>()?)
+        Ok(())
     }
 
     /// A custom model's step: its loss closure in training mode, then
@@ -1053,6 +1123,9 @@ impl Model {
                 what: "evaluation",
                 source,
             });
+        }
+        if self.spec.kind == ModelKind::Gpt {
+            return self.gpt_evaluate(batch);
         }
         self.check_labels(batch)?;
         self.check_dim(batch)?;

@@ -718,7 +718,21 @@ async fn run_rank(
         reader
     };
     let manifest = reader.manifest().clone();
-    if manifest.features != cfg.model.input || manifest.classes != cfg.model.classes {
+    if cfg.model.kind == ps_shared::config::ModelKind::Gpt {
+        let g = &cfg.model.gpt;
+        let Some(text) = &manifest.text else {
+            return Err(WorkerError::Mismatch(format!(
+                "model.kind = \"gpt\" trains on a text dataset (ps-worker dataset text); `{}` is not one",
+                manifest.name
+            )));
+        };
+        if text.vocab != g.vocab || text.seq_len != g.seq_len {
+            return Err(WorkerError::Mismatch(format!(
+                "text dataset `{}` has vocab {} and seq_len {} (tokenizer {}), [model.gpt] says vocab = {} and seq_len = {}",
+                manifest.name, text.vocab, text.seq_len, text.tokenizer, g.vocab, g.seq_len
+            )));
+        }
+    } else if manifest.features != cfg.model.input || manifest.classes != cfg.model.classes {
         return Err(WorkerError::Mismatch(format!(
             "dataset `{}` has {} features and {} classes, [model] says input = {} and classes = {}",
             manifest.name, manifest.features, manifest.classes, cfg.model.input, cfg.model.classes

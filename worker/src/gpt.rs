@@ -1,0 +1,494 @@
+//! The GPT preset (`model.kind = "gpt"`): a decoder-only transformer on
+//! windows of token ids.
+//!
+//! A batch holds `seq_len + 1` token ids per sample (as f32, exact below
+//! 2^24): the first `seq_len` are the input, the last `seq_len` the targets.
+//! The model is token + learned position embeddings, `n_layer`
+//! pre-LayerNorm blocks (causal multi-head self-attention, then a GELU MLP,
+//! each added to the residual stream), a final LayerNorm and an output head
+//! tied to the token embedding. The loss is the mean cross-entropy over every
+//! target token.
+//!
+//! Tensor names and shapes follow nanoGPT's layout
+//! ([`GptSection::layout`]), so the same weights load into a torch model.
+//! Weights start like GPT-2's: normal with std 0.02, the two residual
+//! projections of each block with std `0.02 / sqrt(2 n_layer)`, biases 0,
+//! LayerNorm gains 1.
+//!
+//! Everything runs on candle's autograd, except two fused CPU ops with
+//! hand-written backward passes: layer norm (candle's fused one has no
+//! backward, and the composite one takes about ten tensor passes each way)
+//! and the causal softmax of the attention scores (candle's fused
+//! `softmax_last_dim` has no backward either: autograd would silently stop
+//! there).
+
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor, Var, D,
+};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+use rayon::prelude::*;
+
+use ps_dataset::Batch;
+use ps_shared::config::{GptSection, ModelKind, ModelSection};
+
+use crate::model::{Model, ModelError};
+
+/// LayerNorm's epsilon (torch's default).
+pub const LN_EPS: f32 = 1e-5;
+
+/// Tensors per decoder block in the flat layout.
+const PER_BLOCK: usize = 12;
+
+/// Initial values of every tensor, in layout order, from `rng`.
+pub(crate) fn init_values(g: &GptSection, rng: &mut StdRng) -> Vec<Vec<f32>> {
+    let std = 0.02f32;
+    let proj_std = std / (2.0 * g.n_layer as f32).sqrt();
+    g.layout()
+        .iter()
+        .map(|t| {
+            let mut v = vec![0.0f32; t.numel()];
+            if t.name.ends_with("ln_1.weight")
+                || t.name.ends_with("ln_2.weight")
+                || t.name == "ln_f.weight"
+            {
+                v.fill(1.0);
+            } else if t.shape.len() == 2 {
+                let s = if t.name.ends_with("c_proj.weight") {
+                    proj_std
+                } else {
+                    std
+                };
+                let normal = Normal::new(0.0f32, s).expect("a positive std");
+                for x in &mut v {
+                    *x = normal.sample(rng);
+                }
+            }
+            v
+        })
+        .collect()
+}
+
+/// Layer norm over the last dimension as one CPU pass each way:
+/// `y = (x - mean) / sqrt(var + eps) * w + b`.
+struct LayerNormOp;
+
+/// A contiguous f32 CPU slice of a storage, or an error naming the op.
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => candle_core::bail!("layer norm wants contiguous f32 tensors"),
+    }
+}
+
+/// Rows of `x` at a time in one parallel task.
+const ROWS_PER_TASK: usize = 16;
+
+fn row_stats(x: &[f32]) -> (f32, f32) {
+    let d = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / d;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d;
+    (mean, 1.0 / (var + LN_EPS).sqrt())
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "stratus-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1)?;
+        let w = f32_slice(s2, l2)?;
+        let b = f32_slice(s3, l3)?;
+        let d = w.len();
+        let mut y = vec![0.0f32; x.len()];
+        y.par_chunks_mut(d * ROWS_PER_TASK)
+            .zip(x.par_chunks(d * ROWS_PER_TASK))
+            .for_each(|(ys, xs)| {
+                for (y, x) in ys.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
+                    let (mean, rstd) = row_stats(x);
+                    for i in 0..d {
+                        y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+                    }
+                }
+            });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let d = w.dim(0)?;
+        let (dx, dw, db) = {
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = w.storage_and_layout();
+            let (gs, gl) = grad.storage_and_layout();
+            let (Storage::Cpu(xs), Storage::Cpu(ws), Storage::Cpu(gs)) = (&*xs, &*ws, &*gs) else {
+                candle_core::bail!("layer norm's backward runs on the CPU");
+            };
+            let (x, w, g) = (f32_slice(xs, xl)?, f32_slice(ws, wl)?, f32_slice(gs, gl)?);
+            let mut dx = vec![0.0f32; x.len()];
+            let (dw, db) = dx
+                .par_chunks_mut(d * ROWS_PER_TASK)
+                .zip(x.par_chunks(d * ROWS_PER_TASK))
+                .zip(g.par_chunks(d * ROWS_PER_TASK))
+                .fold(
+                    || (vec![0.0f32; d], vec![0.0f32; d]),
+                    |(mut dw, mut db), ((dxs, xs), gs)| {
+                        let mut xhat = vec![0.0f32; d];
+                        for ((dx, x), g) in dxs
+                            .chunks_exact_mut(d)
+                            .zip(xs.chunks_exact(d))
+                            .zip(gs.chunks_exact(d))
+                        {
+                            let (mean, rstd) = row_stats(x);
+                            let (mut sum_gw, mut sum_gwx) = (0.0f32, 0.0f32);
+                            for i in 0..d {
+                                xhat[i] = (x[i] - mean) * rstd;
+                                let gw = g[i] * w[i];
+                                sum_gw += gw;
+                                sum_gwx += gw * xhat[i];
+                                dw[i] += g[i] * xhat[i];
+                                db[i] += g[i];
+                            }
+                            let (m1, m2) = (sum_gw / d as f32, sum_gwx / d as f32);
+                            for i in 0..d {
+                                dx[i] = rstd * (g[i] * w[i] - m1 - xhat[i] * m2);
+                            }
+                        }
+                        (dw, db)
+                    },
+                )
+                .reduce(
+                    || (vec![0.0f32; d], vec![0.0f32; d]),
+                    |(mut a, mut b), (c, e)| {
+                        a.iter_mut().zip(&c).for_each(|(a, c)| *a += c);
+                        b.iter_mut().zip(&e).for_each(|(b, e)| *b += e);
+                        (a, b)
+                    },
+                );
+            (dx, dw, db)
+        };
+        let dev = x.device();
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), dev)?),
+            Some(Tensor::from_vec(dw, d, dev)?),
+            Some(Tensor::from_vec(db, d, dev)?),
+        ))
+    }
+}
+
+/// Layer norm with a backward pass: the fused op on the CPU, candle's
+/// composite ops elsewhere.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 {
+        x.contiguous()?.apply_op3(w, b, LayerNormOp)
+    } else {
+        candle_nn::ops::layer_norm_slow(x, w, b, LN_EPS)
+    }
+}
+
+/// Softmax over the last dimension of attention scores `(.., t, t)` with
+/// the causal mask: row `i` keeps columns `0..=i`, the rest are 0. One pass
+/// each way; the backward is `dx = y ⊙ (dy - Σ dy ⊙ y)`.
+struct CausalSoftmaxOp;
+
+impl CustomOp1 for CausalSoftmaxOp {
+    fn name(&self) -> &'static str {
+        "stratus-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l)?;
+        let t = l.dims()[l.dims().len() - 1];
+        let mut y = vec![0.0f32; x.len()];
+        y.par_chunks_mut(t * t)
+            .zip(x.par_chunks(t * t))
+            .for_each(|(ys, xs)| {
+                for (i, (y, x)) in ys.chunks_exact_mut(t).zip(xs.chunks_exact(t)).enumerate() {
+                    let (y, x) = (&mut y[..=i], &x[..=i]);
+                    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0.0f32;
+                    for (y, &x) in y.iter_mut().zip(x) {
+                        *y = (x - max).exp();
+                        sum += *y;
+                    }
+                    let inv = 1.0 / sum;
+                    y.iter_mut().for_each(|y| *y *= inv);
+                }
+            });
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let t = res.dim(D::Minus1)?;
+        let dx = {
+            let (ys, yl) = res.storage_and_layout();
+            let (gs, gl) = grad.storage_and_layout();
+            let (Storage::Cpu(ys), Storage::Cpu(gs)) = (&*ys, &*gs) else {
+                candle_core::bail!("the causal softmax's backward runs on the CPU");
+            };
+            let (y, g) = (f32_slice(ys, yl)?, f32_slice(gs, gl)?);
+            let mut dx = vec![0.0f32; y.len()];
+            dx.par_chunks_mut(t * t)
+                .zip(y.par_chunks(t * t))
+                .zip(g.par_chunks(t * t))
+                .for_each(|((dxs, ys), gs)| {
+                    let rows = dxs.chunks_exact_mut(t).zip(ys.chunks_exact(t));
+                    for (i, ((dx, y), g)) in rows.zip(gs.chunks_exact(t)).enumerate() {
+                        let (dx, y, g) = (&mut dx[..=i], &y[..=i], &g[..=i]);
+                        let dot: f32 = y.iter().zip(g).map(|(y, g)| y * g).sum();
+                        for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                            *dx = y * (g - dot);
+                        }
+                    }
+                });
+            dx
+        };
+        Ok(Some(Tensor::from_vec(dx, res.shape(), res.device())?))
+    }
+}
+
+/// The causal softmax of attention scores: the fused op on the CPU, the
+/// additive mask and candle's differentiable softmax elsewhere.
+fn causal_softmax(scores: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    if scores.device().is_cpu() && scores.dtype() == DType::F32 {
+        scores.contiguous()?.apply_op1(CausalSoftmaxOp)
+    } else {
+        candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)
+    }
+}
+
+/// Where the dropout masks of one forward pass come from.
+struct Dropout {
+    p: f32,
+    rng: StdRng,
+}
+
+impl Dropout {
+    fn apply(&mut self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let scale = 1.0 / (1.0 - self.p);
+        let mask: Vec<f32> = (0..x.elem_count())
+            .map(|_| {
+                if self.rng.random::<f32>() < self.p {
+                    0.0
+                } else {
+                    scale
+                }
+            })
+            .collect();
+        x.mul(&Tensor::from_vec(mask, x.shape(), x.device())?)
+    }
+}
+
+fn maybe_drop(x: Tensor, drop: &mut Option<Dropout>) -> candle_core::Result<Tensor> {
+    match drop {
+        Some(d) => d.apply(&x),
+        None => Ok(x),
+    }
+}
+
+/// `x · wᵀ + b` on a 2-D `x`.
+fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(&w.t()?)?.broadcast_add(b)
+}
+
+/// The token ids of a batch: `(inputs, targets)`, each `batch × seq_len`
+/// flat, after checking that every feature is a whole id below `vocab`.
+pub(crate) fn token_ids(g: &GptSection, batch: &Batch) -> Result<(Vec<u32>, Vec<u32>), ModelError> {
+    let window = g.seq_len + 1;
+    if batch.dim != window {
+        return Err(ModelError::BatchDim {
+            expected: window,
+            got: batch.dim,
+        });
+    }
+    let n = batch.len();
+    let mut inputs = Vec::with_capacity(n * g.seq_len);
+    let mut targets = Vec::with_capacity(n * g.seq_len);
+    for (sample, row) in batch.features.chunks_exact(window).enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            if !(v >= 0.0 && v.fract() == 0.0 && (v as usize) < g.vocab) {
+                return Err(ModelError::Token {
+                    sample,
+                    position: j,
+                    value: v,
+                    vocab: g.vocab,
+                });
+            }
+            let id = v as u32;
+            if j < g.seq_len {
+                inputs.push(id);
+            }
+            if j > 0 {
+                targets.push(id);
+            }
+        }
+    }
+    Ok((inputs, targets))
+}
+
+/// The causal mask added to attention scores: 0 on and below the diagonal,
+/// -inf above.
+fn causal_mask(t: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+/// The logits (`batch · seq_len × vocab`) of the input ids, with dropout
+/// from `drop` when training.
+fn logits(
+    g: &GptSection,
+    vars: &[Var],
+    inputs: &[u32],
+    batch: usize,
+    device: &Device,
+    mut drop: Option<Dropout>,
+) -> candle_core::Result<Tensor> {
+    let (t, d, nh) = (g.seq_len, g.d_model, g.n_head);
+    let hd = d / nh;
+    let n = batch * t;
+    let v = |i: usize| vars[i].as_tensor();
+    let ids = Tensor::from_slice(inputs, n, device)?;
+    let tok = v(0).index_select(&ids, 0)?.reshape((batch, t, d))?;
+    let x = tok.broadcast_add(v(1))?.reshape((n, d))?;
+    let mut x = maybe_drop(x, &mut drop)?;
+    let mask = causal_mask(t, device)?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    for l in 0..g.n_layer {
+        let p = 2 + l * PER_BLOCK;
+        // Attention.
+        let h = layer_norm(&x, v(p), v(p + 1))?;
+        let qkv = linear(&h, v(p + 2), v(p + 3))?
+            .reshape((batch, t, 3, nh, hd))?
+            .permute((2, 0, 3, 1, 4))?
+            .contiguous()?;
+        let q = (qkv.get(0)? * scale)?;
+        let k = qkv.get(1)?;
+        let val = qkv.get(2)?;
+        let att = causal_softmax(&q.matmul(&k.t()?)?, &mask)?;
+        let att = maybe_drop(att, &mut drop)?;
+        let y = att
+            .matmul(&val)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((n, d))?;
+        let y = maybe_drop(linear(&y, v(p + 4), v(p + 5))?, &mut drop)?;
+        x = (x + y)?;
+        // MLP.
+        let h = layer_norm(&x, v(p + 6), v(p + 7))?;
+        let h = linear(&h, v(p + 8), v(p + 9))?.gelu_erf()?;
+        let y = maybe_drop(linear(&h, v(p + 10), v(p + 11))?, &mut drop)?;
+        x = (x + y)?;
+    }
+    let last = 2 + g.n_layer * PER_BLOCK;
+    let x = layer_norm(&x, v(last), v(last + 1))?;
+    x.matmul(&v(0).t()?)
+}
+
+impl Model {
+    fn gpt_section(&self) -> &GptSection {
+        &self.spec().gpt
+    }
+
+    /// Forward + backward of the GPT: the mean token loss, the gradient in
+    /// `out`. Dropout masks are drawn from `(seed, step)`.
+    pub(crate) fn gpt_backward(
+        &mut self,
+        batch: &Batch,
+        out: &mut [f32],
+    ) -> Result<f32, ModelError> {
+        let g = self.gpt_section().clone();
+        let (inputs, targets) = token_ids(&g, batch)?;
+        let drop = (g.dropout > 0.0).then(|| Dropout {
+            p: g.dropout as f32,
+            rng: StdRng::seed_from_u64(self.dropout_seed()),
+        });
+        let device = self.device().clone();
+        let logits = logits(&g, self.vars(), &inputs, batch.len(), &device, drop)?;
+        let y = Tensor::from_slice(&targets, targets.len(), &device)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+        self.write_grads(&loss, out)?;
+        self.advance_step();
+        Ok(loss.to_scalar::<f32>()?)
+    }
+
+    /// Mean token loss and token accuracy (no dropout, no gradients).
+    pub(crate) fn gpt_evaluate(&self, batch: &Batch) -> Result<(f32, f32), ModelError> {
+        let g = self.gpt_section();
+        let (inputs, targets) = token_ids(g, batch)?;
+        let device = self.device();
+        let logits = logits(g, self.vars(), &inputs, batch.len(), device, None)?.detach();
+        let y = Tensor::from_slice(&targets, targets.len(), device)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &y)?.to_scalar::<f32>()?;
+        let correct = logits
+            .argmax(D::Minus1)?
+            .eq(&y)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        Ok((loss, correct / targets.len() as f32))
+    }
+}
+
+/// A GPT model section of the given sizes (for benchmarks and tests).
+pub fn gpt_spec(
+    vocab: usize,
+    seq_len: usize,
+    d_model: usize,
+    n_layer: usize,
+    n_head: usize,
+) -> ModelSection {
+    ModelSection {
+        kind: ModelKind::Gpt,
+        input: seq_len + 1,
+        classes: vocab,
+        gpt: GptSection {
+            vocab,
+            seq_len,
+            d_model,
+            n_layer,
+            n_head,
+            d_ff: 0,
+            dropout: 0.0,
+        },
+        ..ModelSection::default()
+    }
+}
+
+/// A batch of `batch` random token windows for `g` drawn from `seed`.
+pub fn random_batch(g: &GptSection, batch: usize, seed: u64) -> Batch {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let window = g.seq_len + 1;
+    let features = (0..batch * window)
+        .map(|_| rng.random_range(0..g.vocab) as f32)
+        .collect();
+    Batch {
+        features,
+        labels: vec![0; batch],
+        dim: window,
+    }
+}

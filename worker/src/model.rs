@@ -23,13 +23,17 @@
 //! layout, so nothing is transposed, accumulated into a zeroed buffer or
 //! copied twice. Gradients go straight into a flat buffer the caller keeps
 //! across steps, and pulled parameters are written in place into the
-//! tensors' storage (only the entries that changed, for sparse pulls). The
-//! CNN keeps candle's autograd.
+//! tensors' storage (only the entries that changed, for sparse pulls). On
+//! the CPU the CNN and the layered models run the hand-written executor of
+//! [`crate::kernels`] (NHWC buffers planned once and reused); other devices,
+//! and the tests that hold the executor to it, use candle's autograd.
 //!
 //! # Layered models and batch norm
 //!
-//! `kind = "layers"` and the ResNet presets run the [`Net`] of
-//! [`crate::layers`] under autograd. Weights of convolutions and linear
+//! `kind = "layers"` and the ResNet presets are planned from the same
+//! layer list twice: the CPU executor of [`crate::kernels::net`], and the
+//! [`Net`] of [`crate::layers`] under autograd (other devices, and the
+//! reference the executor is tested against). Weights of convolutions and linear
 //! layers start Kaiming-uniform (`±sqrt(6 / fan_in)`), biases and batch-norm
 //! β at 0, γ at 1.
 //!

@@ -24,35 +24,21 @@ keep the key layout above; extra keys are fine.
 """
 import argparse
 import os
+import sys
 
 import numpy as np
 import torch
 from safetensors.numpy import save_file
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_compute import Block as BasicBlock  # noqa: E402  (the same basic block)
+
 nn = torch.nn
 
 
-class Block(nn.Module):
-    """Stratus `residual`: conv-bn-relu-conv-bn plus the input (or a 1x1
-    conv-bn projection of it when the shape changes), then relu."""
-
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = None
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, 0, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        skip = x if self.shortcut is None else self.shortcut(x)
-        return torch.relu(y + skip)
+class Block(BasicBlock):
+    """Stratus `residual` (the basic block of scripts/torch_compute.py),
+    with its parameters under Stratus's names."""
 
     def named(self, prefix):
         out = [

@@ -18,7 +18,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::str::FromStr;
 
 use object_store::path::Path;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStore;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::reader::RowIter;
 use parquet::record::Field;
@@ -1469,17 +1469,7 @@ pub async fn import_dataset(
     };
 
     // An existing dataset: refused, or its manifest removed first.
-    let manifest_path = prefix.clone().join(MANIFEST_NAME);
-    match store.head(&manifest_path).await {
-        Ok(_) if !options.overwrite => {
-            return Err(DatasetError::Invalid(format!(
-                "a dataset already exists at '{prefix}' ({MANIFEST_NAME}); write to another place or pass --overwrite"
-            )));
-        }
-        Ok(_) => store.delete(&manifest_path).await?,
-        Err(object_store::Error::NotFound { .. }) => {}
-        Err(e) => return Err(e.into()),
-    }
+    clear_existing(store, prefix, options.overwrite).await?;
 
     // Last pass: write.
     let mut writer = DatasetWriter::create(
@@ -1578,6 +1568,7 @@ mod tests {
 
     use super::*;
     use crate::DatasetReader;
+    use object_store::ObjectStoreExt;
 
     fn memory() -> (Arc<dyn ObjectStore>, Path) {
         crate::open_bucket("memory://imported").unwrap()

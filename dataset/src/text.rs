@@ -20,10 +20,10 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path as FsPath, PathBuf};
 
 use object_store::path::Path;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStore;
 
 use crate::format::*;
-use crate::write::{DatasetWriter, WriteOptions};
+use crate::write::{clear_existing, DatasetWriter, WriteOptions};
 
 /// Largest vocabulary whose ids are exact in an f32.
 pub const MAX_TEXT_VOCAB: usize = 1 << 24;
@@ -272,17 +272,7 @@ pub async fn write_text_dataset(
     } else {
         u64::MAX
     };
-    let manifest_path = prefix.clone().join(MANIFEST_NAME);
-    match store.head(&manifest_path).await {
-        Ok(_) if !options.overwrite => {
-            return Err(DatasetError::Invalid(format!(
-                "a dataset already exists at '{prefix}' ({MANIFEST_NAME}); write to another place or pass --overwrite"
-            )));
-        }
-        Ok(_) => store.delete(&manifest_path).await?,
-        Err(object_store::Error::NotFound { .. }) => {}
-        Err(e) => return Err(e.into()),
-    }
+    clear_existing(store, prefix, options.overwrite).await?;
     let mut writer = DatasetWriter::create(
         store,
         prefix,

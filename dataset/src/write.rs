@@ -4,7 +4,7 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use object_store::path::Path;
-use object_store::{ObjectStore, PutOptions, PutPayload};
+use object_store::{ObjectStore, ObjectStoreExt, PutOptions, PutPayload};
 
 use crate::format::*;
 
@@ -464,6 +464,25 @@ impl<'a> DatasetWriter<'a> {
         if let Some(dir) = self.local_dir.take() {
             remove_empty_output_dir(&dir, true);
         }
+    }
+}
+
+/// Makes room for a new dataset at `prefix`: an existing one (its
+/// manifest) is refused unless `overwrite`, and then its manifest is
+/// deleted before anything new is written.
+pub async fn clear_existing(
+    store: &dyn ObjectStore,
+    prefix: &Path,
+    overwrite: bool,
+) -> Result<(), DatasetError> {
+    let manifest_path = prefix.clone().join(MANIFEST_NAME);
+    match store.head(&manifest_path).await {
+        Ok(_) if !overwrite => Err(DatasetError::Invalid(format!(
+            "a dataset already exists at '{prefix}' ({MANIFEST_NAME}); write to another place or pass --overwrite"
+        ))),
+        Ok(_) => Ok(store.delete(&manifest_path).await?),
+        Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
     }
 }
 

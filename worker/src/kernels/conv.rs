@@ -38,6 +38,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::{matmul_strided as matmul, Mat};
+
 /// Geometry of one 2-d convolution; activations are NHWC, f32, contiguous.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvGeom {
@@ -236,86 +238,6 @@ fn parallelism(tasks: usize) -> gemm::Parallelism {
 fn ensure(buf: &mut Vec<f32>, len: usize) {
     if buf.len() < len {
         buf.resize(len, 0.0);
-    }
-}
-
-/// A row-major view: element `(i, j)` is `data[i · rs + j · cs]`.
-#[derive(Clone, Copy)]
-struct Mat<'a> {
-    data: &'a [f32],
-    rs: usize,
-    cs: usize,
-}
-
-/// Index one past the last element an `m × n` view reads.
-fn extent(m: usize, n: usize, rs: usize, cs: usize) -> usize {
-    if m == 0 || n == 0 {
-        0
-    } else {
-        (m - 1) * rs + (n - 1) * cs + 1
-    }
-}
-
-/// `dst[m × n] (=|+=) lhs[m × k] · rhs[k × n]`, `dst` row-major with row
-/// stride `dst_rs`.
-#[allow(clippy::too_many_arguments)]
-fn matmul(
-    (m, n, k): (usize, usize, usize),
-    dst: &mut [f32],
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: Mat,
-    rhs: Mat,
-    par: gemm::Parallelism,
-) {
-    assert!(
-        extent(m, n, dst_rs, 1) <= dst.len(),
-        "matmul: dst too short"
-    );
-    assert!(
-        extent(m, k, lhs.rs, lhs.cs) <= lhs.data.len(),
-        "matmul: lhs too short"
-    );
-    assert!(
-        extent(k, n, rhs.rs, rhs.cs) <= rhs.data.len(),
-        "matmul: rhs too short"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for row in 0..m {
-                dst[row * dst_rs..row * dst_rs + n].fill(0.0);
-            }
-        }
-        return;
-    }
-    // SAFETY: the three asserts above keep every element the product reads
-    // or writes inside its slice; `dst` is borrowed mutably, so it overlaps
-    // neither operand.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            dst_rs as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.cs as isize,
-            lhs.rs as isize,
-            rhs.data.as_ptr(),
-            rhs.cs as isize,
-            rhs.rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
     }
 }
 

@@ -56,12 +56,35 @@ impl<'a> Mat<'a> {
 /// # Panics
 /// When a matrix does not fit its slice (a bug in the caller's sizes).
 pub fn matmul(m: usize, n: usize, k: usize, c: &mut [f32], accumulate: bool, a: Mat, b: Mat) {
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 && m * n * k >= 1 << 15 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    matmul_strided((m, n, k), c, n, accumulate, a, b, parallelism);
+}
+
+/// `dst[m x n] (=|+=) lhs[m x k] · rhs[k x n]`, `dst` row-major with row
+/// stride `dst_rs`, split as `par` says.
+///
+/// # Panics
+/// When a matrix does not fit its slice (a bug in the caller's sizes).
+pub fn matmul_strided(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Mat,
+    rhs: Mat,
+    par: gemm::Parallelism,
+) {
     assert!(
-        fits(c.len(), m, n, n, 1) && fits(a.data.len(), m, k, a.rs, a.cs),
+        fits(dst.len(), m, n, dst_rs, 1) && fits(lhs.data.len(), m, k, lhs.rs, lhs.cs),
         "matmul: {m}x{k} · {k}x{n} does not fit its buffers"
     );
     assert!(
-        fits(b.data.len(), k, n, b.rs, b.cs),
+        fits(rhs.data.len(), k, n, rhs.rs, rhs.cs),
         "matmul: rhs too small"
     );
     if m == 0 || n == 0 {
@@ -69,39 +92,35 @@ pub fn matmul(m: usize, n: usize, k: usize, c: &mut [f32], accumulate: bool, a: 
     }
     if k == 0 {
         if !accumulate {
-            c[..m * n].fill(0.0);
+            for row in 0..m {
+                dst[row * dst_rs..row * dst_rs + n].fill(0.0);
+            }
         }
         return;
     }
-    let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 && m * n * k >= 1 << 15 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
     // SAFETY: every index the product touches was checked to lie inside its
-    // slice above; `c` is borrowed mutably and cannot alias `a` or `b`.
+    // slice above; `dst` is borrowed mutably and cannot alias `lhs` or `rhs`.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            c.as_mut_ptr(),
+            dst.as_mut_ptr(),
             1,
-            n as isize,
+            dst_rs as isize,
             accumulate,
-            a.data.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
             1.0,
             1.0,
             false,
             false,
             false,
-            parallelism,
+            par,
         );
     }
 }

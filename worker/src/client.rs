@@ -489,10 +489,24 @@ impl ClientCore {
             return;
         }
         let n = self.s.route.len();
+        // A step pushes one step number to every shard: the lowest any shard
+        // expects. A shard that expects a later one applied this step
+        // without this worker (it was declared dead when the shard applied
+        // it, or it rejoined while the shards stood at different steps):
+        // pushing the step's gradient there as that shard's next step would
+        // count it for the wrong step and leave this worker one step ahead
+        // on that shard for good. Such a shard is asked for its parameters
+        // (an offer) instead, and its part of the gradient is dropped, as a
+        // fenced push's is.
+        let common = self.start_step();
+        let pushed_step = match kind {
+            Kind::Join => self.next_steps.clone(),
+            Kind::Step => vec![common; n],
+        };
         self.exchange = Some(Exchange {
             kind,
             started: now,
-            pushed_step: self.next_steps.clone(),
+            pushed_step,
             phase: vec![Phase::Done; n],
             results: vec![None; n],
             attempts: vec![0; n],
@@ -508,8 +522,17 @@ impl ClientCore {
                 continue;
             }
             match kind {
+                Kind::Step if self.next_steps[shard] == common => self.send_push(shard, now, out),
+                Kind::Step => {
+                    tracing::info!(
+                        shard,
+                        step = common,
+                        expects = self.next_steps[shard],
+                        "the shard applied this step without this worker: taking its parameters"
+                    );
+                    self.send_offer(shard, now, out)
+                }
                 Kind::Join => self.send_offer(shard, now, out),
-                Kind::Step => self.send_push(shard, now, out),
             }
         }
         for link in 0..self.links.len() {
@@ -1061,6 +1084,76 @@ mod tests {
         };
         assert_eq!((d.pushed_step, d.next_step, d.fenced), (0, 40, 1));
         assert_eq!(c.start_step(), 40);
+    }
+
+    #[test]
+    fn a_worker_pushes_one_step_to_every_shard_after_rejoining_shards_at_different_steps() {
+        // Rejoined while the shards stood at different steps: shard 1 had
+        // already applied step 30 without this worker when it answered.
+        let t0 = Instant::now();
+        let mut c = core(vec![0, 0]);
+        for a in c.handle(Event::JoinRequested, t0) {
+            if let Action::Offer { token, shard, .. } = a {
+                let at = [30, 31][shard];
+                c.handle(
+                    Event::Reply {
+                        token,
+                        shard,
+                        params: params(at, at),
+                    },
+                    t0,
+                );
+            }
+        }
+        c.handle(Event::Applied, t0);
+        assert_eq!((c.start_step(), c.next_steps()), (30, &[30, 31][..]));
+        // Step 30 goes to shard 0 only; shard 1 is asked for its
+        // parameters, never sent step 30's gradient as its step 31.
+        let acts = c.handle(Event::StepRequested, t0);
+        let (push, offer) = match &acts[..] {
+            [Action::Send {
+                token: p,
+                shard: 0,
+                step: 30,
+                ..
+            }, Action::Offer {
+                token: o, shard: 1, ..
+            }] => (*p, *o),
+            other => panic!("{other:?}"),
+        };
+        assert!(c
+            .handle(
+                Event::Reply {
+                    token: offer,
+                    shard: 1,
+                    params: params(31, 31),
+                },
+                t0,
+            )
+            .is_empty());
+        let acts = c.handle(
+            Event::Reply {
+                token: push,
+                shard: 0,
+                params: params(31, 31),
+            },
+            t0,
+        );
+        let [Action::Deliver(d)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((d.pushed_step, d.next_step, d.updates.len()), (30, 31, 2));
+        c.handle(Event::Applied, t0);
+        // From here on both shards get the same step.
+        let acts = c.handle(Event::StepRequested, t0);
+        let steps: Vec<(ShardId, u64)> = acts
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { shard, step, .. } => Some((*shard, *step)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(steps, vec![(0, 31), (1, 31)], "{acts:?}");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use actix::prelude::*;
 use object_store::{path::Path as ObjectPath, ObjectStore};
 use tokio::sync::{oneshot, watch};
 
-use ps_shared::protocol::{Response, WireGrad};
+use ps_shared::protocol::{encode_response, ErrorCode, Response, WireGrad};
 
 use crate::checkpoint::{save, ShardCheckpoint};
 use crate::core::{
@@ -33,7 +33,7 @@ pub struct CheckpointTarget {
 
 pub struct ShardActor {
     core: ShardCore,
-    replies: HashMap<ReplyId, oneshot::Sender<Response>>,
+    replies: HashMap<ReplyId, oneshot::Sender<Reply>>,
     next_reply: ReplyId,
     checkpoints: Option<CheckpointTarget>,
     tick: Duration,
@@ -130,16 +130,43 @@ impl ShardActor {
     fn feed(&mut self, event: Event, ctx: &mut Context<Self>) {
         let t0 = thread_cpu_time();
         let actions = self.core.handle(event, Instant::now());
+        let replies = self.encode_replies(actions);
         self.cpu += thread_cpu_time().saturating_sub(t0);
-        self.carry_out(actions, ctx);
+        self.carry_out(replies, ctx);
     }
 
-    fn carry_out(&mut self, actions: Vec<Action>, ctx: &mut Context<Self>) {
-        for action in actions {
+    /// Encode each distinct reply once: the replies of one BSP step share
+    /// their response, and so their frame.
+    fn encode_replies(&self, actions: Vec<Action>) -> Vec<(Action, Option<Reply>)> {
+        let mut frames: Vec<(*const Response, Reply)> = Vec::new();
+        actions
+            .into_iter()
+            .map(|action| {
+                let reply = match &action {
+                    Action::Reply { response, .. } => {
+                        let key = Arc::as_ptr(response);
+                        Some(match frames.iter().find(|(k, _)| *k == key) {
+                            Some((_, r)) => r.clone(),
+                            None => {
+                                let r = Reply::shared(response.clone());
+                                frames.push((key, r.clone()));
+                                r
+                            }
+                        })
+                    }
+                    _ => None,
+                };
+                (action, reply)
+            })
+            .collect()
+    }
+
+    fn carry_out(&mut self, actions: Vec<(Action, Option<Reply>)>, ctx: &mut Context<Self>) {
+        for (action, reply) in actions {
             match action {
-                Action::Reply { to, response } => {
-                    if let Some(tx) = self.replies.remove(&to) {
-                        let _ = tx.send(response);
+                Action::Reply { to, .. } => {
+                    if let (Some(tx), Some(reply)) = (self.replies.remove(&to), reply) {
+                        let _ = tx.send(reply);
                     }
                 }
                 Action::Applied { version, .. } => {
@@ -229,10 +256,39 @@ pub enum ShardRequest {
     },
 }
 
+/// A shard's answer to one request: the response and its encoded frame.
+/// Requests answered alike share both (one encoding per distinct reply).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub response: Arc<Response>,
+    pub frame: Arc<Vec<u8>>,
+}
+
+impl Reply {
+    /// A reply of its own (a refusal made outside a shard, say).
+    pub fn new(response: Response) -> Self {
+        Self::shared(Arc::new(response))
+    }
+
+    /// Encode `response` once for every request it answers.
+    pub fn shared(response: Arc<Response>) -> Self {
+        let frame = encode_response(&response).unwrap_or_else(|e| {
+            // Only a message beyond the format's limits fails to encode:
+            // the worker is told so rather than left waiting.
+            let refusal = Response::error(ErrorCode::Internal, format!("cannot encode reply: {e}"));
+            encode_response(&refusal).unwrap_or_default()
+        });
+        Self {
+            response,
+            frame: Arc::new(frame),
+        }
+    }
+}
+
 /// Deliver a request; the receiver resolves with the reply (it closes
 /// without one when the connection closed first).
 #[derive(Message)]
-#[rtype(result = "oneshot::Receiver<Response>")]
+#[rtype(result = "oneshot::Receiver<Reply>")]
 pub struct Deliver {
     pub conn: ConnId,
     pub rank: u32,

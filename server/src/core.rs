@@ -50,12 +50,13 @@
 //! // One push completes the barrier; the reply carries version 1.
 //! let grad = WireGrad::Sparse { indices: vec![2], values: WireValues::F32(vec![2.0]) };
 //! let acts = core.handle(Event::Step { reply: 2, conn: 7, rank: 0, step: 0, have_version: Some(0), grad }, now);
-//! assert!(acts.iter().any(|a| matches!(a, Action::Reply { to: 2, response: Response::Params { version: 1, .. } })));
+//! assert!(acts.iter().any(|a| matches!(a, Action::Reply { to: 2, response } if matches!(**response, Response::Params { version: 1, .. }))));
 //! assert_eq!(core.params(), &[1.0, 1.0, 0.0, 1.0]);
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::Hasher;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
@@ -212,25 +213,24 @@ pub enum Event {
 /// An output of the core.
 #[derive(Debug)]
 pub enum Action {
+    /// Answer the request `to`. Requests answered alike in one batch (the
+    /// replies of a BSP step to workers that held the same version) share
+    /// one `Arc`, so the response is built, and encoded by the caller, once
+    /// per batch instead of once per worker.
     Reply {
         to: ReplyId,
-        response: Response,
+        response: Arc<Response>,
     },
     /// Write this snapshot (at most one write is outstanding).
     Checkpoint(ShardCheckpoint),
     /// An update was applied, touching `entries` parameters (all of them
     /// when the update was dense).
-    Applied {
-        version: u64,
-        entries: usize,
-    },
+    Applied { version: u64, entries: usize },
     /// The shard decided where it starts from.
     Recovered(RecoveryReport),
     /// The request's connection closed while its reply was parked: release
     /// the reply slot without answering (nobody is left to read it).
-    Forget {
-        to: ReplyId,
-    },
+    Forget { to: ReplyId },
 }
 
 /// Where a starting shard took its parameters from.
@@ -495,8 +495,8 @@ enum NormBound {
     Anomaly,
 }
 
-fn refusal(code: ErrorCode, message: impl Into<String>) -> Response {
-    Response::error(code, message)
+fn refusal(code: ErrorCode, message: impl Into<String>) -> Arc<Response> {
+    Arc::new(Response::error(code, message))
 }
 
 /// FNV-1a over the bit patterns: equal copies have equal sums.
@@ -1197,7 +1197,7 @@ impl ShardCore {
 
     /// Check a push completely before it touches any state; a clipped
     /// gradient comes back scaled.
-    fn check_push(&mut self, grad: WireGrad) -> Result<WireGrad, Response> {
+    fn check_push(&mut self, grad: WireGrad) -> Result<WireGrad, Arc<Response>> {
         let finite = |v: &WireValues| match v {
             WireValues::F32(v) => v.iter().all(|x| x.is_finite()),
             WireValues::F16(v) => v.iter().all(|b| (b & 0x7c00) != 0x7c00),
@@ -1315,7 +1315,7 @@ impl ShardCore {
 
     /// Note the norm of a push about to be taken; refused when the sum of
     /// this update's pushes could leave the finite range.
-    fn take_norm(&mut self, norm: f64) -> Result<(), Response> {
+    fn take_norm(&mut self, norm: f64) -> Result<(), Arc<Response>> {
         if self.agg_peak + norm > AGG_LIMIT {
             return Err(refusal(
                 ErrorCode::GradientTooLarge,
@@ -1767,7 +1767,7 @@ impl ShardCore {
 
     /// The parameters for `rank`: a sparse delta from `have` when known and
     /// cheaper, else the whole shard.
-    fn params_reply(&self, rank: u32, have: Option<u64>) -> Response {
+    fn params_reply(&self, rank: u32, have: Option<u64>) -> Arc<Response> {
         self.reply_with(rank, self.param_update(have))
     }
 
@@ -1783,14 +1783,14 @@ impl ShardCore {
         }
     }
 
-    fn reply_with(&self, rank: u32, update: ParamUpdate) -> Response {
-        Response::Params {
+    fn reply_with(&self, rank: u32, update: ParamUpdate) -> Arc<Response> {
+        Arc::new(Response::Params {
             shard: self.id(),
             version: self.version,
             next_step: self.next_step(rank),
             live_workers: self.connected_workers() as u32,
             update,
-        }
+        })
     }
 
     fn ready(&self, p: &Parked) -> bool {
@@ -1818,10 +1818,10 @@ impl ShardCore {
             .any(|p| p.offered.is_some())
             .then(|| (self.version, checksum(&self.params)));
         // Replies released together mostly start from the same version (in
-        // BSP all of them): the delta from each version is built once and
-        // copied, so a step costs one union of the changes, not one per
-        // worker.
-        let mut built: Vec<(Option<u64>, ParamUpdate)> = Vec::new();
+        // BSP all of them) and expect the same next step: each distinct
+        // reply is built once and shared, so a step costs one union of the
+        // changes and one encoding, not one per worker.
+        let mut built: Vec<((Option<u64>, u64), Arc<Response>)> = Vec::new();
         for p in parked {
             if self.ready(&p) {
                 let have = match p.wait {
@@ -1830,17 +1830,18 @@ impl ShardCore {
                     Wait::Serving => p.offered.filter(|&o| Some(o) == held).map(|(v, _)| v),
                     _ => p.have_version,
                 };
-                let update = match built.iter().find(|(h, _)| *h == have) {
-                    Some((_, u)) => u.clone(),
+                let key = (have, self.next_step(p.rank));
+                let response = match built.iter().find(|(k, _)| *k == key) {
+                    Some((_, r)) => r.clone(),
                     None => {
-                        let u = self.param_update(have);
-                        built.push((have, u.clone()));
-                        u
+                        let r = self.params_reply(p.rank, have);
+                        built.push((key, r.clone()));
+                        r
                     }
                 };
                 out.push(Action::Reply {
                     to: p.reply,
-                    response: self.reply_with(p.rank, update),
+                    response,
                 });
             } else {
                 self.parked.push(p);
@@ -1952,7 +1953,7 @@ mod tests {
         actions
             .iter()
             .filter_map(|a| match a {
-                Action::Reply { to, response } => Some((*to, response)),
+                Action::Reply { to, response } => Some((*to, &**response)),
                 _ => None,
             })
             .collect()
@@ -2030,6 +2031,16 @@ mod tests {
         assert_eq!(c.version(), 1);
         assert_eq!(c.params()[1], -3.0, "average of 2 and 4");
         assert_eq!(c.params()[3], -1.0);
+        // The step's replies are one shared response (built once, and
+        // encoded once by the actor), not one copy per worker.
+        let shared: Vec<&Arc<Response>> = acts
+            .iter()
+            .filter_map(|a| match a {
+                Action::Reply { response, .. } => Some(response),
+                _ => None,
+            })
+            .collect();
+        assert!(shared.iter().all(|r| Arc::ptr_eq(r, shared[0])));
         for (_, resp) in r {
             match resp {
                 Response::Params {

@@ -58,7 +58,7 @@ use ps_shared::transport::{
 };
 
 use crate::actor::{
-    CheckpointTarget, Deliver, GetCounters, GetStatus, MemberNews, ShardActor, ShardRequest,
+    CheckpointTarget, Deliver, GetCounters, GetStatus, MemberNews, Reply, ShardActor, ShardRequest,
     ShardStatus, Shutdown,
 };
 use crate::checkpoint::{load_latest, CheckpointError, DataSplit};
@@ -1052,11 +1052,12 @@ async fn serve_stream(
     if !matches!(read, Ok(Ok(_))) {
         let _ = recv.stop(0u32.into());
     }
+    let refuse = |code, message: String| Reply::new(Response::error(code, message));
     let resp = match read {
-        Err(_) => Response::error(ErrorCode::Timeout, "request not received in time"),
-        Ok(Err(e)) => Response::error(ErrorCode::BadFrame, e.to_string()),
+        Err(_) => refuse(ErrorCode::Timeout, "request not received in time".into()),
+        Ok(Err(e)) => refuse(ErrorCode::BadFrame, e.to_string()),
         Ok(Ok(frame)) => match decode_request(&frame.payload) {
-            Err(e) => Response::error(ErrorCode::BadFrame, e.to_string()),
+            Err(e) => refuse(ErrorCode::BadFrame, e.to_string()),
             Ok(req) => {
                 // The request is decoded: the frame's bytes go back to the
                 // connection's budget.
@@ -1064,29 +1065,30 @@ async fn serve_stream(
                 if ctx.membership().request(conn, Instant::now()) {
                     dispatch(&ctx, conn, rank, req).await
                 } else {
-                    Response::error(ErrorCode::RateLimited, "over server.max_requests_per_sec")
+                    refuse(
+                        ErrorCode::RateLimited,
+                        "over server.max_requests_per_sec".into(),
+                    )
                 }
             }
         },
     };
-    if let Response::Error { code, message } = &resp {
+    if let Response::Error { code, message } = &*resp.response {
         tracing::warn!(rank, ?code, "refused request: {message}");
     }
-    reply(&mut send, &resp).await;
+    // The frame was encoded once by the shard for every worker it answers
+    // alike.
+    if let Err(e) = write_frame(&mut send, &resp.frame).await {
+        tracing::debug!("cannot send reply: {e}");
+    }
 }
 
-async fn to_shard(
-    ctx: &Ctx,
-    conn: ConnId,
-    rank: u32,
-    shard: u32,
-    request: ShardRequest,
-) -> Response {
+async fn to_shard(ctx: &Ctx, conn: ConnId, rank: u32, shard: u32, request: ShardRequest) -> Reply {
     let Some(addr) = ctx.shards.get(&shard) else {
-        return Response::error(
+        return Reply::new(Response::error(
             ErrorCode::UnknownShard,
             format!("shard {shard} is not served by server {}", ctx.index),
-        );
+        ));
     };
     let rx = match addr
         .send(Deliver {
@@ -1098,21 +1100,27 @@ async fn to_shard(
     {
         Ok(rx) => rx,
         Err(e) => {
-            return Response::error(ErrorCode::ShuttingDown, format!("shard unavailable: {e}"))
+            return Reply::new(Response::error(
+                ErrorCode::ShuttingDown,
+                format!("shard unavailable: {e}"),
+            ))
         }
     };
     rx.await.unwrap_or_else(|_| {
-        Response::error(ErrorCode::ShuttingDown, "the shard dropped the request")
+        Reply::new(Response::error(
+            ErrorCode::ShuttingDown,
+            "the shard dropped the request",
+        ))
     })
 }
 
-async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response {
+async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
     if matches!(req, Request::Offer { .. } | Request::Step { .. }) {
         if let Some(message) = ctx.job_stop() {
-            return Response::error(ErrorCode::JobStopped, message);
+            return Reply::new(Response::error(ErrorCode::JobStopped, message));
         }
     }
-    match req {
+    let response = match req {
         Request::Hello { .. } => Response::error(ErrorCode::BadFrame, "Hello was already said"),
         Request::Offer {
             shard,
@@ -1125,7 +1133,7 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response 
                 next_step,
                 values,
             };
-            to_shard(ctx, conn, rank, shard, request).await
+            return to_shard(ctx, conn, rank, shard, request).await;
         }
         Request::Step {
             shard,
@@ -1138,7 +1146,7 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response 
                 have_version,
                 grad,
             };
-            to_shard(ctx, conn, rank, shard, request).await
+            return to_shard(ctx, conn, rank, shard, request).await;
         }
         Request::Heartbeat => Response::HeartbeatAck,
         Request::Abort { reason } => {
@@ -1149,7 +1157,8 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Response 
             ctx.apply(actions);
             Response::ByeAck
         }
-    }
+    };
+    Reply::new(response)
 }
 
 #[cfg(test)]

@@ -37,8 +37,8 @@ use ps_server::actor::{
 use ps_server::core::{CoreSettings, ShardCore, ShardSetup};
 use ps_shared::config::{OptimizerSection, SyncMode};
 use ps_shared::protocol::{
-    decode_request, decode_response, encode_request, encode_response, ParamUpdate, Request,
-    Response, WireGrad, WireValues, FRAME_HEADER_BYTES,
+    decode_request, decode_response, encode_request, ParamUpdate, Request, Response, WireGrad,
+    WireValues, FRAME_HEADER_BYTES,
 };
 use ps_shared::shard::ShardMap;
 
@@ -297,8 +297,10 @@ impl ServerIo {
             })
             .await
             .context("the shard actor stopped")?;
-        let response = rx.await.context("the shard dropped the reply")?;
-        let out = encode_response(&response)?;
+        // The shard encodes each distinct reply once; the bytes stand for
+        // what this worker's connection sends.
+        let reply = rx.await.context("the shard dropped the reply")?;
+        let out = reply.frame.as_ref().clone();
         self.bytes_out
             .fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)

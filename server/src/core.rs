@@ -1821,7 +1821,8 @@ impl ShardCore {
         // BSP all of them) and expect the same next step: each distinct
         // reply is built once and shared, so a step costs one union of the
         // changes and one encoding, not one per worker.
-        let mut built: Vec<((Option<u64>, u64), Arc<Response>)> = Vec::new();
+        type Key = (Option<u64>, u64);
+        let mut built: Vec<(Key, Arc<Response>)> = Vec::new();
         for p in parked {
             if self.ready(&p) {
                 let have = match p.wait {

@@ -90,6 +90,12 @@ pub struct ClientSettings {
     pub connect_timeout: Duration,
     /// How long one exchange (a join or a step) may take in all.
     pub budget: Duration,
+    /// Push one step number to every shard (BSP, the default): a shard that
+    /// expects a later step applied this one without the worker and is
+    /// asked for its parameters instead. `false` (ASP and SSP, where a
+    /// shard's step is its own clock of this worker's pushes) pushes each
+    /// shard the step it expects.
+    pub one_step: bool,
 }
 
 /// Requests per shard and exchange, the first included.
@@ -112,6 +118,7 @@ impl ClientSettings {
             budget: connect_timeout
                 .saturating_add(request_timeout)
                 .saturating_add(request_timeout),
+            one_step: true,
         }
     }
 
@@ -489,7 +496,7 @@ impl ClientCore {
             return;
         }
         let n = self.s.route.len();
-        // A step pushes one step number to every shard: the lowest any shard
+        // In BSP a step pushes one step number to every shard: the lowest any shard
         // expects. A shard that expects a later one applied this step
         // without this worker (it was declared dead when the shard applied
         // it, or it rejoined while the shards stood at different steps):
@@ -500,8 +507,8 @@ impl ClientCore {
         // fenced push's is.
         let common = self.start_step();
         let pushed_step = match kind {
-            Kind::Join => self.next_steps.clone(),
-            Kind::Step => vec![common; n],
+            Kind::Step if self.s.one_step => vec![common; n],
+            Kind::Join | Kind::Step => self.next_steps.clone(),
         };
         self.exchange = Some(Exchange {
             kind,
@@ -522,7 +529,9 @@ impl ClientCore {
                 continue;
             }
             match kind {
-                Kind::Step if self.next_steps[shard] == common => self.send_push(shard, now, out),
+                Kind::Step if !self.s.one_step || self.next_steps[shard] == common => {
+                    self.send_push(shard, now, out)
+                }
                 Kind::Step => {
                     tracing::info!(
                         shard,
@@ -1154,6 +1163,40 @@ mod tests {
             })
             .collect();
         assert_eq!(steps, vec![(0, 31), (1, 31)], "{acts:?}");
+    }
+
+    #[test]
+    fn asp_pushes_each_shard_the_step_it_expects() {
+        // In ASP a shard's step is its own clock of this worker's pushes:
+        // shards one push apart each get the step they expect.
+        let t0 = Instant::now();
+        let mut c = ClientCore::new(ClientSettings {
+            one_step: false,
+            ..ClientSettings::new(vec![0, 0], Duration::from_secs(1), Duration::from_secs(1))
+        });
+        for a in c.handle(Event::JoinRequested, t0) {
+            if let Action::Offer { token, shard, .. } = a {
+                let at = [5, 6][shard];
+                c.handle(
+                    Event::Reply {
+                        token,
+                        shard,
+                        params: params(at, at),
+                    },
+                    t0,
+                );
+            }
+        }
+        c.handle(Event::Applied, t0);
+        let acts = c.handle(Event::StepRequested, t0);
+        let steps: Vec<(ShardId, u64)> = acts
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { shard, step, .. } => Some((*shard, *step)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(steps, vec![(0, 5), (1, 6)], "{acts:?}");
     }
 
     #[test]

@@ -304,11 +304,14 @@ impl Comm {
                 data.batch, cfg.data.batch_size
             )));
         }
-        let settings = ClientSettings::new(
-            route.clone(),
-            dialer.connect_timeout,
-            dialer.request_timeout,
-        );
+        let settings = ClientSettings {
+            one_step: cfg.server.mode == ps_shared::config::SyncMode::Bsp,
+            ..ClientSettings::new(
+                route.clone(),
+                dialer.connect_timeout,
+                dialer.request_timeout,
+            )
+        };
         Ok(Self {
             rank,
             data,

@@ -15,7 +15,12 @@
 #                                           candle-nn, trained through the
 #                                           library API (examples/src/bin/
 #                                           custom-cnn.rs, configs/custom-cnn.toml)
-#        scripts/local-cluster.sh --colocated [--mnist|--mnist-cnn|--custom-cnn]
+#        scripts/local-cluster.sh --gpt     a small GPT written in candle-nn,
+#                                           trained through the library API on
+#                                           the byte tokens of the docs
+#                                           (examples/src/bin/tiny-gpt.rs,
+#                                           configs/tiny-gpt.toml; docs/gpt.md)
+#        scripts/local-cluster.sh --colocated [--mnist|--mnist-cnn|--custom-cnn|--gpt]
 #                                           colocated shards: one ps-server
 #                                           per worker (server i beside worker
 #                                           i, one shard each), the layout for
@@ -38,6 +43,7 @@ while [[ $# -gt 0 ]]; do
         --mnist) dataset=mnist; config=configs/mnist.toml ;;
         --mnist-cnn) dataset=mnist; config=configs/mnist-cnn.toml ;;
         --custom-cnn) dataset=mnist; config=configs/custom-cnn.toml; program=custom-cnn ;;
+        --gpt) dataset=text; config=configs/tiny-gpt.toml; program=tiny-gpt ;;
         --colocated) colocated=1 ;;
         -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) echo "local-cluster: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -56,6 +62,12 @@ echo "==> preparing the $dataset dataset"
 if [[ $dataset == synthetic ]]; then
     [[ -f data/synthetic/manifest.json ]] ||
         "$bin/ps-worker" dataset synthetic --out file://data/synthetic
+elif [[ $dataset == text ]]; then
+    # The project's documentation as a small corpus of byte tokens.
+    text_in=(--in README.md)
+    for f in docs/*.md; do [[ -f $f ]] && text_in+=(--in "$f"); done
+    [[ -f data/text64/manifest.json ]] ||
+        "$bin/ps-worker" dataset text "${text_in[@]}" --tokenizer bytes --seq-len 64 --out file://data/text64
 else
     [[ -f data/mnist/manifest.json ]] || {
         scripts/fetch-mnist.sh data/mnist_5k.csv.gz

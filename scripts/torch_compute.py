@@ -24,6 +24,9 @@ import time
 
 import torch
 
+# The GPT preset's torch twin (the same module gpt_torch.rs's fixture comes from).
+from torch_gpt import Gpt
+
 nn = torch.nn
 
 DENSITY = 0.01
@@ -97,6 +100,9 @@ BUILDERS = {
     "cnn16": (lambda: cnn(1, 16, [16, 32], [], 10), (1, 16, 16)),
     "resnet20": (lambda: resnet([16, 32, 64], 3, [1, 2, 2], 1.0, 10), (3, 32, 32)),
     "resnet18": (lambda: resnet([64, 128, 256, 512], 2, [1, 2, 2, 2], 0.5, 10), (3, 32, 32)),
+    # The GPT preset's shape (bench-compute's `gpt`): vocab 256, context
+    # 128, d_model 256, 4 layers, 4 heads; inputs are token windows.
+    "gpt": (lambda: Gpt(256, 128, 256, 4, 4), None),
 }
 
 
@@ -106,9 +112,16 @@ class Bench:
         torch.manual_seed(1)
         self.model = build()
         self.model.train()
-        self.x = torch.randn(batch, *shape)
-        self.y = torch.randint(0, 10, (batch,))
-        self.loss_fn = nn.CrossEntropyLoss()
+        if shape is None:
+            # A language model: `batch` windows of seq_len + 1 tokens.
+            vocab, seq_len = self.model.wte.num_embeddings, self.model.wpe.num_embeddings
+            tokens = torch.randint(0, vocab, (batch, seq_len + 1))
+            self.forward_loss = lambda: self.model.loss(tokens)
+        else:
+            x = torch.randn(batch, *shape)
+            y = torch.randint(0, 10, (batch,))
+            loss_fn = nn.CrossEntropyLoss()
+            self.forward_loss = lambda: loss_fn(self.model(x), y)
         self.params = sum(p.numel() for p in self.model.parameters())
         self.k = max(1, round(DENSITY * self.params))
         self.u = torch.zeros(self.params)
@@ -118,7 +131,7 @@ class Bench:
         """Milliseconds of forward + backward, and of the compression after it."""
         t0 = time.perf_counter()
         self.model.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(self.x), self.y)
+        loss = self.forward_loss()
         loss.backward()
         t1 = time.perf_counter()
         with torch.no_grad():

@@ -46,7 +46,8 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::VarMap;
 use clap::Parser;
 
-use ps_dataset::Batch;
+/// A batch as the loss and evaluation closures of [`CustomModel::new`] get it.
+pub use ps_dataset::Batch;
 use ps_shared::cli::{init_logging, EXIT_CODES_HELP};
 use ps_shared::config::{ClusterConfig, TensorSpec};
 

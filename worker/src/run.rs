@@ -309,6 +309,10 @@ pub struct EpochReport {
     /// Loss on the test split at the epoch's end.
     pub test_loss: f32,
     pub test_accuracy: f32,
+    /// `exp(test_loss)`, the perplexity of the mean per-token test loss, for
+    /// models trained on a text dataset; `null` (an empty CSV cell) for
+    /// other datasets and when there is no test split.
+    pub test_perplexity: Option<f32>,
     pub data_wait_s: f64,
     pub compute_s: f64,
     pub comm_s: f64,
@@ -411,6 +415,8 @@ pub struct EvalPoint {
     pub train_s: f64,
     pub test_accuracy: f32,
     pub test_loss: f32,
+    /// `exp(test_loss)` on a text dataset, `null` otherwise.
+    pub test_perplexity: Option<f32>,
     /// Application bytes this worker pushed and pulled up to here.
     pub bytes_pushed: u64,
     pub bytes_pulled: u64,
@@ -877,6 +883,7 @@ async fn run_rank(
             start_step,
             plan,
             num_params,
+            text: manifest.text.is_some(),
         };
         let mut report = train(cfg, &opts, &trainer, test, run).await?;
         // The loader has stopped (its tasks are finished or aborted): no
@@ -910,6 +917,8 @@ struct Run {
     start_step: u64,
     plan: RankPlan,
     num_params: usize,
+    /// The dataset is text (evaluations report the perplexity).
+    text: bool,
 }
 
 async fn train(
@@ -929,6 +938,7 @@ async fn train(
         start_step,
         plan,
         num_params,
+        text,
     } = run;
     let mut loader = loader;
     // The start-up reads go into the first epoch this worker reports.
@@ -968,6 +978,7 @@ async fn train(
         } else {
             0
         },
+        text,
     );
     let max_steps = cfg.training.max_steps;
     let mut stopping = max_steps_reached(max_steps, step).then_some(StopReason::MaxSteps);
@@ -998,7 +1009,14 @@ async fn train(
         if finished_epoch {
             let tested = evals.at(step, trainer, &test).await?;
             acc.lr = cfg.optimizer.lr_at(step.saturating_sub(1));
-            let mut report = close_epoch(rank, epoch, cfg.cluster.workers as u32, &mut acc, tested);
+            let mut report = close_epoch(
+                rank,
+                epoch,
+                cfg.cluster.workers as u32,
+                &mut acc,
+                tested,
+                evals.text,
+            );
             if stopping.is_none() && evals.reached_target() {
                 stopping = Some(StopReason::TargetAccuracy);
             }
@@ -1287,6 +1305,14 @@ pub fn accuracy_text(accuracy: f32, decimals: usize) -> String {
 fn epoch_line(r: &EpochReport, epochs: u64) -> String {
     let test = if r.test_accuracy.is_nan() {
         accuracy_text(r.test_accuracy, 1)
+    } else if let Some(ppl) = r.test_perplexity {
+        // Text models: the perplexity says more than next-token accuracy
+        // (which stays in the JSONL and CSV).
+        format!(
+            "test_loss {} ppl {}",
+            short_loss(r.test_loss),
+            short_ppl(ppl)
+        )
     } else {
         format!(
             "test_loss {} acc {}",
@@ -1315,6 +1341,21 @@ fn short_loss(v: f32) -> String {
     }
 }
 
+/// The perplexity of a mean per-token loss, `exp(loss)`; `None` when
+/// there was no evaluation (a NaN loss).
+pub fn perplexity(loss: f32) -> Option<f32> {
+    (!loss.is_nan()).then(|| loss.exp())
+}
+
+/// A perplexity in at most 6 characters (`3.142`, `12.35`, `4512`, `2.3e9`).
+fn short_ppl(v: f32) -> String {
+    if v < 100_000.0 {
+        short_loss(v)
+    } else {
+        format!("{v:.1e}")
+    }
+}
+
 /// Seconds in at most 4 characters below 1000 hours (`0.4s`, `35s`, `20m`, `14h`).
 fn short_secs(s: f64) -> String {
     match s {
@@ -1339,6 +1380,7 @@ fn close_epoch(
     workers: u32,
     acc: &mut EpochAcc,
     (test_loss, test_accuracy): (f32, f32),
+    text: bool,
 ) -> EpochReport {
     let a = std::mem::take(acc);
     let steps = a.steps.max(1);
@@ -1349,6 +1391,7 @@ fn close_epoch(
         train_loss: (a.loss_sum / steps as f64) as f32,
         test_loss,
         test_accuracy,
+        test_perplexity: if text { perplexity(test_loss) } else { None },
         data_wait_s: a.wait.as_secs_f64(),
         compute_s: a.compute.as_secs_f64(),
         comm_s: a.comm.as_secs_f64(),
@@ -1394,13 +1437,16 @@ struct Evals {
     /// evaluation; `keep` is 0 for models without batch norm.
     recent: VecDeque<Arc<ps_dataset::Batch>>,
     keep: usize,
+    /// The dataset is text: evaluations report the perplexity too.
+    text: bool,
 }
 
 impl Evals {
     /// Evaluations every `every` steps (0: at epoch ends) towards `target`,
     /// keeping the last `keep` training batches for batch-norm calibration.
-    fn new(every: u64, target: f32, keep: usize) -> Self {
+    fn new(every: u64, target: f32, keep: usize, text: bool) -> Self {
         Self {
+            text,
             every,
             target,
             points: Vec::new(),
@@ -1453,6 +1499,11 @@ impl Evals {
             train_s,
             test_accuracy,
             test_loss,
+            test_perplexity: if self.text {
+                perplexity(test_loss)
+            } else {
+                None
+            },
             bytes_pushed: self.pushed,
             bytes_pulled: self.pulled,
         });
@@ -1666,7 +1717,7 @@ mod tests {
     }
 
     fn evals(keep: usize) -> Evals {
-        Evals::new(0, 0.0, keep)
+        Evals::new(0, 0.0, keep, false)
     }
 
     /// A report with every figure at a large but possible value.
@@ -1683,7 +1734,7 @@ mod tests {
             round_trips: u64::MAX,
             ..EpochAcc::default()
         };
-        let mut r = close_epoch(999, 999, 1000, &mut acc, (12.345_678, 1.0));
+        let mut r = close_epoch(999, 999, 1000, &mut acc, (12.345_678, 1.0), false);
         r.bucket_gets = u64::MAX;
         r.bucket_cost_usd = 123_456.789;
         r
@@ -1748,6 +1799,56 @@ mod tests {
     }
 
     #[test]
+    fn text_models_report_the_perplexity_of_the_test_loss() {
+        let mut acc = EpochAcc {
+            steps: 2,
+            loss_sum: 2.0 * 2.5,
+            ..EpochAcc::default()
+        };
+        let r = close_epoch(0, 0, 1, &mut acc, (2.0, 0.25), true);
+        let ppl = r.test_perplexity.expect("a text model has a perplexity");
+        assert!((ppl - 2.0f32.exp()).abs() < 1e-5, "{ppl}");
+        let line = epoch_line(&r, 3);
+        assert!(line.contains("test_loss 2.000 ppl 7.389 wait"), "{line}");
+        // The largest loss of `large_report` still fits the line.
+        let mut big = large_report();
+        big.test_perplexity = perplexity(big.test_loss);
+        let line = epoch_line(&big, 1000);
+        assert!(line.contains("test_loss 12.35 ppl 2.3e5 "), "{line}");
+        assert!(line.chars().count() <= 100, "{line}");
+        // Other datasets and runs without a test split have none.
+        assert_eq!(large_report().test_perplexity, None);
+        let mut acc = EpochAcc::default();
+        let none = close_epoch(0, 0, 1, &mut acc, (f32::NAN, f32::NAN), true);
+        assert_eq!(none.test_perplexity, None);
+        // In the metrics: a number for text, null / an empty cell otherwise.
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = ClusterConfig::default();
+        cfg.training.metrics_dir = dir.path().join("runs").display().to_string();
+        let mut files = open_metrics(&cfg, 0).unwrap();
+        write_metrics(&mut files, &r).unwrap();
+        write_metrics(&mut files, &large_report()).unwrap();
+        drop(files);
+        let jsonl = std::fs::read_to_string(dir.path().join("runs/worker-0.jsonl")).unwrap();
+        let records: Vec<serde_json::Value> = jsonl
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let text_ppl = records[0]["test_perplexity"].as_f64().unwrap();
+        assert!((text_ppl - 2.0f64.exp()).abs() < 1e-4, "{text_ppl}");
+        assert!(records[1]["test_perplexity"].is_null(), "{}", records[1]);
+        let csv = std::fs::read_to_string(dir.path().join("runs/worker-0.csv")).unwrap();
+        let rows: Vec<Vec<&str>> = csv.lines().map(|l| l.split(',').collect()).collect();
+        let col = rows[0]
+            .iter()
+            .position(|h| *h == "test_perplexity")
+            .unwrap();
+        assert_eq!(rows[0][col - 1], "test_accuracy");
+        assert!(rows[1][col].parse::<f32>().is_ok(), "{:?}", rows[1]);
+        assert_eq!(rows[2][col], "");
+    }
+
+    #[test]
     fn metrics_files_agree_on_epochs_columns_and_f32_digits() {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = ClusterConfig::default();
@@ -1759,7 +1860,7 @@ mod tests {
                 loss_sum: 3.0 * 0.613_333_34,
                 ..EpochAcc::default()
             };
-            let r = close_epoch(7, epoch, 2, &mut acc, (0.5, 0.613_333_34));
+            let r = close_epoch(7, epoch, 2, &mut acc, (0.5, 0.613_333_34), false);
             write_metrics(&mut files, &r).unwrap();
         }
         drop(files);
@@ -1782,7 +1883,7 @@ mod tests {
         assert_eq!(rows.len(), 3, "{csv}");
         let header: Vec<&str> = rows[0].split(',').collect();
         assert_eq!(
-            header[..10],
+            header[..11],
             [
                 "epoch",
                 "rank",
@@ -1791,6 +1892,7 @@ mod tests {
                 "train_loss",
                 "test_loss",
                 "test_accuracy",
+                "test_perplexity",
                 "data_wait_s",
                 "compute_s",
                 "comm_s"

@@ -31,7 +31,11 @@
 //! target/release/bench-compute --python venv/bin/python
 //! target/release/bench-compute --model resnet20 --batch 32 --threads 1 --python venv/bin/python
 //! target/release/bench-compute --model mlp --only-worker --rounds 3
+//! target/release/bench-compute --model gpt --batch 16 --rounds 3 --python venv/bin/python
 //! ```
+//!
+//! The `gpt` row's batch is windows of random tokens (cross-entropy over
+//! every position); its torch side is `scripts/torch_gpt.py`'s model.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -63,10 +67,21 @@ enum Net {
     Resnet20,
     /// ResNet-18 (CIFAR stem) at width 0.5, 3x32x32, 10 classes.
     Resnet18,
+    /// The GPT preset: vocabulary 256, context 128, d_model 256, 4 layers,
+    /// 4 heads (3.2M parameters); a batch is that many windows of random
+    /// tokens (run it with e.g. `--batch 16`).
+    Gpt,
 }
 
 impl Net {
-    const ALL: [Net; 5] = [Net::Mlp, Net::Cnn, Net::Cnn16, Net::Resnet20, Net::Resnet18];
+    const ALL: [Net; 6] = [
+        Net::Mlp,
+        Net::Cnn,
+        Net::Cnn16,
+        Net::Resnet20,
+        Net::Resnet18,
+        Net::Gpt,
+    ];
 
     /// Name on the command line and in the torch script.
     fn name(self) -> &'static str {
@@ -76,6 +91,7 @@ impl Net {
             Net::Cnn16 => "cnn16",
             Net::Resnet20 => "resnet20",
             Net::Resnet18 => "resnet18",
+            Net::Gpt => "gpt",
         }
     }
 
@@ -86,6 +102,7 @@ impl Net {
             Net::Cnn16 => "CNN 16x16 c16-c32",
             Net::Resnet20 => "ResNet-20 w1",
             Net::Resnet18 => "ResNet-18 w0.5",
+            Net::Gpt => "GPT d256 L4 H4 T128",
         }
     }
 
@@ -94,7 +111,7 @@ impl Net {
         match self {
             Net::Mlp => 1.0,
             Net::Cnn | Net::Cnn16 => 1.2,
-            Net::Resnet20 => 1.3,
+            Net::Resnet20 | Net::Gpt => 1.3,
             Net::Resnet18 => 1.5,
         }
     }
@@ -137,6 +154,7 @@ impl Net {
             },
             Net::Resnet20 => image(ModelKind::Resnet20, 1.0),
             Net::Resnet18 => image(ModelKind::Resnet18, 0.5),
+            Net::Gpt => ps_worker::gpt::gpt_spec(256, 128, 256, 4, 4),
         }
     }
 
@@ -209,14 +227,18 @@ struct Bench {
 impl Bench {
     fn new(net: Net, batch: usize) -> anyhow::Result<Bench> {
         let spec = net.spec();
-        let (train, _) = synthetic(&SyntheticSpec {
-            train: batch,
-            test: 0,
-            features: spec.input,
-            classes: spec.classes,
-            ..SyntheticSpec::default()
-        });
-        let batch = Batch::from_samples(&train, spec.input);
+        let batch = if spec.kind == ModelKind::Gpt {
+            ps_worker::gpt::random_batch(&spec.gpt, batch, 1)
+        } else {
+            let (train, _) = synthetic(&SyntheticSpec {
+                train: batch,
+                test: 0,
+                features: spec.input,
+                classes: spec.classes,
+                ..SyntheticSpec::default()
+            });
+            Batch::from_samples(&train, spec.input)
+        };
         let model = Model::new(&spec, candle_core::Device::Cpu, 1)
             .with_context(|| format!("building {}", net.label()))?;
         let p = model.num_params();

@@ -32,7 +32,11 @@ fn shipped_configs() -> Vec<(PathBuf, toml::Table)> {
         }
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
-    assert!(out.len() >= 8, "too few configs in {}: {out:?}", dir.display());
+    assert!(
+        out.len() >= 8,
+        "too few configs in {}: {out:?}",
+        dir.display()
+    );
     out
 }
 
@@ -59,7 +63,11 @@ fn default_paths() -> BTreeSet<String> {
     let mut paths = BTreeSet::new();
     field_paths(&defaults, "", &mut paths);
     // Sanity: the walk reaches the nested sections.
-    for nested in ["model.gpt.vocab", "data.augment.pad", "optimizer.schedule.kind"] {
+    for nested in [
+        "model.gpt.vocab",
+        "data.augment.pad",
+        "optimizer.schedule.kind",
+    ] {
         assert!(paths.contains(nested), "{nested} not in {paths:?}");
     }
     paths
@@ -167,7 +175,8 @@ fn every_layer_type_and_field_is_in_a_shipped_config() {
 #[test]
 fn reference_config_names_every_field_at_its_default_with_a_comment() {
     let path = repo().join("configs/reference.toml");
-    let reference = ClusterConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let reference =
+        ClusterConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     assert!(
         reference == ClusterConfig::default(),
         "configs/reference.toml differs from the defaults: it must show each field at its default"
@@ -177,7 +186,10 @@ fn reference_config_names_every_field_at_its_default_with_a_comment() {
     let mut named = BTreeSet::new();
     field_paths(&table, "", &mut named);
     let missing: Vec<_> = default_paths().difference(&named).cloned().collect();
-    assert!(missing.is_empty(), "configs/reference.toml lacks {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "configs/reference.toml lacks {missing:?}"
+    );
 
     // Each `key = value` line carries its own comment.
     let mut section = String::new();
@@ -187,7 +199,12 @@ fn reference_config_names_every_field_at_its_default_with_a_comment() {
             continue;
         }
         if line.starts_with('[') {
-            section = line.split(']').next().unwrap_or("").trim_start_matches('[').to_string();
+            section = line
+                .split(']')
+                .next()
+                .unwrap_or("")
+                .trim_start_matches('[')
+                .to_string();
             continue;
         }
         let key = line.split('=').next().unwrap_or("").trim();

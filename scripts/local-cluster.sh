@@ -24,7 +24,7 @@
 #                                           colocated shards: one ps-server
 #                                           per worker (server i beside worker
 #                                           i, one shard each), the layout for
-#                                           cloud VMs that run both (README,
+#                                           cloud VMs that run both (docs/deploy.md,
 #                                           "Topologies"); the config is the
 #                                           chosen one with cluster.servers and
 #                                           shards_per_server rewritten, saved

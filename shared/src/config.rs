@@ -184,8 +184,8 @@ pub struct ClusterSection {
     pub shards_per_server: usize,
     /// Number of workers; ranks are `0..workers`. BSP waits for all of them.
     /// The sample order is split across this many workers; a run resumed
-    /// from a checkpoint may use another count (see the README, "Changing
-    /// the worker count").
+    /// from a checkpoint may use another count (see docs/failures.md,
+    /// "Changing the worker count").
     pub workers: usize,
     /// Largest number of workers an `asp` or `ssp` job admits while it runs:
     /// ranks `workers..max_workers` may join beyond the starting count. 0

@@ -341,34 +341,43 @@ pub fn mnist_csv() -> Option<std::path::PathBuf> {
 }
 
 /// The `ps-server` binary of the build the calling test belongs to (for
-/// tests that run a real server process).
+/// tests that run a real server process); see [`profile_binary`].
+pub fn server_binary() -> std::path::PathBuf {
+    profile_binary("ps-server")
+}
+
+/// The binary `name` (ps-server, ps-worker) of the build the calling test
+/// belongs to.
 ///
 /// Cargo builds a package's binaries only for that package's own
 /// integration tests (`CARGO_BIN_EXE_<name>`), never for a package that
 /// depends on it, and artifact dependencies are not stable. ps-tests
-/// depends on the ps-server library; the ps-server binary comes from the
-/// ps-server package's own integration test (`server/tests/cli.rs`), which
-/// makes `cargo test --workspace` (and `cargo test -p ps-server`) build it
-/// into the target profile directory this test runs from:
-/// `<target>/<profile>/deps/<test>-<hash>` next to `<target>/<profile>/ps-server`.
-/// Running cargo from inside the test instead would rebuild with the test's
-/// environment (cargo fingerprints depend on it) and contend with the outer
-/// build. So the test takes that binary, and refuses it when it is missing
-/// or older than a source file it was built from (its dep-info file
-/// `ps-server.d` lists them), rather than test stale code.
-pub fn server_binary() -> std::path::PathBuf {
+/// depends on the ps-server and ps-worker libraries; their binaries come
+/// from those packages' own integration tests (`server/tests/cli.rs`,
+/// `worker/tests/exits.rs`), which make `cargo test --workspace` (and
+/// `cargo test -p ps-server -p ps-worker`) build them into the target
+/// profile directory this test runs from: `<target>/<profile>/deps/<test>-<hash>`
+/// next to `<target>/<profile>/<name>`. Running cargo from inside the test
+/// instead would rebuild with the test's environment (cargo fingerprints
+/// depend on it) and contend with the outer build. So the test takes that
+/// binary, and refuses it when it is missing or older than a source file it
+/// was built from (its dep-info file `<name>.d` lists them), rather than
+/// test stale code.
+pub fn profile_binary(name: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("the test executable's path");
     let profile_dir = exe
         .parent()
         .and_then(std::path::Path::parent)
         .expect("the test runs from <target>/<profile>/deps");
-    let bin = profile_dir.join("ps-server");
-    let hint = "build it with `cargo build -p ps-server` in the same profile \
-                (`cargo test --workspace` builds it)";
+    let bin = profile_dir.join(name);
+    let hint = format!(
+        "build it with `cargo build -p {name}` in the same profile \
+         (`cargo test --workspace` builds it)"
+    );
     let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
         .unwrap_or_else(|e| panic!("{}: {e}; {hint}", bin.display()));
-    let deps = std::fs::read_to_string(profile_dir.join("ps-server.d")).unwrap_or_default();
+    let deps = std::fs::read_to_string(profile_dir.join(format!("{name}.d"))).unwrap_or_default();
     let sources = deps.split_once(": ").map(|(_, s)| s).unwrap_or("");
     for source in sources.split_whitespace() {
         let changed = std::fs::metadata(source)

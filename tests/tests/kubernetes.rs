@@ -21,7 +21,7 @@
 //!   `parallelism`, the Job is Indexed, and the worker's rank comes from
 //!   `JOB_COMPLETION_INDEX`;
 //! * every Secret and ConfigMap a pod refers to is defined, or named in the
-//!   README's list of Secrets the user creates;
+//!   list of Secrets the user creates (docs/deploy.md);
 //! * every image is the one the Dockerfile and docker-compose.yml build
 //!   (`stratus`, any tag);
 //! * the PodDisruptionBudget selects the server pods and no worker pod;
@@ -40,7 +40,7 @@ const WORKER_JOB: &str = "ps-worker";
 const GPU: &str = "nvidia.com/gpu";
 const INDEX_ANNOTATION: &str = "metadata.annotations['batch.kubernetes.io/job-completion-index']";
 const POD_INDEX_LABEL: &str = "metadata.labels['apps.kubernetes.io/pod-index']";
-/// The README section that lists the Secrets the user creates.
+/// The section of docs/deploy.md that lists the Secrets the user creates.
 const USER_SECRETS_HEADING: &str = "### Secrets you create";
 
 fn repo() -> PathBuf {
@@ -340,7 +340,7 @@ fn build(dir: &Path) -> Result<Vec<Value>, String> {
 struct Context {
     /// The image repository the Dockerfile and docker-compose.yml build.
     image: String,
-    /// The README's list of Secrets the user creates.
+    /// The list of Secrets the user creates (docs/deploy.md).
     user_secrets: String,
 }
 
@@ -356,10 +356,10 @@ impl Context {
             .split_once(":-")
             .and_then(|(_, rest)| rest.strip_suffix('}'))
             .unwrap_or(image);
-        let readme = read(&repo().join("README.md"));
+        let readme = read(&repo().join("docs/deploy.md"));
         let start = readme
             .find(USER_SECRETS_HEADING)
-            .unwrap_or_else(|| panic!("README.md has no `{USER_SECRETS_HEADING}` section"));
+            .unwrap_or_else(|| panic!("docs/deploy.md has no `{USER_SECRETS_HEADING}` section"));
         let rest = &readme[start + USER_SECRETS_HEADING.len()..];
         let end = rest.find("\n#").unwrap_or(rest.len());
         Self {
@@ -680,7 +680,7 @@ fn check(objects: &[Value], ctx: &Context) -> Vec<String> {
             let user_made = k == "Secret" && ctx.user_secrets.contains(&format!("`{n}`"));
             if !(defined || user_made) {
                 fail(format!(
-                    "{} {} refers to {k} {n}, which is neither defined nor in the README's list `{USER_SECRETS_HEADING}`",
+                    "{} {} refers to {k} {n}, which is neither defined nor in the list `{USER_SECRETS_HEADING}` of docs/deploy.md",
                     kind(o),
                     name(o)
                 ));

@@ -769,8 +769,8 @@ async fn run_rank(
         )));
     }
     // Ranks beyond the starting count (asp/ssp with cluster.max_workers)
-    // take the part of rank `rank % workers`: see the README, "Changing the
-    // worker count".
+    // take the part of rank `rank % workers`: see docs/failures.md, "Changing
+    // the worker count".
     let sampler = EpochSampler::new(
         manifest.train.num_samples,
         world,

@@ -25,7 +25,7 @@
 #                                           shards_per_server rewritten, saved
 #                                           as runs/colocated.toml
 # Logs and per-epoch metrics land in runs/, and charts of the metrics
-# (`ps-worker plot runs`) in runs/plots/.
+# (`ps-data plot runs`) in runs/plots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,8 +45,8 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-echo "==> building ps-server and ps-worker${program:+ and $program} (release)"
-cargo build --release --bin ps-server --bin ps-worker ${program:+--bin "$program"}
+echo "==> building ps-server, ps-worker and ps-data${program:+ and $program} (release)"
+cargo build --release --bin ps-server --bin ps-worker --bin ps-data ${program:+--bin "$program"}
 bin=target/release
 # The workers: ps-worker train, or a program that brings its own model
 # (same flags, no subcommand).
@@ -55,11 +55,11 @@ if [[ -n $program ]]; then worker=("$bin/$program"); else worker=("$bin/ps-worke
 echo "==> preparing the $dataset dataset"
 if [[ $dataset == synthetic ]]; then
     [[ -f data/synthetic/manifest.json ]] ||
-        "$bin/ps-worker" dataset synthetic --out file://data/synthetic
+        "$bin/ps-data" synthetic --out file://data/synthetic
 else
     [[ -f data/mnist/manifest.json ]] || {
         scripts/fetch-mnist.sh data/mnist_5k.csv.gz
-        "$bin/ps-worker" dataset mnist --csv data/mnist_5k.csv.gz --out file://data/mnist
+        "$bin/ps-data" mnist --csv data/mnist_5k.csv.gz --out file://data/mnist
     }
 fi
 
@@ -126,5 +126,5 @@ metrics_dir=$("$bin/ps-worker" --config "$config" show-config |
     sed -n 's/^metrics_dir = "\(.*\)".*/\1/p' | head -n 1)
 if [[ -n "$metrics_dir" ]]; then
     echo "==> charts of the per-epoch metrics ($metrics_dir/worker-*.jsonl):"
-    "$bin/ps-worker" plot "$metrics_dir" | sed 's/^/  /'
+    "$bin/ps-data" plot "$metrics_dir" | sed 's/^/  /'
 fi

@@ -1,10 +1,12 @@
-# Stratus container image: ps-server and ps-worker on a slim Debian runtime.
+# Stratus container image: ps-server, ps-worker and the data tool ps-data on a
+# slim Debian runtime.
 #
 #   docker build -t stratus:latest .
 #   docker run --rm stratus:latest ps-worker --help
 #
-# The build stage compiles both binaries in release mode from the locked
-# dependency set; the runtime stage holds only the binaries, the configs and
+# The build stage compiles the binaries in release mode from the locked
+# dependency set, dependencies first in a layer of their own (see below); the
+# runtime stage holds only the (stripped) binaries, the configs and
 # the system CA certificates (needed for https:// object stores such as S3).
 # It runs as the user stratus (uid 10001), who owns /stratus and its folders:
 # a named volume mounted on /stratus/certs or /stratus/ca starts with that
@@ -18,9 +20,36 @@ ARG DEBIAN_RELEASE=bookworm
 
 FROM rust:${RUST_VERSION}-slim-${DEBIAN_RELEASE} AS build
 WORKDIR /src
+# 1. The dependency layer: the manifests and the lockfile only, with stub
+#    sources (an empty lib.rs per crate and `fn main() {}` for each [[bin]]),
+#    so the dependencies are built once and stay cached until a manifest or
+#    Cargo.lock changes. The stubs are removed again.
+COPY Cargo.toml Cargo.lock ./
+COPY shared/Cargo.toml shared/
+COPY net/Cargo.toml net/
+COPY dataset/Cargo.toml dataset/
+COPY data/Cargo.toml data/
+COPY server/Cargo.toml server/
+COPY worker/Cargo.toml worker/
+COPY tests/Cargo.toml tests/
+COPY examples/Cargo.toml examples/
+ARG CRATES="shared net dataset data server worker tests examples"
+RUN set -eu; \
+    for dir in $CRATES; do \
+        mkdir -p "$dir/src"; : >"$dir/src/lib.rs"; \
+        sed -n 's/^path = "\(.*\)"$/\1/p' "$dir/Cargo.toml" | while read -r bin; do \
+            mkdir -p "$dir/$(dirname "$bin")"; echo 'fn main() {}' >"$dir/$bin"; \
+        done; \
+    done; \
+    cargo build --release --locked -p ps-server -p ps-worker -p ps-data; \
+    for dir in $CRATES; do rm -rf "$dir/src"; done
+# 2. The sources: only the workspace's own crates are compiled here. Their
+#    files are touched so that cargo sees them as newer than the stubs.
 COPY . .
-RUN cargo build --release --locked -p ps-server -p ps-worker \
-    && install -D -m 0755 -t /out target/release/ps-server target/release/ps-worker
+RUN find $CRATES -name '*.rs' -exec touch {} + \
+    && cargo build --release --locked -p ps-server -p ps-worker -p ps-data \
+    && install -D -s -m 0755 -t /out target/release/ps-server target/release/ps-worker \
+        target/release/ps-data
 
 FROM debian:${DEBIAN_RELEASE}-slim
 RUN apt-get update \
@@ -29,7 +58,7 @@ RUN apt-get update \
     && useradd --system --uid 10001 --user-group --home-dir /stratus stratus \
     && mkdir -p /stratus/configs /stratus/ca /stratus/certs /stratus/data /stratus/runs \
     && chown -R stratus:stratus /stratus
-COPY --from=build /out/ps-server /out/ps-worker /usr/local/bin/
+COPY --from=build /out/ps-server /out/ps-worker /out/ps-data /usr/local/bin/
 COPY configs/ /stratus/configs/
 WORKDIR /stratus
 USER stratus

@@ -231,14 +231,14 @@ py="$PWD/$venv/bin/python"
 torch_version=$("$py" -c 'import torch; print(torch.__version__)')
 
 # --- Binaries, data, certificates -------------------------------------------
-say "building ps-server and ps-worker (release)"
-cargo build --release -p ps-server -p ps-worker
+say "building ps-server, ps-worker and ps-data (release)"
+cargo build --release -p ps-server -p ps-worker -p ps-data
 bin="$PWD/target/release"
 
 rm -rf "$work/runs" "$work/data" "$work/certs"
 mkdir -p "$work/runs" "$work/configs"
 data="$PWD/$work/data/synthetic"
-"$bin/ps-worker" dataset synthetic --out "file://$data" --features 256 --classes 10 \
+"$bin/ps-data" synthetic --out "file://$data" --features 256 --classes 10 \
     --train "$train" --test "$test" --label-noise "$label_noise" >/dev/null
 
 # --- Network ------------------------------------------------------------------

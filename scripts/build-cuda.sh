@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the CUDA worker (`ps-worker --features cuda`, its `gpu-check` binary)
-# and ps-server, on any x86-64 Linux machine, with or without a GPU.
+# with ps-server and ps-data, on any x86-64 Linux machine, with or without a GPU.
 #
 # The CUDA toolkit comes from pinned PyPI wheels installed into a Python venv
 # (target/cuda-venv; made on the first run, reused after). CUDA 13.0, because
@@ -112,7 +112,7 @@ if [[ ! -e $sdk/lib/libcuda.so || $cuda/include/cuda.h -nt $sdk/lib/libcuda.so ]
     cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$sdk/lib/libcuda.so" "$sdk/cuda-stub.c"
 fi
 
-step="cargo build (ps-worker --features cuda, ps-server) into $target"
+step="cargo build (ps-worker --features cuda, ps-server, ps-data) into $target"
 export CUDA_HOME=$cuda CUDA_ROOT=$cuda CUDA_PATH=$cuda CUDA_TOOLKIT_ROOT_DIR=$sdk
 export NVCC=$cuda/bin/nvcc PATH=$cuda/bin:$PATH CUDA_COMPUTE_CAP=$cap
 export CUDAFORGE_THREADS=$jobs
@@ -120,18 +120,18 @@ export CARGO_TARGET_DIR=$target
 say "building; logs of nvcc appear as cargo warnings"
 start=$(date +%s)
 cargo build --release --jobs "$jobs" -p ps-worker --features cuda --bins
-cargo build --release --jobs "$jobs" -p ps-server
+cargo build --release --jobs "$jobs" -p ps-server -p ps-data
 step="check the binaries"
-for bin in ps-worker ps-server gpu-check; do
+for bin in ps-worker ps-server ps-data gpu-check; do
     [[ -x $target/release/$bin ]] || { echo "build-cuda: $target/release/$bin was not built" >&2; false; }
 done
 echo "$cap" >"$target/release/cuda-compute-cap"
 say "built in $(($(date +%s) - start)) s (compute capability $cap, CUDA $version):"
-ls -l "$target/release/ps-worker" "$target/release/ps-server" "$target/release/gpu-check"
+ls -l "$target/release/ps-worker" "$target/release/ps-server" "$target/release/ps-data" "$target/release/gpu-check"
 step="make the stripped bundle"
 bundle=$target/gpu-bundle
 mkdir -p "$bundle"
-for bin in ps-worker ps-server gpu-check; do
+for bin in ps-worker ps-server ps-data gpu-check; do
     strip -o "$bundle/$bin" "$target/release/$bin"
 done
 cp "$target/release/cuda-compute-cap" "$bundle/"

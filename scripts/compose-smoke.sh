@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Smoke test of docker-compose.yml that needs no registry: build statically
-# linked ps-server and ps-worker, put them in a FROM-scratch image
-# (Dockerfile.scratch, nothing is pulled), run the compose cluster (certs and
+# Smoke test of docker-compose.yml that needs no registry: take the release
+# binaries ps-server, ps-worker and ps-data that `scripts/test.sh` (cargo test
+# --release --workspace) builds, so after the test suite nothing is compiled
+# again, put them with the shared libraries they link (ldd) and the host's
+# dynamic loader in a FROM-scratch image (Dockerfile.scratch, nothing is
+# pulled), run the compose cluster (certs and
 # dataset one-shots, 2 servers, 2 workers) with an override that uses that
 # image, wait for the training run to finish, check that every container
 # exited 0, that `certs` wrote the cluster CA, the server certificate and the
@@ -86,36 +89,35 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# --- 1. static binaries -------------------------------------------------------
-triple=$(rustc -vV | sed -n 's/^host: //p')
-if [[ $triple != *-linux-gnu ]]; then
-    say "host target $triple is not *-linux-gnu; the static glibc build is not set up for it; skipping"
-    exit 0
-fi
-say "building static ps-server and ps-worker for $triple (release, crt-static)"
-RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --release --target "$triple" -p ps-server -p ps-worker
-bin="target/$triple/release"
-for b in ps-server ps-worker; do
-    desc=$(file -b "$bin/$b" 2>/dev/null || true)
-    linked=$(ldd "$bin/$b" 2>&1 || true)
-    if [[ $desc != *"statically linked"* && $desc != *"static-pie linked"* ]] ||
-        [[ $linked != *"statically linked"* && $linked != *"not a dynamic executable"* ]]; then
-        say "$bin/$b is not statically linked:" >&2
-        echo "  file: $desc" >&2
-        echo "  ldd:  $linked" >&2
-        exit 1
-    fi
+# --- 1. the release binaries -------------------------------------------------
+# The same command and features as scripts/test.sh, so after the test suite
+# this compiles nothing (a separate `cargo build -p ...` would resolve other
+# features and build most crates again).
+say "building (or reusing) the release binaries of cargo test --release --workspace"
+cargo test --release --workspace --no-run >"$work/build.log" 2>&1 || {
+    say "the release build failed; see $work/build.log" >&2
+    tail -n 20 "$work/build.log" >&2
+    exit 1
+}
+bin="${CARGO_TARGET_DIR:-target}/release"
+binaries=(ps-server ps-worker ps-data)
+for b in "${binaries[@]}"; do
+    [[ -x $bin/$b ]] || { say "$bin/$b was not built" >&2; exit 1; }
 done
-say "static: $(file -b "$bin/ps-worker" | cut -d, -f1-5)"
+# The shared libraries they link and the dynamic loader, by absolute path.
+libs=$(for b in "${binaries[@]}"; do ldd "$bin/$b"; done |
+    awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | sort -u)
+[[ -n $libs ]] || { say "ldd listed no libraries for $bin/ps-server" >&2; exit 1; }
 
 # --- 2. offline image ---------------------------------------------------------
 mkdir -p "$context/rootfs/usr/local/bin" "$context/rootfs/stratus/configs" \
     "$context/rootfs/stratus/ca" "$context/rootfs/stratus/certs" "$context/rootfs/stratus/data" \
     "$context/rootfs/stratus/runs" "$context/rootfs/tmp"
 chmod 1777 "$context/rootfs/tmp"
-cp "$bin/ps-server" "$bin/ps-worker" "$context/rootfs/usr/local/bin/"
+for b in "${binaries[@]}"; do cp "$bin/$b" "$context/rootfs/usr/local/bin/"; done
 strip "$context"/rootfs/usr/local/bin/* 2>/dev/null || true
+for lib in $libs; do cp -L --parents "$lib" "$context/rootfs/"; done
+say "image contents: ${binaries[*]}, $(wc -w <<<"$libs") libraries ($(tr '\n' ' ' <<<"$libs"))"
 cp configs/*.toml "$context/rootfs/stratus/configs/"
 cp Dockerfile.scratch "$context/Dockerfile"
 say "building image $image from scratch (no pulls)"
@@ -231,7 +233,7 @@ total_s=$(($(date +%s) - started))
 echo
 say "summary"
 echo "  compose tool:     ${compose_tool[*]} ($("${compose_tool[@]}" version --short 2>/dev/null || echo '?'))"
-echo "  image:            $image, $((size_bytes / 1000000)) MB (FROM scratch, static binaries)"
+echo "  image:            $image, $((size_bytes / 1000000)) MB (FROM scratch: the release binaries, their libraries and loader)"
 layout="separate network namespaces"
 [[ ${#files[@]} -gt 2 ]] && layout="colocated: worker i in server i's network namespace"
 echo "  cluster:          2 ps-server (1 shard each) + 2 ps-worker, configs/compose.toml ($layout)"

@@ -27,7 +27,7 @@
 #
 # Usage: scripts/gpu-check.sh [--bin DIR] [--python PYTHON] [--cuda-lib DIR]
 #            [--device cuda|cuda:N|cpu] [--quick] [--no-bench] [--no-cluster]
-#   --bin      directory of ps-worker, ps-server and gpu-check
+#   --bin      directory of ps-worker, ps-server, ps-data and gpu-check
 #              (default: $CUDA_TARGET_DIR/release, else target/cuda/release)
 #   --device   the device checked (cpu runs every part on the CPU, which
 #              exercises this script on a machine with no GPU)
@@ -58,7 +58,7 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 bin=$(cd "$bin" 2>/dev/null && pwd) || { echo "gpu-check: no directory $bin (run scripts/build-cuda.sh, or give --bin)" >&2; exit 2; }
-for b in ps-worker ps-server gpu-check; do
+for b in ps-worker ps-server ps-data gpu-check; do
     [[ -x $bin/$b ]] || { echo "gpu-check: $bin/$b is missing (run scripts/build-cuda.sh)" >&2; exit 2; }
 done
 say() { echo "gpu-check: $*" >&2; }
@@ -133,7 +133,7 @@ if [[ $cluster -eq 1 ]]; then
     status=0
     (
         cd "$c" || exit 1
-        "$bin/ps-worker" dataset synthetic --out file://data/synthetic >dataset.log 2>&1 &&
+        "$bin/ps-data" synthetic --out file://data/synthetic >dataset.log 2>&1 &&
             "$bin/ps-server" --config cluster.toml certs >certs.log 2>&1
     ) || status=$?
     if [[ $status -eq 0 ]]; then

@@ -30,7 +30,7 @@
 #                                           shards_per_server rewritten, saved
 #                                           as runs/colocated.toml
 # Logs and per-epoch metrics land in runs/, and charts of the metrics
-# (`ps-worker plot runs`) in runs/plots/.
+# (`ps-data plot runs`) in runs/plots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,8 +51,8 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 
-echo "==> building ps-server and ps-worker${program:+ and $program} (release)"
-cargo build --release --bin ps-server --bin ps-worker ${program:+--bin "$program"}
+echo "==> building ps-server, ps-worker and ps-data${program:+ and $program} (release)"
+cargo build --release --bin ps-server --bin ps-worker --bin ps-data ${program:+--bin "$program"}
 bin=target/release
 # The workers: ps-worker train, or a program that brings its own model
 # (same flags, no subcommand).
@@ -61,17 +61,17 @@ if [[ -n $program ]]; then worker=("$bin/$program"); else worker=("$bin/ps-worke
 echo "==> preparing the $dataset dataset"
 if [[ $dataset == synthetic ]]; then
     [[ -f data/synthetic/manifest.json ]] ||
-        "$bin/ps-worker" dataset synthetic --out file://data/synthetic
+        "$bin/ps-data" synthetic --out file://data/synthetic
 elif [[ $dataset == text ]]; then
     # The project's documentation as a small corpus of byte tokens.
     text_in=(--in README.md)
     for f in docs/*.md; do [[ -f $f ]] && text_in+=(--in "$f"); done
     [[ -f data/text64/manifest.json ]] ||
-        "$bin/ps-worker" dataset text "${text_in[@]}" --tokenizer bytes --seq-len 64 --out file://data/text64
+        "$bin/ps-data" text "${text_in[@]}" --tokenizer bytes --seq-len 64 --out file://data/text64
 else
     [[ -f data/mnist/manifest.json ]] || {
         scripts/fetch-mnist.sh data/mnist_5k.csv.gz
-        "$bin/ps-worker" dataset mnist --csv data/mnist_5k.csv.gz --out file://data/mnist
+        "$bin/ps-data" mnist --csv data/mnist_5k.csv.gz --out file://data/mnist
     }
 fi
 
@@ -138,5 +138,5 @@ metrics_dir=$("$bin/ps-worker" --config "$config" show-config |
     sed -n 's/^metrics_dir = "\(.*\)".*/\1/p' | head -n 1)
 if [[ -n "$metrics_dir" ]]; then
     echo "==> charts of the per-epoch metrics ($metrics_dir/worker-*.jsonl):"
-    "$bin/ps-worker" plot "$metrics_dir" | sed 's/^/  /'
+    "$bin/ps-data" plot "$metrics_dir" | sed 's/^/  /'
 fi

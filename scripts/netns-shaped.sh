@@ -62,12 +62,12 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 say "building ps-server and ps-worker (release)"
-cargo build --release --bin ps-server --bin ps-worker
+cargo build --release --bin ps-server --bin ps-worker --bin ps-data
 bin="$PWD/target/release"
 
 rm -rf "$work"
 mkdir -p "$work/runs"
-"$bin/ps-worker" dataset synthetic --out "file://$PWD/$work/data/synthetic" \
+"$bin/ps-data" synthetic --out "file://$PWD/$work/data/synthetic" \
     --train 4096 --test 1024 >/dev/null
 
 say "creating namespaces $ns_srv ($srv_ip) and $ns_wrk ($wrk_ip), veth shaped to $rate each way"

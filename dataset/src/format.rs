@@ -76,7 +76,7 @@ pub enum DatasetError {
     #[error("invalid dataset input: {0}")]
     Invalid(String),
     /// No manifest under the prefix.
-    #[error("no dataset at '{prefix}': {MANIFEST_NAME} not found; write one with `ps-worker dataset ...`")]
+    #[error("no dataset at '{prefix}': {MANIFEST_NAME} not found; write one with `ps-data ...`")]
     NotFound { prefix: String },
     /// The bucket (or Azure container) itself does not exist.
     #[error("bucket missing: {store} does not exist (reading {object}: {source})")]
@@ -251,7 +251,7 @@ pub struct Manifest {
     pub text: Option<TextInfo>,
 }
 
-/// How a text dataset was tokenized (`ps-worker dataset text`).
+/// How a text dataset was tokenized (`ps-data text`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TextInfo {
     /// Token ids lie in `0..vocab` (also the manifest's `classes`).
@@ -278,7 +278,7 @@ pub enum Normalization {
 }
 
 /// Where the encoded images of an image dataset lie, written once by
-/// `ps-worker dataset index` so that the loader can read any image with one
+/// `ps-data index` so that the loader can read any image with one
 /// range GET and knows every label without reading the data.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ImageIndex {

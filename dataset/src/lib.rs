@@ -18,9 +18,11 @@
 //! layouts) in the manifest, and the reader checks each record it reads
 //! against it; manifests written before checksums read unchecked.
 //!
-//! This crate also builds datasets: a learnable [`synthetic`] task, MNIST from
-//! CSV ([`read_mnist_csv`]) or IDX files ([`read_mnist_idx`]), and
-//! [`write_dataset`] to put either into a bucket. [`DatasetReader`] reads
+//! This crate also builds datasets: a learnable [`synthetic`] task and
+//! [`write_dataset`] to put it into a bucket; with the `tools` feature (on by
+//! default; the training worker turns it off) also MNIST from CSV or IDX
+//! files, the importers of CSV, NumPy, Parquet and text, and the image-set
+//! writer and indexer. [`DatasetReader`] reads
 //! samples back by global index for training, and [`open_bucket`] turns a
 //! bucket URL (`file://`, a plain path, `memory://`, `s3://`) into a store.
 //!
@@ -43,25 +45,36 @@
 
 mod format;
 pub mod image;
+#[cfg(feature = "tools")]
 mod imageset;
+#[cfg(feature = "tools")]
 mod import;
+#[cfg(feature = "tools")]
 mod index;
+#[cfg(feature = "tools")]
 mod mnist;
 mod plan;
 mod read;
 mod synthetic;
+#[cfg(feature = "tools")]
 mod text;
+#[cfg(feature = "tools")]
 pub mod webdataset;
 mod write;
 
 pub use format::*;
+#[cfg(feature = "tools")]
 pub use imageset::*;
+#[cfg(feature = "tools")]
 pub use import::*;
+#[cfg(feature = "tools")]
 pub use index::*;
+#[cfg(feature = "tools")]
 pub use mnist::*;
 pub use plan::*;
 pub use ps_shared::bucket::{open_bucket, BucketError};
 pub use read::*;
 pub use synthetic::*;
+#[cfg(feature = "tools")]
 pub use text::*;
 pub use write::*;

@@ -969,7 +969,7 @@ mod tests {
             msg.contains("nothing/here") && msg.contains("manifest.json not found"),
             "{msg}"
         );
-        assert!(msg.contains("ps-worker dataset"), "{msg}");
+        assert!(msg.contains("ps-data"), "{msg}");
     }
 
     #[tokio::test]

@@ -1,5 +1,5 @@
 //! Text datasets: plain text tokenized into windows of `seq_len + 1` token
-//! ids (`ps-worker dataset text`).
+//! ids (`ps-data text`).
 //!
 //! The files are read line by line (never whole) and tokenized either byte
 //! by byte (vocabulary 256) or by a `tokenizer.json` (the `tokenizers`
@@ -97,7 +97,7 @@ impl TextTokenizer {
     }
 }
 
-/// What `dataset text` writes.
+/// What `ps-data text` writes.
 pub struct TextOptions {
     pub train: Vec<PathBuf>,
     /// Separate test files; when empty, the last `test_fraction` of the

@@ -183,7 +183,7 @@ impl<'a> DatasetWriter<'a> {
     ) -> Result<Self, DatasetError> {
         if options.layout.is_images() {
             return Err(DatasetError::Invalid(format!(
-                "the record writer does not write the {} layout; images are packed with `ps-worker dataset images`",
+                "the record writer does not write the {} layout; images are packed with `ps-data images`",
                 options.layout
             )));
         }

@@ -1,4 +1,4 @@
-"""Read a Stratus dataset (what `ps-worker dataset ...` writes) with numpy.
+"""Read a Stratus dataset (what `ps-data ...` writes) with numpy.
 
 A dataset is a folder (a `file://` bucket prefix) holding `manifest.json` and
 the records of two splits, `train` and `test`. Every record is

@@ -16,7 +16,7 @@ use actix::prelude::*;
 use object_store::{path::Path as ObjectPath, ObjectStore};
 use tokio::sync::{oneshot, watch};
 
-use ps_shared::protocol::{encode_response, ErrorCode, Response, WireGrad};
+use ps_net::protocol::{encode_response, ErrorCode, Response, WireGrad};
 
 use crate::checkpoint::{save, ShardCheckpoint};
 use crate::core::{

@@ -37,7 +37,7 @@
 //! use std::time::{Duration, Instant};
 //! use ps_server::core::{Action, CoreSettings, Event, ShardCore, ShardSetup};
 //! use ps_shared::config::{OptimizerSection, SyncMode};
-//! use ps_shared::protocol::{Response, WireGrad, WireValues};
+//! use ps_net::protocol::{Response, WireGrad, WireValues};
 //!
 //! let rule = OptimizerSection { lr: 0.5, ..OptimizerSection::default() };
 //! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new() };
@@ -59,8 +59,8 @@ use std::hash::Hasher;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ps_net::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
-use ps_shared::protocol::{ErrorCode, ParamUpdate, Response, WireGrad, WireValues};
 
 use ps_shared::sparse::{topk_exact, SparseGrad};
 use rayon::prelude::*;

@@ -6,14 +6,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use ps_server::net::{ServerError, ServerExit};
-use ps_shared::cli::{
+use ps_net::cli::{
     describe_error, exit_code, init_logging, stop_signal, ExitCode, UsageError, EXIT_CODES_HELP,
 };
+use ps_net::pki::{ensure_cluster_pki, Existing, PkiPaths};
+use ps_net::transport::read_pem;
+use ps_net::transport::TransportError;
+use ps_server::net::{ServerError, ServerExit};
 use ps_shared::config::ClusterConfig;
-use ps_shared::pki::{ensure_cluster_pki, Existing, PkiPaths};
-use ps_shared::transport::read_pem;
-use ps_shared::transport::TransportError;
 
 /// Stratus parameter server: serves this process's shards of the flat
 /// parameter space to the workers over QUIC (TLS 1.3).
@@ -82,7 +82,7 @@ fn main() {
 }
 
 /// The server's part of the one mapping from errors to exit codes (see
-/// [`ps_shared::cli::exit_code`], which knows the shared error types).
+/// [`ps_net::cli::exit_code`], which knows the shared error types).
 fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
     if let Some(StoppedBy(name)) = e.downcast_ref::<StoppedBy>() {
         return Some(ExitCode::for_signal(name));
@@ -148,7 +148,7 @@ fn write_certs(
     cfg: &ClusterConfig,
     extra: &[String],
     existing: Existing,
-) -> anyhow::Result<ps_shared::pki::PkiReport> {
+) -> anyhow::Result<ps_net::pki::PkiReport> {
     let mut names = vec![
         cfg.tls.server_name.clone(),
         "localhost".to_string(),

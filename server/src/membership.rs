@@ -18,7 +18,7 @@
 //! let t0 = Instant::now();
 //! let mut m = Membership::new(MembershipSettings { workers: 1, ..MembershipSettings::default() }, t0);
 //! assert!(m.connection_opened(1, t0).is_ok());
-//! let hello = Hello { protocol_version: ps_shared::protocol::PROTOCOL_VERSION, token: "t0ken-123".into(), worker_rank: 0, workers: 1, workers_per_node: 1, num_params: 10, layout_hash: 7 };
+//! let hello = Hello { protocol_version: ps_net::protocol::PROTOCOL_VERSION, token: "t0ken-123".into(), worker_rank: 0, workers: 1, workers_per_node: 1, num_params: 10, layout_hash: 7 };
 //! let settings = MembershipSettings { workers: 1, token: "t0ken-123".into(), num_params: 10, layout_hash: 7, ..MembershipSettings::default() };
 //! let mut m = Membership::new(settings, t0);
 //! m.connection_opened(1, t0).unwrap();
@@ -30,8 +30,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
+use ps_net::protocol::{ErrorCode, PROTOCOL_VERSION};
 use ps_shared::link::Tokens;
-use ps_shared::protocol::{ErrorCode, PROTOCOL_VERSION};
 
 use crate::core::ConnId;
 

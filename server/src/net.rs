@@ -45,17 +45,17 @@ use actix::prelude::*;
 use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
 use tokio::sync::{oneshot, watch};
 
-use ps_shared::bucket::open_bucket;
-use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
-use ps_shared::protocol::{
+use ps_net::protocol::{
     close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
     MAX_HELLO_BYTES,
 };
-use ps_shared::sampler::Partition;
-use ps_shared::shard::ShardMap;
-use ps_shared::transport::{
+use ps_net::transport::{
     self, read_frame, read_frame_budgeted, write_frame, EndpointLimits, FrameBudget, TransportError,
 };
+use ps_shared::bucket::open_bucket;
+use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
+use ps_shared::sampler::Partition;
+use ps_shared::shard::ShardMap;
 
 use crate::actor::{
     CheckpointTarget, Deliver, GetCounters, GetStatus, MemberNews, Reply, ShardActor, ShardRequest,

@@ -1,7 +1,7 @@
 //! Data-plane configuration: the loader's prefetch and cache settings
 //! (`[loader]`), the bucket's prices used for the per-epoch cost estimate
 //! (`[cost]`), and the settings of a simulated slow bucket (the `[bucket]`
-//! section of a simulation file, see [`crate::simulate`]).
+//! section of a simulation file, see `ps_worker::simulate`).
 //!
 //! Cache capacities are a [`CacheSize`]: a byte count (`1073741824`,
 //! `"512MiB"`, `"2GB"`) or a fraction of the training split (`"25%"`), resolved

@@ -7,14 +7,14 @@ use std::sync::Arc;
 use futures::future::{FutureExt, LocalBoxFuture};
 use object_store::{memory::InMemory, path::Path, ObjectStore};
 use ps_dataset::{synthetic, write_dataset, SyntheticSpec};
+use ps_net::pki::{CertPair, ClusterCa};
 use ps_server::net::ServerTls;
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::pki::{CertPair, ClusterCa};
-use ps_shared::simulate::Simulation;
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{
     run_node_with, run_worker_with, ModelFactory, WorkerError, WorkerOptions, WorkerReport,
 };
+use ps_worker::simulate::Simulation;
 
 /// Prints the servers' and workers' tracing output when `RUST_LOG` is set
 /// (e.g. `RUST_LOG=ps_server=debug,ps_worker=info`); silent otherwise.
@@ -127,9 +127,9 @@ pub fn test_config(kind: CompressionKind, density: f64, epochs: u64) -> ClusterC
 }
 
 /// The Hello a worker of `cfg` with `rank` sends first.
-pub fn hello(cfg: &ClusterConfig, rank: u32) -> ps_shared::protocol::Request {
-    ps_shared::protocol::Request::Hello {
-        protocol_version: ps_shared::protocol::PROTOCOL_VERSION,
+pub fn hello(cfg: &ClusterConfig, rank: u32) -> ps_net::protocol::Request {
+    ps_net::protocol::Request::Hello {
+        protocol_version: ps_net::protocol::PROTOCOL_VERSION,
         token: cfg.cluster.token.clone(),
         worker_rank: rank,
         workers: cfg.cluster.workers as u32,

@@ -31,15 +31,14 @@ use anyhow::{anyhow, bail, Context as _};
 use serde::Serialize;
 use tokio::sync::watch;
 
+use ps_net::protocol::{
+    decode_request, decode_response, encode_request, ParamUpdate, Request, Response, WireGrad, WireValues, FRAME_HEADER_BYTES,
+};
 use ps_server::actor::{
     Deliver, GetCounters, MemberNews, ShardActor, ShardCounters, ShardRequest, Shutdown,
 };
 use ps_server::core::{CoreSettings, ShardCore, ShardSetup};
 use ps_shared::config::{OptimizerSection, SyncMode};
-use ps_shared::protocol::{
-    decode_request, decode_response, encode_request, ParamUpdate, Request, Response, WireGrad,
-    WireValues, FRAME_HEADER_BYTES,
-};
 use ps_shared::shard::ShardMap;
 
 /// Bytes per entry of the changed-index history a shard keeps per version.

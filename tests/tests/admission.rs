@@ -19,9 +19,9 @@ use quinn::Connection;
 use tokio::net::UdpSocket;
 use tokio::sync::watch;
 
+use ps_net::protocol::{ErrorCode, Response};
+use ps_net::transport::{self, EndpointLimits};
 use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::protocol::{ErrorCode, Response};
-use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{hello, server_binary, start_loopback_server, test_config, TestPki};
 
 const CONNECT: Duration = Duration::from_secs(10);
@@ -230,9 +230,9 @@ mod memory {
     use std::path::Path;
     use std::process::{Child, Command, Stdio};
 
+    use ps_net::pki::CertPair;
+    use ps_net::transport::{read_pem, PRE_HELLO_RECEIVE_WINDOW};
     use ps_shared::config::TOKEN_ENV;
-    use ps_shared::pki::CertPair;
-    use ps_shared::transport::{read_pem, PRE_HELLO_RECEIVE_WINDOW};
 
     const MIB: u64 = 1 << 20;
     /// Connections of the attack before Hello.
@@ -396,7 +396,7 @@ mod memory {
                 transport::read_frame(&mut recv, 1 << 20)
                     .await
                     .ok()
-                    .and_then(|p| ps_shared::protocol::decode_response(&p).ok())
+                    .and_then(|p| ps_net::protocol::decode_response(&p).ok())
             };
             let resp = tokio::select! {
                 _ = push => None,

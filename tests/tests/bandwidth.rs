@@ -16,10 +16,10 @@ use std::sync::Mutex;
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::link::LinkSection;
-use ps_shared::simulate::Simulation;
 use ps_shared::sparse::k_for_density;
 use ps_tests::{run_cluster_simulated, synthetic_bucket_blocking, test_config};
 use ps_worker::run::WorkerReport;
+use ps_worker::simulate::Simulation;
 
 /// Test accuracy every run must exceed (chance is 10%).
 const ACCURACY_BAR: f32 = 0.90;

@@ -5,12 +5,12 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, VarBuilder, VarMap};
 use ps_dataset::SyntheticSpec;
-use ps_shared::cli::{exit_code, ExitCode};
+use ps_net::cli::{exit_code, ExitCode};
 use ps_shared::config::{ClusterConfig, CompressionKind, ModelKind, TensorDecl};
-use ps_shared::simulate::Simulation;
 use ps_tests::{run_cluster_with_model, synthetic_bucket_blocking, test_config, TestPki};
 use ps_worker::api::{factory, named_vars, CustomModel, Phase};
 use ps_worker::run::{classify_exit, run_worker, run_worker_with, ModelFactory, WorkerError};
+use ps_worker::simulate::Simulation;
 
 /// Chance is 10%; the built-in MLP of the same shape passes 90% on this set
 /// (tests/cluster.rs).

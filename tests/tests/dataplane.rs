@@ -17,9 +17,9 @@ use ps_dataset::{
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::dataplane::{CacheSize, SimBucketSection};
 use ps_shared::sampler::{EpochSampler, Partition, SamplerError};
-use ps_shared::simstore::{SimSettings, SimStore};
-use ps_shared::simulate::Simulation;
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
+use ps_worker::simstore::{SimSettings, SimStore};
+use ps_worker::simulate::Simulation;
 
 const FEATURES: usize = 6;
 /// 4-byte label plus the features.
@@ -930,7 +930,7 @@ fn worker_run_reports_data_plane_metrics() {
     assert_eq!(left, vec![std::ffi::OsString::from("index.json")]);
 }
 
-/// `ps-worker plot` on a real run's metrics: a two-worker run writes its
+/// `ps-data plot` on a real run's metrics: a two-worker run writes its
 /// JSONL, and every chart drawn from it is a PNG of the chart size with a
 /// drawing on it (many colours: axes, text, one line per worker and measure).
 #[test]
@@ -950,15 +950,15 @@ fn plots_are_drawn_from_a_real_runs_metrics() {
     assert_eq!(reports.len(), 2);
 
     let out = runs.join("plots");
-    let written = ps_worker::plot::plot_run_dir(&runs, &out).expect("plot");
+    let written = ps_data::plot::plot_run_dir(&runs, &out).expect("plot");
     let names: Vec<String> = written
         .iter()
         .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    let expected: Vec<&str> = ps_worker::plot::chart_files().collect();
+    let expected: Vec<&str> = ps_data::plot::chart_files().collect();
     assert_eq!(names, expected);
     assert!(expected.contains(&"loss.png") && expected.contains(&"bucket_cost.png"));
-    let (width, height) = ps_worker::plot::CHART_SIZE;
+    let (width, height) = ps_data::plot::CHART_SIZE;
     for (path, name) in written.iter().zip(&names) {
         let decoder = png::Decoder::new(std::io::BufReader::new(
             std::fs::File::open(path).expect("chart file"),

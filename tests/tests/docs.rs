@@ -244,10 +244,12 @@ fn marked_command_blocks_run() {
         .parent()
         .expect("the profile folder")
         .to_path_buf();
-    assert_eq!(
-        ps_tests::profile_binary("ps-server").parent(),
-        Some(bin_dir.as_path())
-    );
+    for other in ["ps-server", "ps-data"] {
+        assert_eq!(
+            ps_tests::profile_binary(other).parent(),
+            Some(bin_dir.as_path())
+        );
+    }
     let path = format!(
         "{}:{}",
         bin_dir.display(),

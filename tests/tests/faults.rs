@@ -31,11 +31,11 @@ use object_store::{path::Path, ObjectStore};
 use tokio::sync::watch;
 
 use ps_dataset::SyntheticSpec;
+use ps_net::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
+use ps_net::transport::{self, EndpointLimits};
 use ps_server::core::RecoverySource;
 use ps_server::net::RunningServer;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
-use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
-use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{
     hello, start_loopback_server, synthetic_bucket, synthetic_bucket_blocking, test_config, TestPki,
 };
@@ -698,9 +698,10 @@ fn a_step_the_restarted_server_already_applied_is_not_pushed_again() {
             shard: 0,
             step: 1,
             have_version: Some(1),
-            grad: ps_shared::protocol::WireGrad::Dense(ps_shared::protocol::WireValues::F32(
-                vec![1.0; n],
-            )),
+            grad: ps_net::protocol::WireGrad::Dense(ps_net::protocol::WireValues::F32(vec![
+                1.0;
+                n
+            ])),
         };
         let (stepped, pushed) = futures::future::join(
             comm.step(Outgoing::Dense(vec![1.0; n])),

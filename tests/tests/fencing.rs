@@ -23,9 +23,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use ps_dataset::SyntheticSpec;
+use ps_net::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
+use ps_net::transport::{self, EndpointLimits};
 use ps_shared::config::CompressionKind;
-use ps_shared::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
-use ps_shared::transport::{self, EndpointLimits};
 use ps_tests::{hello, start_loopback_server, synthetic_bucket_blocking, test_config, TestPki};
 use ps_worker::comm::{Comm, Outgoing, ParamSource, ShardUpdate, Traffic};
 use ps_worker::run::{run_worker, WorkerOptions};

@@ -16,9 +16,9 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use ps_dataset::{synthetic, write_dataset_with, Layout, SyntheticSpec, WriteOptions};
-use ps_shared::cli::{exit_code, ExitCode};
+use ps_net::cli::{exit_code, ExitCode};
+use ps_net::protocol::ErrorCode;
 use ps_shared::config::{CompressionKind, OnBadSample};
-use ps_shared::protocol::ErrorCode;
 use ps_shared::sampler::EpochSampler;
 use ps_tests::{rank_runs, test_config, TestPki};
 use ps_worker::comm::CommError;
@@ -106,7 +106,7 @@ async fn a_bad_sample_stops_every_rank_and_the_servers() {
             ),
             Err(e) => e,
         };
-        let message = ps_shared::cli::describe_error(err);
+        let message = ps_net::cli::describe_error(err);
         assert_eq!(
             exit_code(err, classify_exit),
             ExitCode::JobStopped,

@@ -23,13 +23,13 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 use ps_dataset::SyntheticSpec;
+use ps_net::pki::CertPair;
+use ps_net::transport::read_pem;
 use ps_shared::config::{ClusterConfig, CompressionKind, TOKEN_ENV};
-use ps_shared::pki::CertPair;
-use ps_shared::simulate::Simulation;
-use ps_shared::transport::read_pem;
 use ps_tests::{server_binary, synthetic_bucket, test_config};
 use ps_worker::comm::WorkerTls;
 use ps_worker::run::{run_worker, WorkerOptions};
+use ps_worker::simulate::Simulation;
 
 const ACCURACY_BAR: f32 = 0.90;
 /// Upper bound on every wait, so a bug cannot hang the suite.

@@ -2,7 +2,7 @@
 //! reports agree with each other and with what the workers sent. No time is
 //! asserted.
 
-use ps_shared::protocol::{encode_request, Request, WireGrad, WireValues};
+use ps_net::protocol::{encode_request, Request, WireGrad, WireValues};
 use ps_tests::scale::{run_case, CaseResult, ScaleCase};
 
 fn check_consistent(r: &CaseResult) {

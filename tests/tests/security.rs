@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use quinn::Connection;
 
-use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::protocol::{
+use ps_net::protocol::{
     close, encode_request, ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues,
 };
-use ps_shared::transport::{self, EndpointLimits};
+use ps_net::transport::{self, EndpointLimits};
+use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_tests::{hello, start_loopback_server, test_config, TestPki};
 
 const CONNECT: Duration = Duration::from_secs(10);

@@ -48,7 +48,7 @@ use clap::Parser;
 
 /// A batch as the loss and evaluation closures of [`CustomModel::new`] get it.
 pub use ps_dataset::Batch;
-use ps_shared::cli::{init_logging, EXIT_CODES_HELP};
+use ps_net::cli::{init_logging, EXIT_CODES_HELP};
 use ps_shared::config::{ClusterConfig, TensorSpec};
 
 use crate::launch::TrainArgs;
@@ -310,7 +310,7 @@ fn run_cli(
         return Ok(());
     }
     let Some(path) = &cli.config else {
-        anyhow::bail!(ps_shared::cli::UsageError("--config is required".into()));
+        anyhow::bail!(ps_net::cli::UsageError("--config is required".into()));
     };
     let cfg = ClusterConfig::load(path)?;
     crate::launch::train(cfg, cli.train, Some(factory(build)))

@@ -38,7 +38,7 @@
 //!
 //! ```
 //! use std::time::{Duration, Instant};
-//! use ps_shared::protocol::{ErrorCode, ParamUpdate};
+//! use ps_net::protocol::{ErrorCode, ParamUpdate};
 //! use ps_worker::client::{Action, ClientCore, ClientSettings, Event, Params};
 //!
 //! let settings = ClientSettings::new(vec![0], Duration::from_secs(30), Duration::from_secs(60));
@@ -64,7 +64,7 @@
 
 use std::time::{Duration, Instant};
 
-use ps_shared::protocol::{ErrorCode, ParamUpdate};
+use ps_net::protocol::{ErrorCode, ParamUpdate};
 
 /// Index of a shard in the cluster's shard map.
 pub type ShardId = usize;

@@ -33,16 +33,16 @@ use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use quinn::Connection;
 
-use ps_shared::config::ClusterConfig;
-use ps_shared::link::{LinkLimiter, LinkSection};
-use ps_shared::pki::CertPair;
-use ps_shared::protocol::{
+use ps_net::pki::CertPair;
+use ps_net::protocol::{
     close, encode_request, encoded_indices_len, ErrorCode, ParamUpdate, Request, Response,
     ShardRange, WireGrad, WireValues, PROTOCOL_VERSION,
 };
+use ps_net::transport::{self, EndpointLimits, TransportError};
+use ps_shared::config::ClusterConfig;
+use ps_shared::link::{LinkLimiter, LinkSection};
 use ps_shared::shard::ShardMap;
 use ps_shared::sparse::SparseGrad;
-use ps_shared::transport::{self, EndpointLimits, TransportError};
 
 use crate::client::{
     Action, ClientCore, ClientSettings, Delivery, Event, GiveUp, Params, ShardId, Token,
@@ -230,7 +230,7 @@ impl Comm {
     }
 
     /// [`Comm::connect`], every request and reply passing through the
-    /// simulated `link` (see [`ps_shared::simulate`]).
+    /// simulated `link` (see [`crate::simulate`]).
     pub async fn connect_over(
         cfg: &ClusterConfig,
         rank: u32,

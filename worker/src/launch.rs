@@ -11,11 +11,11 @@ use std::sync::OnceLock;
 use anyhow::{bail, Context};
 use clap::Args;
 
-use ps_shared::cli::{describe_error, exit_code, stop_signal, ExitCode, UsageError};
+use crate::simulate::Simulation;
+use ps_net::cli::{describe_error, exit_code, stop_signal, ExitCode, UsageError};
+use ps_net::pki::CertPair;
+use ps_net::transport::read_pem;
 use ps_shared::config::ClusterConfig;
-use ps_shared::pki::CertPair;
-use ps_shared::simulate::Simulation;
-use ps_shared::transport::read_pem;
 
 use crate::comm::WorkerTls;
 use crate::run::{
@@ -319,14 +319,14 @@ fn init_compute_threads(cfg: &ClusterConfig) -> usize {
 /// not PEM or a key that does not match its certificate is refused here,
 /// naming the files.
 fn check_tls(cfg: &ClusterConfig, options: &[WorkerOptions]) -> anyhow::Result<()> {
-    let limits = ps_shared::transport::EndpointLimits {
+    let limits = ps_net::transport::EndpointLimits {
         idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
         keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
         max_bidi_streams: 16,
     };
     for o in options {
         let (cert, key) = cfg.tls.worker_paths(o.rank);
-        ps_shared::transport::client_endpoint(&o.tls.ca_pem, &o.tls.identity, false, &limits)
+        ps_net::transport::client_endpoint(&o.tls.ca_pem, &o.tls.identity, false, &limits)
             .with_context(|| {
                 format!(
                     "rank {}: TLS files {} (tls.ca), {} and {} (tls.worker_cert, tls.worker_key)",

@@ -14,12 +14,14 @@
 //! * [`comm`]: `CommActor`, pushes and pulls over QUIC (drives the `ClientCore`).
 //! * [`node`]: node-local aggregation, several ranks sharing one push.
 //! * [`run`]: one worker's whole training run, or a node's ranks.
-//! * [`plot`]: PNG charts of a run's per-epoch metrics (`ps-worker plot`).
+//! * [`simulate`]: `train --simulate`: a slow bucket ([`simstore`]) and slow links.
+//! * [`countstore`]: a bucket wrapper that counts GETs and bytes.
 
 pub mod api;
 pub mod cache;
 pub mod client;
 pub mod comm;
+pub mod countstore;
 pub mod devcheck;
 pub mod gpt;
 pub mod kernels;
@@ -28,6 +30,8 @@ pub mod layers;
 pub mod loader;
 pub mod model;
 pub mod node;
-pub mod plot;
 pub mod run;
+pub mod simstore;
+pub mod simulate;
 pub mod trainer;
+mod wrapstore;

@@ -679,7 +679,7 @@ mod tests {
     fn fan_out_gives_every_rank_the_update_and_a_share_of_the_bytes() {
         let updates = vec![ShardUpdate {
             offset: 4,
-            update: ps_shared::protocol::ParamUpdate::Sparse {
+            update: ps_net::protocol::ParamUpdate::Sparse {
                 indices: vec![1],
                 values: vec![0.5],
             },
@@ -726,7 +726,7 @@ mod tests {
         let mut cfg = ClusterConfig::embedded_default().unwrap();
         cfg.cluster.workers = 4;
         cfg.cluster.workers_per_node = 2;
-        let pki = ps_shared::pki::ClusterCa::generate("node test").unwrap();
+        let pki = ps_net::pki::ClusterCa::generate("node test").unwrap();
         let tls = WorkerTls {
             ca_pem: pki.cert_pem().to_string(),
             identity: pki.issue_worker(2).unwrap(),

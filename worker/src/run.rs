@@ -20,16 +20,16 @@ use indicatif::{ProgressBar, ProgressStyle};
 use object_store::{path::Path as StorePath, ObjectStore};
 use serde::Serialize;
 
+use crate::countstore::{CountingStore, GetCounts};
+use crate::simstore::SimStore;
+use crate::simulate::Simulation;
 use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
-use ps_shared::cli::ExitCode;
+use ps_net::cli::ExitCode;
+use ps_net::protocol::ErrorCode;
 use ps_shared::config::{ClusterConfig, OnBadSample};
-use ps_shared::countstore::{CountingStore, GetCounts};
 use ps_shared::dataplane::CostModel;
-use ps_shared::protocol::ErrorCode;
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
-use ps_shared::simstore::SimStore;
-use ps_shared::simulate::Simulation;
 
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
@@ -88,7 +88,7 @@ pub enum WorkerError {
 
 impl WorkerError {
     /// The exit code this error decides by itself (see
-    /// [`ps_shared::cli::ExitCode`]); `None` leaves it to its causes.
+    /// [`ps_net::cli::ExitCode`]); `None` leaves it to its causes.
     pub fn exit_code(&self) -> Option<ExitCode> {
         match self {
             WorkerError::Mismatch(_) | WorkerError::Sampler(_) => Some(ExitCode::Config),
@@ -108,11 +108,11 @@ impl WorkerError {
 }
 
 /// The worker's part of the one mapping from errors to exit codes: its own
-/// error types, for [`ps_shared::cli::exit_code`] (which knows the shared
+/// error types, for [`ps_net::cli::exit_code`] (which knows the shared
 /// ones: config, TLS files, transport).
 ///
 /// ```
-/// use ps_shared::cli::{exit_code, ExitCode};
+/// use ps_net::cli::{exit_code, ExitCode};
 /// use ps_worker::run::{classify_exit, WorkerError};
 /// let e = WorkerError::Interrupted(7);
 /// assert_eq!(exit_code(&e, classify_exit), ExitCode::Terminated);
@@ -166,7 +166,7 @@ async fn batch_or_stop<T>(
         Ok(batch) => Ok(batch),
         Err(e) => {
             if loader_exit_code(&e) == Some(ExitCode::JobStopped) {
-                let reason = ps_shared::cli::describe_error(&e);
+                let reason = ps_net::cli::describe_error(&e);
                 tracing::error!(rank, "{reason}; stopping the job");
                 exchange.stop_job(&reason).await;
             }
@@ -728,7 +728,7 @@ async fn run_rank(
         let g = &cfg.model.gpt;
         let Some(text) = &manifest.text else {
             return Err(WorkerError::Mismatch(format!(
-                "model.kind = \"gpt\" trains on a text dataset (ps-worker dataset text); `{}` is not one",
+                "model.kind = \"gpt\" trains on a text dataset (ps-data text); `{}` is not one",
                 manifest.name
             )));
         };
@@ -1573,7 +1573,7 @@ mod tests {
 
     #[test]
     fn worker_errors_map_to_their_exit_codes() {
-        use ps_shared::cli::exit_code;
+        use ps_net::cli::exit_code;
         let code = |e: WorkerError| exit_code(&e, classify_exit);
         let dataset = |permanent| DatasetError::Corrupt {
             object: "train/00001.tar".into(),

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use ps_dataset::Batch;
-use ps_shared::protocol::ParamUpdate;
+use ps_net::protocol::ParamUpdate;
 use ps_shared::sparse::{Compressor, SparseError};
 
 use crate::comm::{Outgoing, ShardUpdate};

@@ -10,8 +10,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use ps_net::pki::{ensure_cluster_pki, Existing, PkiPaths};
 use ps_shared::config::ClusterConfig;
-use ps_shared::pki::{ensure_cluster_pki, Existing, PkiPaths};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ps-worker");
 /// Upper bound on one run of the binary: a safety net so a bug cannot hang
@@ -85,28 +85,28 @@ fn closed_port() -> String {
     socket.local_addr().expect("its address").to_string()
 }
 
-/// A small dataset written by the binary itself.
+/// A small synthetic dataset (512 train + 128 test samples) under `dir`.
 fn write_dataset(dir: &Path) -> String {
     let url = format!("file://{}", dir.join("data").display());
-    let out = run({
-        let mut cmd = Command::new(BIN);
-        cmd.args([
-            "dataset",
-            "synthetic",
-            "--train",
-            "512",
-            "--test",
-            "128",
-            "--out",
-        ])
-        .arg(&url);
-        cmd
-    });
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let spec = ps_dataset::SyntheticSpec {
+        train: 512,
+        test: 128,
+        ..ps_dataset::SyntheticSpec::default()
+    };
+    let (train, test) = ps_dataset::synthetic(&spec);
+    let (store, prefix) = ps_dataset::open_bucket(&url).expect("the dataset folder");
+    let rt = tokio::runtime::Runtime::new().expect("a runtime");
+    rt.block_on(ps_dataset::write_dataset(
+        store.as_ref(),
+        &prefix,
+        "synthetic",
+        spec.features,
+        spec.classes,
+        &train,
+        &test,
+        1024,
+    ))
+    .expect("the dataset written");
     url
 }
 

@@ -4,7 +4,7 @@
 //! Token and position embeddings, [`N_LAYER`] pre-LayerNorm decoder blocks
 //! (causal multi-head self-attention, a GELU MLP of 4 x [`D_MODEL`]) and an
 //! output head tied to the token embedding, over windows of [`SEQ_LEN`]
-//! byte tokens. It reads a text dataset (`ps-worker dataset text
+//! byte tokens. It reads a text dataset (`ps-data text
 //! --tokenizer bytes --seq-len 64`): each record is a window of
 //! `SEQ_LEN + 1` tokens, the input its first `SEQ_LEN` and the targets its
 //! last `SEQ_LEN`. The loss is the mean per-token cross-entropy; the
@@ -162,7 +162,7 @@ fn windows(batch: &Batch, device: &Device) -> candle_core::Result<(Tensor, Tenso
     let w = SEQ_LEN + 1;
     if batch.dim != w {
         candle_core::bail!(
-            "the dataset's windows hold {} tokens; this model needs seq_len + 1 = {w} (ps-worker dataset text --seq-len {SEQ_LEN})",
+            "the dataset's windows hold {} tokens; this model needs seq_len + 1 = {w} (ps-data text --seq-len {SEQ_LEN})",
             batch.dim
         );
     }

@@ -18,11 +18,11 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use ps_net::protocol::WireValues;
 use ps_server::core::{push_norm, NormWindow, NORM_WINDOW};
 use ps_server::optimizer::{fused_update, reference_update};
 use ps_shared::config::OptimizerSection;
 use ps_shared::hash::splitmix64_next;
-use ps_shared::protocol::WireValues;
 use ps_shared::sparse::{k_for_density, topk_approx, topk_by_full_sort, topk_exact};
 use rayon::prelude::*;
 

@@ -34,11 +34,11 @@ use serde::Serialize;
 use ps_dataset::{synthetic, Batch, SyntheticSpec};
 use ps_shared::config::{ClusterConfig, CompressionKind};
 use ps_shared::link::LinkSection;
-use ps_shared::simulate::Simulation;
 use ps_shared::sparse::{k_for_density, Compressor};
 use ps_tests::{fit_frames_to_model, run_cluster_detailed, synthetic_bucket, test_config};
 use ps_worker::model::{device_from_str, Model};
 use ps_worker::run::WorkerReport;
+use ps_worker::simulate::Simulation;
 
 /// Speed-up of top-k 0.1% over dense that the benchmark aims for.
 const TARGET_SPEEDUP: f64 = 5.0;

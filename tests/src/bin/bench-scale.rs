@@ -419,7 +419,7 @@ fn series(results: &[CaseResult]) -> Vec<(SeriesKey, Vec<&CaseResult>)> {
 fn chart(results: &[CaseResult], path: &Path) -> anyhow::Result<()> {
     use plotters::prelude::*;
     // Text is laid out with the font the worker's charts compile in.
-    ps_worker::plot::register_font().map_err(anyhow::Error::msg)?;
+    ps_data::plot::register_font().map_err(anyhow::Error::msg)?;
     let root = SVGBackend::new(path, (1400, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let panels = root.split_evenly((1, 2));

@@ -42,8 +42,8 @@ use ps_dataset::{
 };
 use ps_shared::dataplane::{CacheSize, CostModel, CostSection, SimBucketSection};
 use ps_shared::sampler::EpochSampler;
-use ps_shared::simstore::{SimSettings, SimStore};
 use ps_worker::loader::{EpochDataStats, Loader, LoaderSettings};
+use ps_worker::simstore::{SimSettings, SimStore};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Which {

@@ -30,7 +30,7 @@
 //! start. Private keys are written owner-readable only (mode 0600).
 //!
 //! ```
-//! use ps_shared::pki::{rank_from_cert_der, ClusterCa};
+//! use ps_net::pki::{rank_from_cert_der, ClusterCa};
 //! let ca = ClusterCa::generate("stratus test CA").unwrap();
 //! let server = ca.issue_server(&["localhost".into(), "127.0.0.1".into()]).unwrap();
 //! let worker = ca.issue_worker(7).unwrap();
@@ -39,7 +39,7 @@
 //! ```
 //!
 //! ```no_run
-//! use ps_shared::pki::{ensure_cluster_pki, Existing, PkiPaths};
+//! use ps_net::pki::{ensure_cluster_pki, Existing, PkiPaths};
 //! let paths = PkiPaths::under("certs".as_ref());
 //! let report = ensure_cluster_pki(&paths, &["ps-0.internal".into()], 8, Existing::Check).unwrap();
 //! println!("wrote {} files, kept {}", report.written.len(), report.kept.len());

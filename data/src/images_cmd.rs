@@ -1,4 +1,4 @@
-//! `ps-worker dataset images` and `ps-worker dataset index`: image sets
+//! `ps-data images` and `ps-data index`: image sets
 //! written as WebDataset shards or class folders, and the index that lets
 //! the loader read images where they lie.
 
@@ -9,9 +9,9 @@ use clap::{Args, ValueEnum};
 
 use ps_dataset::image::EncodeAs;
 use ps_dataset::{
-    encode_samples, index_class_folders, index_webdataset, open_bucket, read_mnist_csv,
-    synthetic_images, train_test_split, write_image_set, write_manifest, EncodedImage, ImageEntry,
-    ImageSetLayout, IndexOptions, SHAPE_CLASSES,
+    clear_existing, encode_samples, index_class_folders, index_webdataset, open_bucket,
+    read_mnist_csv, synthetic_images, train_test_split, write_image_set, write_manifest,
+    EncodedImage, ImageEntry, ImageSetLayout, IndexOptions, SHAPE_CLASSES,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -29,6 +29,10 @@ pub struct ImagesArgs {
     /// Bucket URL to write to.
     #[arg(long)]
     out: String,
+    /// Replace a dataset already at --out (its manifest is deleted before
+    /// anything new is written); without it an existing dataset is an error.
+    #[arg(long)]
+    overwrite: bool,
     /// MNIST CSV (e.g. data/mnist_5k.csv.gz): written as 28x28 grey PNGs.
     #[arg(long, conflicts_with = "synthetic")]
     mnist_csv: Option<PathBuf>,
@@ -68,15 +72,16 @@ pub struct IndexArgs {
     #[arg(long, value_enum)]
     layout: ImageLayoutArg,
     /// Training shards relative to the URL, brace-expanded:
-    /// `train-{0000..0099}.tar` (webdataset).
-    #[arg(long)]
+    /// `train-{0000..0099}.tar`; required with --layout webdataset (class
+    /// folders are found under train/ and test/ without it).
+    #[arg(long, required_if_eq("layout", "webdataset"))]
     train: Option<String>,
     /// Test shards (webdataset); none: no test split.
     #[arg(long)]
     test: Option<String>,
-    /// Decoded sample shape CHANNELS,HEIGHT,WIDTH (channels 1 or 3); other
-    /// sizes are resized to it.
-    #[arg(long, value_delimiter = ',')]
+    /// Required: the decoded sample shape CHANNELS,HEIGHT,WIDTH (channels 1
+    /// or 3), e.g. 3,32,32; images of other sizes are resized to it.
+    #[arg(long, value_delimiter = ',', required = true)]
     shape: Vec<usize>,
     /// Leave out samples without a label, unknown test class folders and
     /// other bad entries (and list them) instead of stopping.
@@ -161,7 +166,9 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
         shape,
         skip_bad: false,
     };
-    let manifest = runtime()?.block_on(write_image_set(
+    let rt = runtime()?;
+    rt.block_on(clear_existing(store.as_ref(), &prefix, a.overwrite))?;
+    let manifest = rt.block_on(write_image_set(
         store.as_ref(),
         &prefix,
         layout,
@@ -190,7 +197,7 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
 
 /// Reads `dir/train/<class>/<image>` and `dir/test/<class>/<image>` through
 /// the class-folder indexer (so the classes, the files taken and the errors
-/// are those of `dataset index --layout class-folders`), then the images.
+/// are those of `ps-data index --layout class-folders`), then the images.
 fn read_image_folder(
     dir: &std::path::Path,
     shape: [usize; 3],

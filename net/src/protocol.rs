@@ -8,7 +8,7 @@
 //! panic or undefined behaviour.
 //!
 //! ```
-//! use ps_shared::protocol::{decode_request, encode_request, Request};
+//! use ps_net::protocol::{decode_request, encode_request, Request};
 //! let req = Request::Heartbeat;
 //! let frame = encode_request(&req).unwrap();
 //! assert_eq!(decode_request(&frame[4..]).unwrap(), req);
@@ -19,7 +19,7 @@ use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
-use crate::sparse::{values_from_f16, values_to_f16, SparseGrad};
+use ps_shared::sparse::{values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
 pub const PROTOCOL_VERSION: u32 = 5;

@@ -8,7 +8,7 @@
 //! its own:
 //!
 //! ```no_run
-//! use ps_worker::plot::{write_line_chart, LineChart, Series, CHART_SIZE};
+//! use ps_data::plot::{write_line_chart, LineChart, Series, CHART_SIZE};
 //! let series = [Series::new("worker 0", vec![(1.0, 2.3), (2.0, 1.1)])];
 //! let chart = LineChart { title: "Loss", x_label: "epoch", y_label: "loss", series: &series };
 //! write_line_chart(std::path::Path::new("loss.png"), &chart, CHART_SIZE).unwrap();
@@ -365,7 +365,7 @@ impl Measure {
     }
 }
 
-/// One of the charts `ps-worker plot` writes.
+/// One of the charts `ps-data plot` writes.
 struct ChartSpec {
     file: &'static str,
     title: &'static str,

@@ -24,8 +24,8 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::time::Duration;
-//! use ps_shared::pki::ClusterCa;
-//! use ps_shared::transport::{self, EndpointLimits};
+//! use ps_net::pki::ClusterCa;
+//! use ps_net::transport::{self, EndpointLimits};
 //!
 //! let ca = ClusterCa::generate("stratus cluster CA")?;
 //! let server_id = ca.issue_server(&["localhost".into()])?;

@@ -1,16 +1,16 @@
-//! `ps-worker dataset images --from-folder` packs a user's folder of images
-//! into WebDataset shards as they are, and `dataset index` finds them again.
+//! `ps-data images --from-folder` packs a user's folder of images
+//! into WebDataset shards as they are, and `ps-data index` finds them again.
 
 use std::path::Path;
 use std::process::Command;
 
 use ps_dataset::image::{encode_image, EncodeAs};
 
-fn ps_worker(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ps-worker"))
+fn ps_data(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ps-data"))
         .args(args)
         .output()
-        .expect("run ps-worker");
+        .expect("run ps-data");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -43,8 +43,7 @@ fn a_folder_of_images_is_packed_indexed_and_checked() {
     let out = tmp.path().join("wds");
     let url = format!("file://{}", out.display());
     let src_arg = src.to_str().unwrap();
-    let (ok, text) = ps_worker(&[
-        "dataset",
+    let (ok, text) = ps_data(&[
         "images",
         "--from-folder",
         src_arg,
@@ -68,8 +67,7 @@ fn a_folder_of_images_is_packed_indexed_and_checked() {
 
     // Indexing the shards again gives the same entries.
     std::fs::remove_file(out.join("manifest.json")).unwrap();
-    let (ok, text) = ps_worker(&[
-        "dataset",
+    let (ok, text) = ps_data(&[
         "index",
         "--url",
         &url,
@@ -89,8 +87,7 @@ fn a_folder_of_images_is_packed_indexed_and_checked() {
     // A test class the training folders do not have is named.
     write_png(&src.join("test/cow/c.png"), 0.2);
     let other = format!("file://{}", tmp.path().join("x").display());
-    let (ok, text) = ps_worker(&[
-        "dataset",
+    let (ok, text) = ps_data(&[
         "images",
         "--from-folder",
         src_arg,

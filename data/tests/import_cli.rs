@@ -1,9 +1,9 @@
-//! Runs the real `ps-worker dataset import` on small CSV files.
+//! Runs the real `ps-data import` on small CSV files.
 
 use std::process::Command;
 
-fn ps_worker() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ps-worker"));
+fn ps_data() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ps-data"));
     cmd.env_remove("STRATUS_CONFIG").env_remove("STRATUS_LOG");
     cmd
 }
@@ -27,9 +27,8 @@ fn import_csv_with_a_header() {
     let csv = dir.path().join("digits.csv");
     std::fs::write(&csv, digits_csv()).unwrap();
     let out = dir.path().join("bucket/digits");
-    let result = ps_worker()
+    let result = ps_data()
         .args([
-            "dataset",
             "import",
             "--label-column",
             "target",
@@ -89,8 +88,8 @@ fn import_csv_with_a_header() {
 
     // Importing again over it needs --overwrite; the old dataset stays.
     let again = |extra: &[&str]| {
-        ps_worker()
-            .args(["dataset", "import", "--label-column", "target"])
+        ps_data()
+            .args(["import", "--label-column", "target"])
             .args(extra)
             .arg("--train")
             .arg(&csv)
@@ -117,8 +116,8 @@ fn a_bad_row_fails_before_writing_and_leaves_no_folder() {
     let csv = dir.path().join("bad.csv");
     std::fs::write(&csv, "label,a,b\n0,1,2\n1,NaN,3\n").unwrap();
     let out = dir.path().join("never");
-    let result = ps_worker()
-        .args(["dataset", "import", "--train"])
+    let result = ps_data()
+        .args(["import", "--train"])
         .arg(&csv)
         .arg("--out")
         .arg(&out)
@@ -133,10 +132,7 @@ fn a_bad_row_fails_before_writing_and_leaves_no_folder() {
 
 #[test]
 fn help_lists_the_import_options() {
-    let result = ps_worker()
-        .args(["dataset", "import", "--help"])
-        .output()
-        .unwrap();
+    let result = ps_data().args(["import", "--help"]).output().unwrap();
     let help = String::from_utf8_lossy(&result.stdout);
     for option in [
         "--train",

@@ -20,7 +20,7 @@
 //! # tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap().block_on(async {
 //! use std::sync::Arc;
 //! use object_store::{memory::InMemory, path::Path, ObjectStore, ObjectStoreExt};
-//! use ps_shared::simstore::{SimSettings, SimStore};
+//! use ps_worker::simstore::{SimSettings, SimStore};
 //!
 //! let inner = Arc::new(InMemory::new());
 //! inner.put(&Path::from("a"), vec![0u8; 1000].into()).await.unwrap();
@@ -51,9 +51,9 @@ use object_store::{
 };
 use serde::Serialize;
 
-use crate::dataplane::SimBucketSection;
-use crate::hash::splitmix64;
-use crate::link::TokenBucket;
+use ps_shared::dataplane::SimBucketSection;
+use ps_shared::hash::splitmix64;
+use ps_shared::link::TokenBucket;
 
 /// Body bytes metered per reservation: small enough that concurrent requests
 /// interleave on the shared link, large enough to keep timer overhead low.

@@ -2,16 +2,16 @@
 //! stop signals.
 //!
 //! ```
-//! use ps_shared::cli::describe_error;
+//! use ps_net::cli::describe_error;
 //! let inner = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
 //! assert_eq!(describe_error(&inner), "no such file");
 //! ```
 
 use std::error::Error;
 
-use crate::config::ConfigError;
 use crate::pki::PkiError;
 use crate::transport::TransportError;
+use ps_shared::config::ConfigError;
 
 /// How a `ps-server` or `ps-worker` process ends: one code per kind of end,
 /// the same in both binaries (the README's "Exit codes" table and

@@ -7,7 +7,7 @@
 //! default simulates nothing. A simulation file is a small TOML file:
 //!
 //! ```
-//! use ps_shared::simulate::Simulation;
+//! use ps_worker::simulate::Simulation;
 //!
 //! let sim = Simulation::from_toml_str(
 //!     "[link]\nbandwidth_mbit = 100.0\nlatency_ms = 1.0\n\n[bucket]\nfirst_byte_ms = 20.0\n",
@@ -25,8 +25,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::dataplane::SimBucketSection;
-use crate::link::LinkSection;
+use ps_shared::dataplane::SimBucketSection;
+use ps_shared::link::LinkSection;
 
 /// What a worker simulates; nothing by default.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]

@@ -8,7 +8,7 @@
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! use std::sync::Arc;
 //! use object_store::{memory::InMemory, path::Path, ObjectStoreExt};
-//! use ps_shared::countstore::CountingStore;
+//! use ps_worker::countstore::CountingStore;
 //!
 //! let inner = Arc::new(InMemory::new());
 //! inner.put(&Path::from("a"), vec![1u8; 10].into()).await.unwrap();

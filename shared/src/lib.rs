@@ -13,6 +13,7 @@ pub mod dataplane;
 pub mod hash;
 pub mod layers;
 pub mod link;
+pub mod overrides;
 pub mod pki;
 pub mod protocol;
 pub mod rng;

@@ -49,6 +49,9 @@ pub enum ConfigError {
         section: &'static str,
         message: &'static str,
     },
+    /// No config named, or two (`--config` and `--dev`).
+    #[error("{0}")]
+    Source(String),
     /// A `STRATUS__SECTION__FIELD` variable that does not fit the config.
     #[error("config override {var}: {message}")]
     Override { var: String, message: String },
@@ -1581,14 +1584,6 @@ impl ClusterConfig {
             source,
         })?;
         Self::parse(&text, &path.display().to_string())
-    }
-
-    /// `--config` when given, else the embedded default.
-    pub fn load_or_default(path: Option<&Path>) -> Result<Self, ConfigError> {
-        match path {
-            Some(p) => Self::load(p),
-            None => Self::embedded_default(),
-        }
     }
 
     fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {

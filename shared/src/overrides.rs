@@ -120,6 +120,36 @@ pub fn load(
     ClusterConfig::parse_with(&text, &origin, overrides, apply)
 }
 
+/// The config of a binary's command line: `--config FILE` (or
+/// `STRATUS_CONFIG`), or `--dev` for the embedded development config,
+/// with this process's `STRATUS__...` overrides applied. Neither, or both,
+/// is a config error saying what to pass. `--dev` is logged as a warning.
+pub fn load_cli(config: Option<&Path>, dev: bool) -> Result<ClusterConfig, ConfigError> {
+    let source = match (config, dev) {
+        (Some(path), false) => ConfigSource::File(path),
+        (None, true) => ConfigSource::Dev,
+        (Some(path), true) => {
+            return Err(ConfigError::Source(format!(
+                "both --dev and --config {} (or STRATUS_CONFIG) given: pass one",
+                path.display()
+            )))
+        }
+        (None, false) => {
+            return Err(ConfigError::Source(
+                "no config given: pass --config FILE (or set STRATUS_CONFIG), or --dev for the embedded development config (configs/local.toml)".into(),
+            ))
+        }
+    };
+    let overrides = Override::from_env()?;
+    if dev {
+        tracing::warn!("--dev: using the embedded development config configs/local.toml (a local test cluster on 127.0.0.1, not for a real cluster)");
+    }
+    for o in &overrides {
+        tracing::info!("config override {}: {} = {}", o.var, o.field(), o.value);
+    }
+    load(source, &overrides)
+}
+
 /// Set each override in `doc`, the config file as a TOML table. Every path
 /// must name a field of the config (a table on the way, a field at the end).
 pub fn apply(doc: &mut toml::Table, overrides: &[Override]) -> Result<(), ConfigError> {

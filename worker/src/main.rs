@@ -39,7 +39,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Train as one worker (the default when no subcommand is given: rank 0),
+    /// Train as one worker (the default when no subcommand is given; the
+    /// rank comes from --rank or the launch variables, docs/launch.md),
     /// or as every rank of one node with --node (cluster.workers_per_node > 1).
     Train(TrainArgs),
     /// Write a dataset into a bucket: synthetic, MNIST, your own tabular data (import) or images (images, index).

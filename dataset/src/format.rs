@@ -69,6 +69,12 @@ pub enum DatasetError {
         message: String,
         permanent: bool,
     },
+    /// An object the command was told to read is not in the bucket.
+    #[error("{what} {object} does not exist in the bucket")]
+    MissingObject { what: &'static str, object: String },
+    /// A shard name with glob characters: shards are named with braces.
+    #[error("shard name `{0}`: glob patterns (*, ?, [..]) are not supported; list the shards with a brace range, e.g. train-{{0000..0009}}.tar")]
+    Glob(String),
     /// A sample index past the end of its split.
     #[error("sample index {index} is out of range for a split of {len} samples")]
     IndexOutOfRange { index: usize, len: usize },

@@ -1017,11 +1017,51 @@ struct ParquetRows {
     row: usize,
 }
 
+/// The Parquet compressions this build reads.
+const PARQUET_COMPRESSIONS: &str = "uncompressed, snappy, gzip";
+
+/// Refuse a column compressed with a codec this build does not read (zstd,
+/// lz4, brotli, ...), naming the column, its codec and the supported ones,
+/// before any row is read.
+fn check_parquet_compression(
+    path: &FsPath,
+    columns: impl IntoIterator<Item = (String, parquet::basic::Compression)>,
+) -> Result<(), DatasetError> {
+    use parquet::basic::Compression;
+    for (column, codec) in columns {
+        match codec {
+            Compression::UNCOMPRESSED | Compression::SNAPPY | Compression::GZIP(_) => {}
+            other => {
+                let name = match other {
+                    Compression::ZSTD(_) => "zstd".to_string(),
+                    Compression::BROTLI(_) => "brotli".to_string(),
+                    Compression::LZ4 | Compression::LZ4_RAW => "lz4".to_string(),
+                    Compression::LZO => "lzo".to_string(),
+                    o => format!("{o:?}").to_lowercase(),
+                };
+                return Err(err_file(
+                    path,
+                    format!(
+                        "column `{column}` is compressed with {name}, which this build does not read (supported: {PARQUET_COMPRESSIONS}); write the file again with one of those (e.g. pandas `to_parquet(..., compression=\"snappy\")`)"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl ParquetRows {
     fn open(path: &FsPath, label: &LabelColumn) -> Result<Self, DatasetError> {
         let file = File::open(path).map_err(io_err(path))?;
         let reader = SerializedFileReader::new(file)
             .map_err(|e| err_file(path, format!("not a readable Parquet file: {e}")))?;
+        let columns = reader.metadata().row_groups().iter().flat_map(|g| {
+            g.columns()
+                .iter()
+                .map(|c| (c.column_path().string(), c.compression()))
+        });
+        check_parquet_compression(path, columns)?;
         let schema = reader.metadata().file_metadata().schema_descr();
         let mut names = Vec::new();
         for field in schema.root_schema().get_fields() {
@@ -1921,6 +1961,34 @@ mod tests {
             out += "\n";
         }
         out
+    }
+
+    #[test]
+    fn an_unsupported_parquet_compression_is_named() {
+        use parquet::basic::{Compression, GzipLevel, ZstdLevel};
+        let path = FsPath::new("x.parquet");
+        let ok = [
+            ("a".to_string(), Compression::UNCOMPRESSED),
+            ("b".to_string(), Compression::SNAPPY),
+            ("c".to_string(), Compression::GZIP(GzipLevel::default())),
+        ];
+        check_parquet_compression(path, ok.clone()).unwrap();
+        let mut zstd = ok.to_vec();
+        zstd.push(("pixel_3".into(), Compression::ZSTD(ZstdLevel::default())));
+        let err = check_parquet_compression(path, zstd)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("x.parquet")
+                && err.contains("column `pixel_3` is compressed with zstd")
+                && err.contains("supported: uncompressed, snappy, gzip")
+                && !err.contains("Disabled feature"),
+            "{err}"
+        );
+        let err = check_parquet_compression(path, [("y".into(), Compression::LZ4_RAW)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("compressed with lz4"), "{err}");
     }
 
     #[tokio::test]

@@ -66,6 +66,9 @@ pub async fn index_webdataset(
             splits.push(Vec::new());
             continue;
         };
+        if pattern.contains(['*', '?', '[']) {
+            return Err(DatasetError::Glob(pattern.to_string()));
+        }
         let names = expand_braces(pattern)
             .map_err(|m| DatasetError::Invalid(format!("shard pattern: {m}")))?;
         let first_object = objects.len();
@@ -126,7 +129,10 @@ async fn scan_shard(
     let result = match store.get_opts(path, GetOptions::default()).await {
         Ok(r) => r,
         Err(object_store::Error::NotFound { .. }) => {
-            return Err(invalid(name, "the shard does not exist".into()))
+            return Err(DatasetError::MissingObject {
+                what: "WebDataset shard",
+                object: name.to_string(),
+            })
         }
         Err(e) => return Err(e.into()),
     };
@@ -401,4 +407,47 @@ pub async fn write_manifest(
         )
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use object_store::memory::InMemory;
+
+    use super::*;
+
+    fn options() -> IndexOptions {
+        IndexOptions {
+            name: "t".into(),
+            shape: [1, 2, 2],
+            skip_bad: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_shard_and_a_glob_have_their_own_messages() {
+        let store = InMemory::new();
+        let prefix = Path::from("wds");
+        let err = index_webdataset(&store, &prefix, "train-{0..1}.tar", None, &options())
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(&err, DatasetError::MissingObject { object, .. } if object.starts_with("train-"))
+                && text.contains("WebDataset shard train-")
+                && text.contains("does not exist")
+                && !text.contains("corrupt"),
+            "{text}"
+        );
+        let err = index_webdataset(&store, &prefix, "train-*.tar", None, &options())
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(&err, DatasetError::Glob(p) if p == "train-*.tar")
+                && text.contains("glob patterns")
+                && text.contains("{0000..0009}")
+                && !text.contains("corrupt"),
+            "{text}"
+        );
+    }
 }

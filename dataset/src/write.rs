@@ -478,7 +478,7 @@ pub async fn clear_existing(
     let manifest_path = prefix.clone().join(MANIFEST_NAME);
     match store.head(&manifest_path).await {
         Ok(_) if !overwrite => Err(DatasetError::Invalid(format!(
-            "a dataset already exists at '{prefix}' ({MANIFEST_NAME}); write to another place or pass --overwrite"
+            "the output already holds a dataset (object {manifest_path} exists); write to another place or pass --overwrite"
         ))),
         Ok(_) => Ok(store.delete(&manifest_path).await?),
         Err(object_store::Error::NotFound { .. }) => Ok(()),
@@ -541,6 +541,28 @@ mod tests {
         WriteOptions {
             layout,
             records_per_shard,
+        }
+    }
+
+    #[tokio::test]
+    async fn an_existing_dataset_is_named_by_its_manifest_object() {
+        for (prefix, object) in [("", "manifest.json"), ("runs/d", "runs/d/manifest.json")] {
+            let store = InMemory::new();
+            let prefix = Path::from(prefix);
+            store
+                .put(&prefix.clone().join(MANIFEST_NAME), "{}".into())
+                .await
+                .unwrap();
+            let err = clear_existing(&store, &prefix, false)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!("object {object} exists")) && !err.contains("''"),
+                "{err}"
+            );
+            clear_existing(&store, &prefix, true).await.unwrap();
+            assert!(listed(&store).await.is_empty());
         }
     }
 

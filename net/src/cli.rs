@@ -22,7 +22,8 @@ pub enum ExitCode {
     Ok,
     /// Any other error.
     Failed,
-    /// The config, a command-line argument, or a TLS file is invalid;
+    /// The config, a `STRATUS__` override, a command-line argument, a
+    /// launch variable or a TLS file is invalid, or no config was given;
     /// also a port that cannot be bound.
     Config,
     /// A peer could not be reached within its timeout.
@@ -70,7 +71,9 @@ impl ExitCode {
 pub const EXIT_CODES_HELP: &str = "Exit codes:
   0    finished
   1    other error
-  2    invalid config, argument or TLS file, or a port that cannot be bound
+  2    invalid config (or none: --config FILE or --dev), STRATUS__ override,
+       argument, launch variable (RANK, WORLD_SIZE, ...) or TLS file, or a
+       port that cannot be bound
   3    a server or peer unreachable within its timeout
   4    the data bucket unreachable past loader.outage_budget_s
   5    training diverged

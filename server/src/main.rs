@@ -20,9 +20,15 @@ use ps_shared::config::ClusterConfig;
 #[derive(Parser, Debug)]
 #[command(name = "ps-server", version, about, long_about = None, after_help = EXIT_CODES_HELP)]
 struct Cli {
-    /// Cluster config (TOML); the embedded configs/local.toml when omitted.
+    /// Cluster config (TOML). STRATUS__SECTION__FIELD=value variables
+    /// override its fields (docs/launch.md).
     #[arg(long, short, global = true, env = "STRATUS_CONFIG")]
     config: Option<PathBuf>,
+
+    /// Use the embedded development config (configs/local.toml: a local
+    /// test cluster) instead of --config.
+    #[arg(long, global = true)]
+    dev: bool,
 
     /// Which entry of cluster.servers this process is (0-based).
     #[arg(long, default_value_t = 0, env = "STRATUS_SERVER_INDEX")]
@@ -104,7 +110,7 @@ fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logging(&cli.log, "info");
-    let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+    let cfg = ps_shared::overrides::load_cli(cli.config.as_deref(), cli.dev)?;
     match cli.command.unwrap_or(Command::Run) {
         Command::Certs { names, force } => {
             let existing = if force {

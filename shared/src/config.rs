@@ -50,6 +50,12 @@ pub enum ConfigError {
         section: &'static str,
         message: &'static str,
     },
+    /// No config named, or two (`--config` and `--dev`).
+    #[error("{0}")]
+    Source(String),
+    /// A `STRATUS__SECTION__FIELD` variable that does not fit the config.
+    #[error("config override {var}: {message}")]
+    Override { var: String, message: String },
     #[error("invalid config value {field}: {message}")]
     Invalid {
         field: Cow<'static, str>,
@@ -1510,16 +1516,36 @@ impl ClusterConfig {
         Self::parse(&text, &path.display().to_string())
     }
 
-    /// `--config` when given, else the embedded default.
-    pub fn load_or_default(path: Option<&Path>) -> Result<Self, ConfigError> {
-        match path {
-            Some(p) => Self::load(p),
-            None => Self::embedded_default(),
-        }
+    fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        Self::parse_with(text, origin, &[], |_, _| Ok(()))
     }
 
-    fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let mut cfg: ClusterConfig = toml::from_str(text).map_err(|e| {
+    /// Parse `text`, let `edit` apply `overrides` to the TOML document
+    /// (see [`crate::overrides`]), then deserialise and validate.
+    pub(crate) fn parse_with(
+        text: &str,
+        origin: &str,
+        overrides: &[crate::overrides::Override],
+        edit: impl FnOnce(&mut toml::Table, &[crate::overrides::Override]) -> Result<(), ConfigError>,
+    ) -> Result<Self, ConfigError> {
+        let parsed: Result<ClusterConfig, toml::de::Error> = if overrides.is_empty() {
+            toml::from_str(text)
+        } else {
+            let mut doc: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Parse {
+                origin: origin.to_string(),
+                message: e.to_string(),
+            })?;
+            edit(&mut doc, overrides)?;
+            toml::Value::Table(doc).try_into()
+        };
+        let with = if overrides.is_empty() {
+            origin.to_string()
+        } else {
+            let vars: Vec<&str> = overrides.iter().map(|o| o.var.as_str()).collect();
+            format!("{origin} with {}", vars.join(", "))
+        };
+        let origin = with.as_str();
+        let mut cfg: ClusterConfig = parsed.map_err(|e| {
             // An old file's `[link]` or `[bucket_sim]` says where it went
             // rather than "unknown field".
             let table = toml::from_str::<toml::Table>(text).unwrap_or_default();

@@ -12,6 +12,7 @@ pub mod dataplane;
 pub mod hash;
 pub mod layers;
 pub mod link;
+pub mod overrides;
 pub mod rng;
 pub mod sampler;
 pub mod shard;

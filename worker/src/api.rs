@@ -49,7 +49,7 @@ use clap::Parser;
 /// A batch as the loss and evaluation closures of [`CustomModel::new`] get it.
 pub use ps_dataset::Batch;
 use ps_net::cli::{init_logging, EXIT_CODES_HELP};
-use ps_shared::config::{ClusterConfig, TensorSpec};
+use ps_shared::config::TensorSpec;
 
 use crate::launch::TrainArgs;
 use crate::model::{Model, ModelError};
@@ -312,7 +312,9 @@ fn run_cli(
     let Some(path) = &cli.config else {
         anyhow::bail!(ps_net::cli::UsageError("--config is required".into()));
     };
-    let cfg = ClusterConfig::load(path)?;
+    let overrides = ps_shared::overrides::Override::from_env()?;
+    let cfg =
+        ps_shared::overrides::load(ps_shared::overrides::ConfigSource::File(path), &overrides)?;
     crate::launch::train(cfg, cli.train, Some(factory(build)))
 }
 

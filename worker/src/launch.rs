@@ -56,12 +56,15 @@ pub fn exit(program: &str, outcome: anyhow::Result<()>) -> ! {
 #[derive(Args, Debug, Clone, Default)]
 pub struct TrainArgs {
     /// This worker's rank in 0..cluster.workers (cluster.workers_per_node = 1).
-    #[arg(long, default_value_t = 0, env = "STRATUS_RANK")]
-    pub rank: u32,
+    /// Without it: STRATUS_RANK, then RANK, then JOB_COMPLETION_INDEX, then 0.
+    #[arg(long)]
+    pub rank: Option<u32>,
     /// Run node N: its cluster.workers_per_node ranks N*workers_per_node ..
     /// (N+1)*workers_per_node, each with its own model replica and data
     /// shard, pushing once per node through a node aggregator. Needs each
     /// rank's certificate; the first rank's authenticates the node.
+    /// Without it (cluster.workers_per_node > 1): RANK, then
+    /// JOB_COMPLETION_INDEX, name the node.
     #[arg(long, env = "STRATUS_NODE", conflicts_with = "rank")]
     pub node: Option<u32>,
     /// Bucket URL of the dataset (overrides data.url).
@@ -88,30 +91,162 @@ pub struct TrainArgs {
     pub simulate: Option<PathBuf>,
 }
 
+/// The launch variables a process reads besides its flags, in the order
+/// they are consulted for its index (see `docs/launch.md`).
+pub const INDEX_VARS: [&str; 3] = ["STRATUS_RANK", "RANK", "JOB_COMPLETION_INDEX"];
+
+/// What the launch variables say about this process: the ranks it runs
+/// and, with `LOCAL_RANK`, the CUDA device a bare `cuda` means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launch {
+    /// The ranks this process runs (one, or a node's).
+    pub ranks: Vec<u32>,
+    /// The node this process runs as a whole (`--node`, or RANK with
+    /// cluster.workers_per_node > 1), if any.
+    pub node: Option<u32>,
+    /// `LOCAL_RANK`, when set: the process's index on its machine.
+    pub local_rank: Option<u32>,
+}
+
+/// A launch variable's value as a number; empty counts as unset.
+fn env_number(env: &dyn Fn(&str) -> Option<String>, name: &str) -> anyhow::Result<Option<u32>> {
+    match env(name).filter(|v| !v.trim().is_empty()) {
+        None => Ok(None),
+        Some(v) => match v.trim().parse::<u32>() {
+            Ok(n) => Ok(Some(n)),
+            Err(_) => bail!(UsageError(format!(
+                "{name} = `{v}` is not a non-negative integer"
+            ))),
+        },
+    }
+}
+
 impl TrainArgs {
-    /// The ranks this process runs: `--node N`'s ranks, or `--rank`.
+    /// The ranks this process runs, from the flags and this process's
+    /// environment (see [`TrainArgs::launch`]).
     pub fn ranks(&self, cfg: &ClusterConfig) -> anyhow::Result<Vec<u32>> {
+        Ok(self.launch(cfg, &|name| std::env::var(name).ok())?.ranks)
+    }
+
+    /// Resolve the launch: with cluster.workers_per_node = 1 the rank is
+    /// `--rank`, else STRATUS_RANK, RANK, JOB_COMPLETION_INDEX, else 0; with
+    /// workers_per_node > 1 the node is `--node` (or STRATUS_NODE), else
+    /// RANK, JOB_COMPLETION_INDEX. `WORLD_SIZE`, when set, must equal the
+    /// number of processes (cluster.workers, or the number of nodes).
+    /// `env` reads a variable (tests pass their own).
+    pub fn launch(
+        &self,
+        cfg: &ClusterConfig,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<Launch> {
         let wpn = cfg.cluster.workers_per_node as u32;
-        let rank = self.rank;
-        Ok(match self.node {
-            Some(n) if (n as usize) < cfg.nodes() => (n * wpn..(n + 1) * wpn).collect(),
-            Some(n) => bail!(UsageError(format!(
-                "--node {n}: the cluster has {} nodes (cluster.workers = {} / cluster.workers_per_node = {wpn})",
-                cfg.nodes(),
-                cfg.cluster.workers
-            ))),
-            None if wpn > 1 => bail!(UsageError(format!(
-                "cluster.workers_per_node = {wpn}: start each node with --node N (N in 0..{}), which runs its {wpn} ranks together",
-                cfg.nodes()
-            ))),
-            None if rank as usize >= cfg.cluster.max_ranks() => bail!(UsageError(format!(
-                "--rank {rank}: the cluster admits ranks 0..{} (cluster.workers = {}, cluster.max_workers = {})",
-                cfg.cluster.max_ranks(),
-                cfg.cluster.workers,
-                cfg.cluster.max_workers
-            ))),
-            None => vec![rank],
+        let nodes = cfg.nodes();
+        let workers_from = if env("STRATUS__CLUSTER__WORKERS").is_some() {
+            "the override STRATUS__CLUSTER__WORKERS"
+        } else {
+            "the config"
+        };
+        if let Some(world) = env_number(env, "WORLD_SIZE")? {
+            let (expected, what) = if wpn > 1 {
+                (
+                    nodes,
+                    format!(
+                        "the cluster's {nodes} nodes (cluster.workers = {} from {workers_from} / cluster.workers_per_node = {wpn}; one process per node)",
+                        cfg.cluster.workers
+                    ),
+                )
+            } else {
+                (
+                    cfg.cluster.workers,
+                    format!(
+                        "cluster.workers = {} (from {workers_from})",
+                        cfg.cluster.workers
+                    ),
+                )
+            };
+            if world as usize != expected {
+                bail!(UsageError(format!(
+                    "WORLD_SIZE = {world} (from the environment) disagrees with {what}"
+                )));
+            }
+        }
+        let local_rank = env_number(env, "LOCAL_RANK")?;
+        // The first source that is set, and its name for messages.
+        let mut index: Option<(u32, &str)> = None;
+        for name in INDEX_VARS {
+            if index.is_none() {
+                if let Some(n) = env_number(env, name)? {
+                    index = Some((n, name));
+                }
+            }
+        }
+        let mut node_run = None;
+        let ranks = if wpn > 1 {
+            if let Some(rank) = self.rank {
+                bail!(UsageError(format!(
+                    "--rank {rank}: cluster.workers_per_node = {wpn}: start each node with --node N (N in 0..{nodes}), which runs its {wpn} ranks together"
+                )));
+            }
+            let node = match (self.node, index) {
+                (Some(n), _) => Some((n, "--node")),
+                (None, Some((_, "STRATUS_RANK"))) => bail!(UsageError(format!(
+                    "STRATUS_RANK: cluster.workers_per_node = {wpn}: start each node with --node N or STRATUS_NODE (N in 0..{nodes}), which runs its {wpn} ranks together"
+                ))),
+                (None, other) => other,
+            };
+            match node {
+                Some((n, _)) if (n as usize) < nodes => {
+                    node_run = Some(n);
+                    (n * wpn..(n + 1) * wpn).collect()
+                }
+                Some((n, from)) => bail!(UsageError(format!(
+                    "{from} {n}: the cluster has {nodes} nodes (cluster.workers = {} / cluster.workers_per_node = {wpn})",
+                    cfg.cluster.workers
+                ))),
+                None => bail!(UsageError(format!(
+                    "cluster.workers_per_node = {wpn}: start each node with --node N (or STRATUS_NODE, RANK), N in 0..{nodes}, which runs its {wpn} ranks together"
+                ))),
+            }
+        } else if let Some(n) = self.node {
+            if n as usize >= nodes {
+                bail!(UsageError(format!(
+                    "--node {n}: the cluster has {nodes} nodes (cluster.workers = {} / cluster.workers_per_node = {wpn})",
+                    cfg.cluster.workers
+                )));
+            }
+            node_run = Some(n);
+            vec![n]
+        } else {
+            let (rank, from) = match (self.rank, index) {
+                (Some(r), _) => (r, "--rank".to_string()),
+                (None, Some((r, name))) => (r, format!("{name} =")),
+                (None, None) => (0, "rank".to_string()),
+            };
+            if rank as usize >= cfg.cluster.max_ranks() {
+                bail!(UsageError(format!(
+                    "{from} {rank}: the cluster admits ranks 0..{} (cluster.workers = {}, cluster.max_workers = {})",
+                    cfg.cluster.max_ranks(),
+                    cfg.cluster.workers,
+                    cfg.cluster.max_workers
+                )));
+            }
+            vec![rank]
+        };
+        Ok(Launch {
+            ranks,
+            node: node_run,
+            local_rank,
         })
+    }
+}
+
+/// The device a rank uses: a bare `cuda` with `LOCAL_RANK` set is
+/// `cuda:LOCAL_RANK` (one process per GPU, as launchers start them); any
+/// other device is kept.
+pub fn device_for(device: &str, local_rank: Option<u32>) -> String {
+    match local_rank {
+        Some(n) if device.trim() == "cuda" => format!("cuda:{n}"),
+        _ => device.to_string(),
     }
 }
 
@@ -134,11 +269,20 @@ pub fn train(
         cfg.training.device = device.clone();
         cfg.validate().context("--device")?;
     }
-    let ranks = args.ranks(&cfg)?;
+    let launch = args.launch(&cfg, &|name| std::env::var(name).ok())?;
+    let device = device_for(&cfg.training.device, launch.local_rank);
+    if device != cfg.training.device {
+        tracing::info!(
+            "LOCAL_RANK: training.device {} is {device}",
+            cfg.training.device
+        );
+        cfg.training.device = device;
+        cfg.validate().context("LOCAL_RANK")?;
+    }
     train_ranks(
         cfg,
-        args.node,
-        ranks,
+        launch.node,
+        launch.ranks,
         !args.no_progress,
         args.report,
         simulation,
@@ -338,4 +482,140 @@ fn check_tls(cfg: &ClusterConfig, options: &[WorkerOptions]) -> anyhow::Result<(
             })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(workers: usize, per_node: usize) -> ClusterConfig {
+        let mut cfg = ClusterConfig::embedded_default().unwrap();
+        cfg.cluster.workers = workers;
+        cfg.cluster.max_workers = workers;
+        cfg.cluster.workers_per_node = per_node;
+        cfg
+    }
+
+    fn launch(
+        args: &TrainArgs,
+        cfg: &ClusterConfig,
+        vars: &[(&str, &str)],
+    ) -> anyhow::Result<Launch> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        args.launch(cfg, &move |name| {
+            vars.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+        })
+    }
+
+    #[test]
+    fn the_rank_follows_the_documented_precedence() {
+        let c = cfg(4, 1);
+        let none = TrainArgs::default();
+        let flag = TrainArgs {
+            rank: Some(1),
+            ..TrainArgs::default()
+        };
+        let all = [
+            ("STRATUS_RANK", "2"),
+            ("RANK", "3"),
+            ("JOB_COMPLETION_INDEX", "0"),
+        ];
+        assert_eq!(launch(&flag, &c, &all).unwrap().ranks, [1]);
+        assert_eq!(launch(&none, &c, &all).unwrap().ranks, [2]);
+        assert_eq!(launch(&none, &c, &all[1..]).unwrap().ranks, [3]);
+        assert_eq!(launch(&none, &c, &all[2..]).unwrap().ranks, [0]);
+        assert_eq!(
+            launch(&none, &c, &[("JOB_COMPLETION_INDEX", "3")])
+                .unwrap()
+                .ranks,
+            [3]
+        );
+        assert_eq!(launch(&none, &c, &[]).unwrap().ranks, [0]);
+        // An empty variable counts as unset.
+        assert_eq!(
+            launch(&none, &c, &[("STRATUS_RANK", ""), ("RANK", "2")])
+                .unwrap()
+                .ranks,
+            [2]
+        );
+        let err = launch(&none, &c, &[("RANK", "9")]).unwrap_err().to_string();
+        assert!(
+            err.contains("RANK = 9") && err.contains("ranks 0..4"),
+            "{err}"
+        );
+        let err = launch(&none, &c, &[("RANK", "one")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("RANK = `one`"), "{err}");
+    }
+
+    #[test]
+    fn world_size_must_match_the_cluster() {
+        let c = cfg(2, 1);
+        let none = TrainArgs::default();
+        assert!(launch(&none, &c, &[("WORLD_SIZE", "2"), ("RANK", "1")]).is_ok());
+        let err = launch(&none, &c, &[("WORLD_SIZE", "3")]).unwrap_err();
+        assert_eq!(
+            ps_net::cli::exit_code(err.as_ref(), |_| None),
+            ExitCode::Config
+        );
+        let err = err.to_string();
+        assert!(
+            err.contains("WORLD_SIZE = 3 (from the environment)")
+                && err.contains("cluster.workers = 2 (from the config)"),
+            "{err}"
+        );
+        let err = launch(
+            &none,
+            &c,
+            &[("WORLD_SIZE", "3"), ("STRATUS__CLUSTER__WORKERS", "2")],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("the override STRATUS__CLUSTER__WORKERS"),
+            "{err}"
+        );
+        // With nodes, one process per node: WORLD_SIZE counts nodes.
+        let n = cfg(4, 2);
+        assert!(launch(&none, &n, &[("WORLD_SIZE", "2"), ("RANK", "1")]).is_ok());
+        assert!(launch(&none, &n, &[("WORLD_SIZE", "4"), ("RANK", "1")]).is_err());
+    }
+
+    #[test]
+    fn rank_names_the_node_when_nodes_run_several_ranks() {
+        let n = cfg(4, 2);
+        let none = TrainArgs::default();
+        let l = launch(&none, &n, &[("RANK", "1")]).unwrap();
+        assert_eq!((l.ranks, l.node), (vec![2, 3], Some(1)));
+        let node = TrainArgs {
+            node: Some(0),
+            ..TrainArgs::default()
+        };
+        let l = launch(&node, &n, &[("RANK", "1")]).unwrap();
+        assert_eq!((l.ranks, l.node), (vec![0, 1], Some(0)));
+        let err = launch(&none, &n, &[("STRATUS_RANK", "1")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("STRATUS_NODE"), "{err}");
+        let err = launch(&none, &n, &[]).unwrap_err().to_string();
+        assert!(err.contains("--node N"), "{err}");
+        let err = launch(&none, &n, &[("RANK", "2")]).unwrap_err().to_string();
+        assert!(err.contains("RANK = 2") || err.contains("RANK 2"), "{err}");
+    }
+
+    #[test]
+    fn local_rank_picks_the_cuda_device() {
+        let c = cfg(2, 1);
+        let l = launch(&TrainArgs::default(), &c, &[("LOCAL_RANK", "1")]).unwrap();
+        assert_eq!(l.local_rank, Some(1));
+        assert_eq!(device_for("cuda", l.local_rank), "cuda:1");
+        assert_eq!(device_for("cuda:0", l.local_rank), "cuda:0");
+        assert_eq!(device_for("cpu", l.local_rank), "cpu");
+        assert_eq!(device_for("cuda", None), "cuda");
+        assert!(launch(&TrainArgs::default(), &c, &[("LOCAL_RANK", "-1")]).is_err());
+    }
 }

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 use ps_net::cli::{init_logging, EXIT_CODES_HELP};
-use ps_shared::config::ClusterConfig;
 use ps_worker::launch::{train, TrainArgs};
 
 /// Stratus worker: trains its share of each step with candle, pushes compressed
@@ -14,9 +13,15 @@ use ps_worker::launch::{train, TrainArgs};
 #[derive(Parser, Debug)]
 #[command(name = "ps-worker", version, about, long_about = None, after_help = EXIT_CODES_HELP)]
 struct Cli {
-    /// Cluster config (TOML); the embedded configs/local.toml when omitted.
+    /// Cluster config (TOML). STRATUS__SECTION__FIELD=value variables
+    /// override its fields (docs/launch.md).
     #[arg(long, short, global = true, env = "STRATUS_CONFIG")]
     config: Option<PathBuf>,
+
+    /// Use the embedded development config (configs/local.toml: a local
+    /// test cluster) instead of --config.
+    #[arg(long, global = true)]
+    dev: bool,
 
     /// Log filter (error, warn, info, debug, or a tracing filter).
     #[arg(long, default_value = "warn", global = true, env = "STRATUS_LOG")]
@@ -28,7 +33,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Train as one worker (the default when no subcommand is given: rank 0),
+    /// Train as one worker (the default when no subcommand is given; the
+    /// rank comes from --rank or the launch variables, docs/launch.md),
     /// or as every rank of one node with --node (cluster.workers_per_node > 1).
     Train(TrainArgs),
     /// Print the effective configuration (token redacted) and exit.
@@ -47,12 +53,12 @@ fn run() -> anyhow::Result<()> {
         .unwrap_or_else(|| Command::Train(TrainArgs::default()));
     match command {
         Command::ShowConfig => {
-            let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+            let cfg = ps_shared::overrides::load_cli(cli.config.as_deref(), cli.dev)?;
             println!("{}", cfg.to_redacted_toml()?);
             Ok(())
         }
         Command::Train(args) => {
-            let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+            let cfg = ps_shared::overrides::load_cli(cli.config.as_deref(), cli.dev)?;
             train(cfg, args, None)
         }
     }

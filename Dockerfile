@@ -28,12 +28,12 @@ COPY Cargo.toml Cargo.lock ./
 COPY shared/Cargo.toml shared/
 COPY net/Cargo.toml net/
 COPY dataset/Cargo.toml dataset/
-COPY data/Cargo.toml data/
+COPY tools/Cargo.toml tools/
 COPY server/Cargo.toml server/
 COPY worker/Cargo.toml worker/
 COPY tests/Cargo.toml tests/
 COPY examples/Cargo.toml examples/
-ARG CRATES="shared net dataset data server worker tests examples"
+ARG CRATES="shared net dataset tools server worker tests examples"
 RUN set -eu; \
     for dir in $CRATES; do \
         mkdir -p "$dir/src"; : >"$dir/src/lib.rs"; \

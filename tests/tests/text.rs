@@ -17,7 +17,7 @@ use ps_shared::config::{
     ClusterConfig, CompressionKind, GptSection, ModelKind, OptimizerKind, ScheduleKind,
 };
 use ps_shared::sampler::EpochSampler;
-use ps_shared::simstore::{SimSettings, SimStore};
+use ps_worker::simstore::{SimSettings, SimStore};
 use ps_tests::{run_cluster, test_config};
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
 

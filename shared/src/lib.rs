@@ -21,5 +21,6 @@ pub mod shard;
 pub mod simstore;
 pub mod simulate;
 pub mod sparse;
+pub mod telemetry;
 pub mod transport;
 mod wrapstore;

@@ -28,6 +28,7 @@ pub mod layers;
 pub mod loader;
 pub mod model;
 pub mod node;
+pub mod observe;
 pub mod plot;
 pub mod run;
 pub mod trainer;

@@ -1,5 +1,6 @@
 //! `ps-worker`: one training worker of a Stratus cluster, and the dataset tool.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
@@ -11,7 +12,7 @@ use ps_dataset::{
     ImportInput, ImportOptions, InputFormat, LabelColumn, Layout, Normalize, SyntheticSpec,
     TestSplit, TextOptions, TextTokenizer, WriteOptions,
 };
-use ps_shared::cli::{init_logging, EXIT_CODES_HELP};
+use ps_shared::cli::{init_logging, LogFormat, EXIT_CODES_HELP};
 use ps_shared::config::ClusterConfig;
 use ps_worker::launch::{train, TrainArgs};
 
@@ -24,9 +25,28 @@ struct Cli {
     #[arg(long, short, global = true, env = "STRATUS_CONFIG")]
     config: Option<PathBuf>,
 
-    /// Log filter (error, warn, info, debug, or a tracing filter).
-    #[arg(long, default_value = "warn", global = true, env = "STRATUS_LOG")]
-    log: String,
+    /// Log filter (error, warn, info, debug, or a tracing filter); default
+    /// warn. When neither this nor STRATUS_LOG is given, RUST_LOG is used.
+    #[arg(long, global = true, env = "STRATUS_LOG")]
+    log: Option<String>,
+
+    /// Log lines as text (colour only on a terminal) or JSON objects.
+    #[arg(
+        long,
+        global = true,
+        default_value = "text",
+        env = "STRATUS_LOG_FORMAT"
+    )]
+    log_format: LogFormat,
+
+    /// Serve Prometheus metrics on http://HOST:PORT/metrics (off when absent).
+    #[arg(
+        long,
+        global = true,
+        value_name = "HOST:PORT",
+        env = "STRATUS_METRICS_ADDR"
+    )]
+    metrics_addr: Option<SocketAddr>,
 
     #[command(subcommand)]
     command: Option<Command>,
@@ -262,7 +282,7 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(&cli.log, "warn");
+    init_logging(cli.log.as_deref(), "warn", cli.log_format);
     let command = cli
         .command
         .unwrap_or_else(|| Command::Train(TrainArgs::default()));
@@ -282,6 +302,9 @@ fn run() -> anyhow::Result<()> {
         }
         Command::Train(args) => {
             let cfg = ClusterConfig::load_or_default(cli.config.as_deref())?;
+            if let Some(addr) = cli.metrics_addr {
+                ps_shared::telemetry::start_exporter(addr)?;
+            }
             train(cfg, args, None)
         }
     }

@@ -68,7 +68,7 @@ impl StepFigures {
 /// Whether step `step` (the count after it) gets a per-step record with
 /// `training.step_metrics_every = every`.
 pub fn step_record_due(every: u64, step: u64) -> bool {
-    every > 0 && step % every == 0
+    every > 0 && step.is_multiple_of(every)
 }
 
 fn describe() {

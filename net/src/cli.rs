@@ -100,7 +100,11 @@ pub fn exit_code(
 
 /// The exit codes of the shared crate's errors.
 fn shared_exit_code(e: &(dyn Error + 'static)) -> Option<ExitCode> {
-    if e.is::<ConfigError>() || e.is::<PkiError>() || e.is::<UsageError>() {
+    if e.is::<ConfigError>()
+        || e.is::<PkiError>()
+        || e.is::<UsageError>()
+        || e.is::<ps_shared::telemetry::TelemetryError>()
+    {
         return Some(ExitCode::Config);
     }
     match e.downcast_ref::<TransportError>()? {
@@ -120,15 +124,63 @@ fn shared_exit_code(e: &(dyn Error + 'static)) -> Option<ExitCode> {
 #[error("{0}")]
 pub struct UsageError(pub String);
 
-/// Log to stderr with a tracing filter (`info`, `warn`, `ps_server=debug`, ...);
-/// an unparsable filter falls back to `fallback`.
-pub fn init_logging(filter: &str, fallback: &str) {
+/// How log lines are written (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// One human-readable line per event; colour only on a terminal.
+    #[default]
+    Text,
+    /// One JSON object per event, with the current span's fields.
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!("log format `{other}`: expected text or json")),
+        }
+    }
+}
+
+/// The log filter in force: `--log` (or `STRATUS_LOG`) when given, else
+/// `RUST_LOG` when set and not empty, else the binary's default.
+pub fn log_filter(flag: Option<&str>, rust_log: Option<&str>, default: &str) -> String {
+    flag.or(rust_log.filter(|v| !v.trim().is_empty()))
+        .unwrap_or(default)
+        .to_string()
+}
+
+/// Whether text logs carry ANSI colour: only on a terminal, and not when
+/// `NO_COLOR` is set.
+pub fn use_colour(format: LogFormat, is_terminal: bool, no_color: bool) -> bool {
+    format == LogFormat::Text && is_terminal && !no_color
+}
+
+/// Log to stderr with a tracing filter (`info`, `warn`, `ps_server=debug`,
+/// ...; see [`log_filter`] for `--log` against `RUST_LOG`); an unparsable
+/// filter falls back to `fallback`.
+pub fn init_logging(filter: Option<&str>, fallback: &str, format: LogFormat) {
+    use std::io::IsTerminal;
+    let rust_log = std::env::var("RUST_LOG").ok();
+    let filter = log_filter(filter, rust_log.as_deref(), fallback);
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(fallback));
-    let _ = tracing_subscriber::fmt()
+    let colour = use_colour(
+        format,
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty()),
+    );
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .try_init();
+        .with_ansi(colour);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().with_current_span(true).try_init(),
+    };
 }
 
 /// The error and its causes on one line, skipping causes whose text an
@@ -237,6 +289,29 @@ mod tests {
         }
         assert_eq!(ExitCode::for_signal("SIGTERM").code(), 143);
         assert_eq!(ExitCode::for_signal("SIGINT").code(), 130);
+    }
+
+    #[test]
+    fn the_log_flag_wins_over_rust_log_which_wins_over_the_default() {
+        assert_eq!(log_filter(Some("debug"), Some("trace"), "warn"), "debug");
+        assert_eq!(
+            log_filter(None, Some("ps_server=trace"), "warn"),
+            "ps_server=trace"
+        );
+        assert_eq!(log_filter(None, Some("  "), "warn"), "warn");
+        assert_eq!(log_filter(None, None, "info"), "info");
+    }
+
+    #[test]
+    fn colour_only_for_text_on_a_terminal_without_no_color() {
+        assert!(use_colour(LogFormat::Text, true, false));
+        assert!(!use_colour(LogFormat::Text, false, false));
+        assert!(!use_colour(LogFormat::Text, true, true));
+        assert!(!use_colour(LogFormat::Json, true, false));
+        assert_eq!("json".parse::<LogFormat>(), Ok(LogFormat::Json));
+        assert_eq!("text".parse::<LogFormat>(), Ok(LogFormat::Text));
+        let err = "xml".parse::<LogFormat>().unwrap_err();
+        assert!(err.contains("xml") && err.contains("text or json"), "{err}");
     }
 
     #[test]

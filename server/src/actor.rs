@@ -22,6 +22,7 @@ use crate::checkpoint::{save, ShardCheckpoint};
 use crate::core::{
     Action, ConnId, CoreStats, Event, RecoveryReport, ReplyId, ShardCore, ShardMemory,
 };
+use crate::observe::ShardSeries;
 use crate::optimizer::thread_cpu_time;
 
 /// Where a shard checkpoints.
@@ -56,6 +57,8 @@ pub struct ShardActor {
     max_failures: u32,
     /// Stops the server with the message (see [`Self::with_checkpoint_limit`]).
     give_up: Option<GiveUp>,
+    /// The shard's Prometheus series.
+    series: ShardSeries,
 }
 
 /// What a shard calls when its checkpoints keep failing: stops the server
@@ -71,6 +74,7 @@ impl ShardActor {
         waiting: watch::Sender<usize>,
     ) -> Self {
         Self {
+            series: ShardSeries::new(core.id()),
             core,
             replies: HashMap::new(),
             next_reply: 0,
@@ -128,10 +132,12 @@ impl ShardActor {
     }
 
     fn feed(&mut self, event: Event, ctx: &mut Context<Self>) {
+        let before = self.core.stats();
         let t0 = thread_cpu_time();
         let actions = self.core.handle(event, Instant::now());
         let replies = self.encode_replies(actions);
         self.cpu += thread_cpu_time().saturating_sub(t0);
+        self.series.core_moved(&before, &self.core.stats());
         self.carry_out(replies, ctx);
     }
 
@@ -169,7 +175,8 @@ impl ShardActor {
                         let _ = tx.send(reply);
                     }
                 }
-                Action::Applied { version, .. } => {
+                Action::Applied { version, entries } => {
+                    self.series.applied(version, entries);
                     self.version.send_replace(version);
                 }
                 Action::Recovered(report) => {
@@ -185,6 +192,7 @@ impl ShardActor {
         // Slots whose receivers are gone (their request task ended) go too.
         self.replies.retain(|_, tx| !tx.is_closed());
         let waiting = self.replies.len();
+        self.series.parked(waiting);
         self.waiting
             .send_if_modified(|n| std::mem::replace(n, waiting) != waiting);
     }
@@ -196,8 +204,10 @@ impl ShardActor {
             return;
         };
         let shard = snapshot.shard;
+        let started = Instant::now();
         let write = async move { save(&target.store, &target.prefix, &snapshot).await };
         ctx.spawn(write.into_actor(self).map(move |result, actor, ctx| {
+            actor.series.checkpoint(result.is_ok(), started.elapsed());
             let ok = match result {
                 Ok(()) => {
                     tracing::info!(shard, version, "checkpoint published");

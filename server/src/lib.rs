@@ -13,4 +13,5 @@ pub mod checkpoint;
 pub mod core;
 pub mod membership;
 pub mod net;
+pub mod observe;
 pub mod optimizer;

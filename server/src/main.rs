@@ -7,7 +7,8 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
 use ps_net::cli::{
-    describe_error, exit_code, init_logging, stop_signal, ExitCode, UsageError, EXIT_CODES_HELP,
+    describe_error, exit_code, init_logging, stop_signal, ExitCode, LogFormat, UsageError,
+    EXIT_CODES_HELP,
 };
 use ps_net::pki::{ensure_cluster_pki, Existing, PkiPaths};
 use ps_net::transport::read_pem;
@@ -39,9 +40,28 @@ struct Cli {
     #[arg(long)]
     listen: Option<SocketAddr>,
 
-    /// Log filter (error, warn, info, debug, or a tracing filter).
-    #[arg(long, default_value = "info", global = true, env = "STRATUS_LOG")]
-    log: String,
+    /// Log filter (error, warn, info, debug, or a tracing filter); default
+    /// info. When neither this nor STRATUS_LOG is given, RUST_LOG is used.
+    #[arg(long, global = true, env = "STRATUS_LOG")]
+    log: Option<String>,
+
+    /// Log lines as text (colour only on a terminal) or JSON objects.
+    #[arg(
+        long,
+        global = true,
+        default_value = "text",
+        env = "STRATUS_LOG_FORMAT"
+    )]
+    log_format: LogFormat,
+
+    /// Serve Prometheus metrics on http://HOST:PORT/metrics (off when absent).
+    #[arg(
+        long,
+        global = true,
+        value_name = "HOST:PORT",
+        env = "STRATUS_METRICS_ADDR"
+    )]
+    metrics_addr: Option<SocketAddr>,
 
     #[command(subcommand)]
     command: Option<Command>,
@@ -109,7 +129,7 @@ fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
 }
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(&cli.log, "info");
+    init_logging(cli.log.as_deref(), "info", cli.log_format);
     let cfg = ps_shared::overrides::load_cli(cli.config.as_deref(), cli.dev)?;
     match cli.command.unwrap_or(Command::Run) {
         Command::Certs { names, force } => {
@@ -131,7 +151,12 @@ fn run() -> anyhow::Result<()> {
             println!("{}", cfg.to_redacted_toml()?);
             Ok(())
         }
-        Command::Run => serve(&cfg, cli.index, cli.listen),
+        Command::Run => {
+            if let Some(addr) = cli.metrics_addr {
+                ps_shared::telemetry::start_exporter(addr)?;
+            }
+            serve(&cfg, cli.index, cli.listen)
+        }
     }
 }
 

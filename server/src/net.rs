@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
 use tokio::sync::{oneshot, watch};
+use tracing::Instrument;
 
 use ps_net::protocol::{
     close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
@@ -161,7 +162,11 @@ impl Ctx {
 
     /// Publish the connection counts (after membership changed them).
     fn publish_counts(&self) {
-        let counts = self.membership().connections();
+        let (counts, live) = {
+            let m = self.membership();
+            (m.connections(), m.live().len())
+        };
+        crate::observe::membership(self.index as usize, counts, live);
         self.counts
             .send_if_modified(|c| std::mem::replace(c, counts) != counts);
     }
@@ -1009,10 +1014,12 @@ async fn serve_connection(incoming: Incoming, ctx: Arc<Ctx>) {
         Ok(ok) => ok,
         Err(why) => {
             tracing::warn!(%peer, "refused connection: {why}");
+            crate::observe::connection(ctx.index as usize, false);
             ctx.closed(conn_id, &why);
             return;
         }
     };
+    crate::observe::connection(ctx.index as usize, true);
     tracing::info!(%peer, rank, "worker connected");
     let budget = FrameBudget::new(ctx.frame_budget);
     loop {
@@ -1062,14 +1069,31 @@ async fn serve_stream(
                 // The request is decoded: the frame's bytes go back to the
                 // connection's budget.
                 drop(frame);
-                if ctx.membership().request(conn, Instant::now()) {
-                    dispatch(&ctx, conn, rank, req).await
+                let kind = request_kind(&req);
+                let span = match &req {
+                    Request::Step { shard, step, .. } => {
+                        tracing::info_span!("request", kind, rank, conn, shard, step)
+                    }
+                    Request::Offer { shard, version, .. } => {
+                        tracing::info_span!("request", kind, rank, conn, shard, version)
+                    }
+                    _ => tracing::info_span!("request", kind, rank, conn),
+                };
+                let started = Instant::now();
+                let resp = if ctx.membership().request(conn, Instant::now()) {
+                    dispatch(&ctx, conn, rank, req)
+                        .instrument(span.clone())
+                        .await
                 } else {
                     refuse(
                         ErrorCode::RateLimited,
                         "over server.max_requests_per_sec".into(),
                     )
-                }
+                };
+                let ok = !matches!(*resp.response, Response::Error { .. });
+                crate::observe::request_done(ctx.index as usize, kind, ok, started.elapsed());
+                span.in_scope(|| tracing::trace!(ok, "answered"));
+                resp
             }
         },
     };
@@ -1080,6 +1104,18 @@ async fn serve_stream(
     // alike.
     if let Err(e) = write_frame(&mut send, &resp.frame).await {
         tracing::debug!("cannot send reply: {e}");
+    }
+}
+
+/// The request's kind, as the `kind` label and span field name it.
+fn request_kind(req: &Request) -> &'static str {
+    match req {
+        Request::Hello { .. } => "hello",
+        Request::Offer { .. } => "offer",
+        Request::Step { .. } => "step",
+        Request::Bye { .. } => "bye",
+        Request::Heartbeat => "heartbeat",
+        Request::Abort { .. } => "abort",
     }
 }
 

@@ -856,6 +856,10 @@ pub struct TrainingSection {
     /// Evaluate on the test split every this many steps (0 = only at the end
     /// of each epoch). Evaluation time is not counted as training time.
     pub eval_every: u64,
+    /// Also write a per-step record (loss, learning rate, data, compute,
+    /// compress and exchange seconds, bytes) to `worker-<rank>.jsonl`
+    /// every this many steps (0 = per-epoch records only).
+    pub step_metrics_every: u64,
     /// Stop (saying goodbye) after the evaluation that reaches this test
     /// accuracy, in [0, 1] (0 = train every epoch).
     pub target_accuracy: f32,
@@ -879,6 +883,7 @@ impl Default for TrainingSection {
             init_seed: 1,
             metrics_dir: "runs".into(),
             eval_every: 0,
+            step_metrics_every: 10,
             target_accuracy: 0.0,
             max_steps: 0,
             overlap: false,
@@ -892,6 +897,11 @@ impl TrainingSection {
     fn check_ranges(&self) -> Result<(), ConfigError> {
         check_range("training.epochs", self.epochs, 1..=1_000_000)?;
         check_range("training.eval_every", self.eval_every, 0..=1 << 40)?;
+        check_range(
+            "training.step_metrics_every",
+            self.step_metrics_every,
+            0..=1 << 40,
+        )?;
         check_range("training.max_steps", self.max_steps, 0..=1 << 48)?;
         check_range("training.compute_threads", self.compute_threads, 0..=1024)
     }

@@ -17,3 +17,4 @@ pub mod rng;
 pub mod sampler;
 pub mod shard;
 pub mod sparse;
+pub mod telemetry;

@@ -955,7 +955,11 @@ fn plots_are_drawn_from_a_real_runs_metrics() {
         .iter()
         .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    let expected: Vec<&str> = ps_data::plot::chart_files().collect();
+    // The epoch charts, then the step charts (the run writes per-step
+    // records every training.step_metrics_every steps).
+    let expected: Vec<&str> = ps_data::plot::chart_files()
+        .chain(ps_data::plot::step_chart_files())
+        .collect();
     assert_eq!(names, expected);
     assert!(expected.contains(&"loss.png") && expected.contains(&"bucket_cost.png"));
     let (width, height) = ps_data::plot::CHART_SIZE;

@@ -17,9 +17,9 @@ use ps_shared::config::{
     ClusterConfig, CompressionKind, GptSection, ModelKind, OptimizerKind, ScheduleKind,
 };
 use ps_shared::sampler::EpochSampler;
-use ps_worker::simstore::{SimSettings, SimStore};
 use ps_tests::{run_cluster, test_config};
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
+use ps_worker::simstore::{SimSettings, SimStore};
 
 const SEQ_LEN: usize = 15;
 

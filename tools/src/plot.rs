@@ -1,10 +1,12 @@
-//! Charts of a run's per-epoch metrics, drawn as PNG files.
+//! Charts of a run's per-epoch and per-step metrics, drawn as PNG files.
 //!
 //! [`plot_run_dir`] reads the `worker-<rank>.jsonl` files a run writes to
 //! `training.metrics_dir` and draws one chart per measure (loss, accuracy,
 //! data wait, compute and communication time, bytes per step, cache hit rate
 //! per tier, bucket GETs and cost), with epochs along the x axis and one line
-//! per worker. [`write_line_chart`] is the line chart underneath, usable on
+//! per worker; when the files hold per-step records (`"record":"step"`,
+//! every `training.step_metrics_every` steps) it also draws loss, learning
+//! rate, step time by phase and bytes with steps along the x axis. [`write_line_chart`] is the line chart underneath, usable on
 //! its own:
 //!
 //! ```no_run
@@ -39,7 +41,7 @@ pub enum PlotError {
     },
     #[error(
         "no metrics in {dir}: expected worker-<rank>.jsonl files with at least one epoch \
-         (a run writes them when training.metrics_dir is set)"
+         or step record (a run writes them when training.metrics_dir is set)"
     )]
     NoMetrics { dir: PathBuf },
     #[error("{path}, line {line}: {reason}")]
@@ -272,12 +274,14 @@ pub struct WorkerMetrics {
     pub path: PathBuf,
     /// One JSON object per epoch, in file order.
     pub epochs: Vec<Map<String, Value>>,
+    /// The per-step records (`"record":"step"`), in file order.
+    pub steps: Vec<Map<String, Value>>,
 }
 
 /// Reads every `worker-<rank>.jsonl` in `dir`, in rank order. A line that is
-/// not a JSON object with integer `rank` and `epoch` fields is an error
-/// naming the file and line; a directory without any epoch is
-/// [`PlotError::NoMetrics`].
+/// not a JSON object with integer `rank` and `epoch` fields (`rank` and
+/// `step` for a `"record":"step"` line) is an error naming the file and
+/// line; a directory without any record is [`PlotError::NoMetrics`].
 pub fn read_run_dir(dir: &Path) -> Result<Vec<WorkerMetrics>, PlotError> {
     let read_err = |path: &Path, source| PlotError::Read {
         path: path.to_path_buf(),
@@ -302,6 +306,7 @@ pub fn read_run_dir(dir: &Path) -> Result<Vec<WorkerMetrics>, PlotError> {
     for (rank, path) in files {
         let text = std::fs::read_to_string(&path).map_err(|e| read_err(&path, e))?;
         let mut epochs = Vec::new();
+        let mut steps = Vec::new();
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
@@ -313,7 +318,21 @@ pub fn read_run_dir(dir: &Path) -> Result<Vec<WorkerMetrics>, PlotError> {
             };
             let record: Map<String, Value> = serde_json::from_str(line)
                 .map_err(|e| malformed(format!("not a JSON object: {e}")))?;
-            for key in ["rank", "epoch"] {
+            let is_step = match record.get("record") {
+                None => false,
+                Some(Value::String(kind)) if kind == "step" => true,
+                Some(other) => {
+                    return Err(malformed(format!(
+                        "`record` is {other}; the known kind is \"step\""
+                    )))
+                }
+            };
+            let keys = if is_step {
+                ["rank", "step"]
+            } else {
+                ["rank", "epoch"]
+            };
+            for key in keys {
                 if !record.get(key).is_some_and(Value::is_u64) {
                     return Err(malformed(format!(
                         "no `{key}` field holding a non-negative integer"
@@ -326,10 +345,19 @@ pub fn read_run_dir(dir: &Path) -> Result<Vec<WorkerMetrics>, PlotError> {
                     record["rank"]
                 )));
             }
-            epochs.push(record);
+            if is_step {
+                steps.push(record);
+            } else {
+                epochs.push(record);
+            }
         }
-        if !epochs.is_empty() {
-            workers.push(WorkerMetrics { rank, path, epochs });
+        if !epochs.is_empty() || !steps.is_empty() {
+            workers.push(WorkerMetrics {
+                rank,
+                path,
+                epochs,
+                steps,
+            });
         }
     }
     if workers.is_empty() {
@@ -349,6 +377,10 @@ enum Measure {
     Percent(&'static str),
     /// A byte count over the epoch's steps, in kilobytes.
     KbPerStep(&'static str),
+    /// A byte count, in kilobytes.
+    Kb(&'static str),
+    /// Seconds, in milliseconds.
+    Ms(&'static str),
 }
 
 impl Measure {
@@ -361,6 +393,8 @@ impl Measure {
                 let steps = num("steps").filter(|s| *s > 0.0)?;
                 num(key).map(|v| v / steps / 1e3)
             }
+            Measure::Kb(key) => num(key).map(|v| v / 1e3),
+            Measure::Ms(key) => num(key).map(|v| v * 1e3),
         }
     }
 }
@@ -437,22 +471,76 @@ const CHARTS: &[ChartSpec] = &[
     },
 ];
 
-/// The file names [`plot_run_dir`] writes, in order.
+/// The charts by step, drawn from the per-step records.
+const STEP_CHARTS: &[ChartSpec] = &[
+    ChartSpec {
+        file: "step_loss.png",
+        title: "Training loss by step",
+        y_label: "cross-entropy loss",
+        lines: &[("loss", Measure::Field("loss"))],
+    },
+    ChartSpec {
+        file: "step_lr.png",
+        title: "Learning rate by step",
+        y_label: "learning rate",
+        lines: &[("lr", Measure::Field("lr"))],
+    },
+    ChartSpec {
+        file: "step_time.png",
+        title: "Step time by phase",
+        y_label: "milliseconds",
+        lines: &[
+            ("data", Measure::Ms("data_s")),
+            ("compute", Measure::Ms("compute_s")),
+            ("compress", Measure::Ms("compress_s")),
+            ("exchange", Measure::Ms("exchange_s")),
+        ],
+    },
+    ChartSpec {
+        file: "step_bytes.png",
+        title: "Bytes sent to and received from the servers by step",
+        y_label: "KB",
+        lines: &[
+            ("pushed", Measure::Kb("bytes_pushed")),
+            ("pulled", Measure::Kb("bytes_pulled")),
+        ],
+    },
+];
+
+/// The file names [`plot_run_dir`] writes for the per-epoch records, in
+/// order.
 pub fn chart_files() -> impl Iterator<Item = &'static str> {
     CHARTS.iter().map(|c| c.file)
 }
 
+/// The file names [`plot_run_dir`] writes after [`chart_files`] when the
+/// run has per-step records, in order.
+pub fn step_chart_files() -> impl Iterator<Item = &'static str> {
+    STEP_CHARTS.iter().map(|c| c.file)
+}
+
+/// Which records a chart draws, and the field along x.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Axis {
+    Epoch,
+    Step,
+}
+
 /// The series of one chart: per worker, one line per measure, with the
-/// record's `epoch` along x. Epochs lacking the measure's field are skipped.
-fn chart_series(spec: &ChartSpec, workers: &[WorkerMetrics]) -> Vec<Series> {
+/// record's `epoch` (or `step`) along x. Records lacking the measure's
+/// field are skipped.
+fn chart_series(spec: &ChartSpec, workers: &[WorkerMetrics], axis: Axis) -> Vec<Series> {
     let mut series = Vec::new();
     for w in workers {
+        let (records, x_key) = match axis {
+            Axis::Epoch => (&w.epochs, "epoch"),
+            Axis::Step => (&w.steps, "step"),
+        };
         for &(name, measure) in spec.lines {
-            let points = w
-                .epochs
+            let points = records
                 .iter()
                 .filter_map(|r| {
-                    let x = r.get("epoch").and_then(Value::as_f64)?;
+                    let x = r.get(x_key).and_then(Value::as_f64)?;
                     Some((x, measure.of(r)?))
                 })
                 .collect();
@@ -467,7 +555,8 @@ fn chart_series(spec: &ChartSpec, workers: &[WorkerMetrics]) -> Vec<Series> {
     series
 }
 
-/// Reads the metrics in `run_dir` and writes every chart into `out_dir`
+/// Reads the metrics in `run_dir` and writes every chart (the step charts
+/// only when there are per-step records) into `out_dir`
 /// (created if missing) as a [`CHART_SIZE`] PNG; returns the paths written.
 pub fn plot_run_dir(run_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
     let workers = read_run_dir(run_dir)?;
@@ -476,11 +565,20 @@ pub fn plot_run_dir(run_dir: &Path, out_dir: &Path) -> Result<Vec<PathBuf>, Plot
         reason: e.to_string(),
     })?;
     let mut written = Vec::new();
-    for spec in CHARTS {
-        let series = chart_series(spec, &workers);
+    let with_steps = workers.iter().any(|w| !w.steps.is_empty());
+    let step_charts = if with_steps { STEP_CHARTS } else { &[] };
+    let charts = CHARTS
+        .iter()
+        .map(|c| (c, Axis::Epoch))
+        .chain(step_charts.iter().map(|c| (c, Axis::Step)));
+    for (spec, axis) in charts {
+        let series = chart_series(spec, &workers, axis);
         let chart = LineChart {
             title: spec.title,
-            x_label: "epoch",
+            x_label: match axis {
+                Axis::Epoch => "epoch",
+                Axis::Step => "step",
+            },
             y_label: spec.y_label,
             series: &series,
         };
@@ -552,7 +650,7 @@ mod tests {
         );
         let workers = read_run_dir(dir.path()).unwrap();
         assert_eq!(workers.iter().map(|w| w.rank).collect::<Vec<_>>(), [0, 1]);
-        let loss = chart_series(&CHARTS[0], &workers);
+        let loss = chart_series(&CHARTS[0], &workers, Axis::Epoch);
         let names: Vec<&str> = loss.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(
             names,
@@ -570,8 +668,85 @@ mod tests {
             .iter()
             .find(|c| c.file == "bytes_per_step.png")
             .unwrap();
-        let kb = chart_series(bytes, &workers);
+        let kb = chart_series(bytes, &workers, Axis::Epoch);
         assert_eq!(kb[2].points, [(1.0, 2.0), (2.0, 1.0)]);
+    }
+
+    #[test]
+    fn step_records_give_charts_by_step_next_to_the_epochs() {
+        let dir = tempfile::tempdir().unwrap();
+        // An old file (epochs only) next to a new one (steps and epochs).
+        write(
+            dir.path(),
+            "worker-0.jsonl",
+            "{\"rank\":0,\"epoch\":1,\"steps\":2,\"train_loss\":2.4}\n",
+        );
+        write(
+            dir.path(),
+            "worker-1.jsonl",
+            "{\"record\":\"step\",\"rank\":1,\"step\":10,\"epoch\":1,\"loss\":2.5,\"lr\":0.1,\
+             \"data_s\":0.002,\"compute_s\":0.01,\"compress_s\":0.001,\"exchange_s\":0.004,\
+             \"bytes_pushed\":3000,\"bytes_pulled\":5000}\n\
+             {\"record\":\"step\",\"rank\":1,\"step\":20,\"epoch\":1,\"loss\":1.5,\"lr\":0.05,\
+             \"data_s\":0.001,\"compute_s\":0.02,\"compress_s\":0.001,\"exchange_s\":0.003,\
+             \"bytes_pushed\":2000,\"bytes_pulled\":4000}\n\
+             {\"rank\":1,\"epoch\":1,\"steps\":20,\"train_loss\":2.0}\n",
+        );
+        let workers = read_run_dir(dir.path()).unwrap();
+        assert_eq!(workers[0].steps.len(), 0);
+        assert_eq!((workers[1].steps.len(), workers[1].epochs.len()), (2, 1));
+        // The epoch chart is unchanged by the step records.
+        let loss = chart_series(&CHARTS[0], &workers, Axis::Epoch);
+        assert_eq!(loss[2].points, [(1.0, 2.0)]);
+        let by_step = chart_series(&STEP_CHARTS[0], &workers, Axis::Step);
+        assert_eq!(by_step[0].points, []);
+        assert_eq!(by_step[1].name, "worker 1");
+        assert_eq!(by_step[1].points, [(10.0, 2.5), (20.0, 1.5)]);
+        let time = STEP_CHARTS
+            .iter()
+            .find(|c| c.file == "step_time.png")
+            .unwrap();
+        let phases = chart_series(time, &workers, Axis::Step);
+        let exchange = phases
+            .iter()
+            .find(|s| s.name == "worker 1 exchange")
+            .unwrap();
+        assert_eq!(exchange.points.len(), 2);
+        assert!(
+            (exchange.points[0].1 - 4.0).abs() < 1e-9,
+            "{:?}",
+            exchange.points
+        );
+        let bytes = STEP_CHARTS
+            .iter()
+            .find(|c| c.file == "step_bytes.png")
+            .unwrap();
+        let kb = chart_series(bytes, &workers, Axis::Step);
+        assert_eq!(kb[3].points, [(10.0, 5.0), (20.0, 4.0)]);
+        // The files: epoch charts, then step charts.
+        let out = dir.path().join("plots");
+        let written = plot_run_dir(dir.path(), &out).unwrap();
+        let names: Vec<String> = written
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        let expected: Vec<&str> = chart_files().chain(step_chart_files()).collect();
+        assert_eq!(names, expected);
+        // A step record without `step`, or an unknown kind, names its line.
+        write(
+            dir.path(),
+            "worker-1.jsonl",
+            "{\"rank\":1,\"epoch\":1}\n{\"record\":\"step\",\"rank\":1,\"epoch\":1}\n",
+        );
+        let err = read_run_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("line 2") && err.contains("`step`"), "{err}");
+        write(
+            dir.path(),
+            "worker-1.jsonl",
+            "{\"record\":\"batch\",\"rank\":1}\n",
+        );
+        let err = read_run_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("line 1") && err.contains("\"batch\""), "{err}");
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub mod layers;
 pub mod loader;
 pub mod model;
 pub mod node;
+pub mod observe;
 pub mod run;
 pub mod simstore;
 pub mod simulate;

@@ -1498,6 +1498,11 @@ impl Loader {
         }
     }
 
+    /// Batches ready in the queue, waiting for the trainer.
+    pub fn ready(&self) -> usize {
+        self.rx.len()
+    }
+
     /// The next batch in order, `None` after the last one. After an error
     /// every later call fails too.
     pub async fn next(&mut self) -> Result<Option<(BatchPos, Arc<Batch>)>, LoaderError> {

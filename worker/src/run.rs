@@ -19,6 +19,7 @@ use actix::prelude::*;
 use indicatif::{ProgressBar, ProgressStyle};
 use object_store::{path::Path as StorePath, ObjectStore};
 use serde::Serialize;
+use tracing::Instrument;
 
 use crate::countstore::{CountingStore, GetCounts};
 use crate::simstore::SimStore;
@@ -41,6 +42,7 @@ use crate::loader::{
 };
 use crate::model::{device_from_str, Model, ModelError};
 use crate::node::{node_members, NodeError, NodeMember};
+use crate::observe::{follow_outages, step_record_due, StepFigures, WorkerSeries};
 use crate::trainer::{
     ApplyUpdates, CalibrateBn, ComputeStep, Evaluate, GetParams, SetStep, TrainerActor,
     TrainerError,
@@ -965,6 +967,9 @@ async fn train(
         .then(|| actix::spawn(show_outages(bar.clone(), outage.watch(), step_text.clone())));
     let _stop_view = AbortOnDrop(outage_view);
     let mut metrics = open_metrics(cfg, rank)?;
+    let series = WorkerSeries::new(rank);
+    let _outage_series = AbortOnDrop(Some(actix::spawn(follow_outages(rank, outage.watch()))));
+    let step_every = cfg.training.step_metrics_every;
     let mut reports = Vec::new();
     let mut acc = EpochAcc::default();
     let mut epoch = plan.resume_point(start_step).epoch;
@@ -1008,6 +1013,7 @@ async fn train(
         };
         if finished_epoch {
             let tested = evals.at(step, trainer, &test).await?;
+            series.evaluated(tested.0, tested.1);
             acc.lr = cfg.optimizer.lr_at(step.saturating_sub(1));
             let mut report = close_epoch(
                 rank,
@@ -1048,10 +1054,21 @@ async fn train(
         acc.started.get_or_insert_with(Instant::now);
         evals.started.get_or_insert_with(Instant::now);
         acc.wait += waited;
+        let span = tracing::info_span!(
+            "step",
+            rank,
+            step = step + 1,
+            epoch = pos.epoch + 1,
+            samples = pos.samples.len()
+        );
+        let mut data_wait = waited;
         let out = match precomputed.take() {
             Some(out) => out,
             None => {
-                let out = trainer.send(ComputeStep(batch)).await??;
+                let out = trainer
+                    .send(ComputeStep(batch))
+                    .instrument(span.clone())
+                    .await??;
                 acc.compute += out.compute + out.compress;
                 out
             }
@@ -1068,6 +1085,7 @@ async fn train(
             };
             let next = batch_or_stop(next, &exchange, rank).await?;
             acc.wait += t_wait.elapsed();
+            data_wait += t_wait.elapsed();
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {
                     let ahead = trainer.send(ComputeStep(next_batch.clone())).await??;
@@ -1078,7 +1096,7 @@ async fn train(
             lookahead = Some(next);
         }
         let t_comm = Instant::now();
-        let Some(replied) = until_stop(&opts.stop, reply).await else {
+        let Some(replied) = until_stop(&opts.stop, reply.instrument(span.clone())).await else {
             bar.finish_and_clear();
             let waiting_for = "the servers' reply to a step";
             return Err(stop_during_wait(Some(&exchange), rank, step, waiting_for).await);
@@ -1095,7 +1113,8 @@ async fn train(
                 return Err(e);
             }
         };
-        acc.comm += t_comm.elapsed();
+        let exchange_time = t_comm.elapsed();
+        acc.comm += exchange_time;
         if let Some(tx) = &opts.trained {
             let _ = tx.send(TrainedBatch {
                 rank,
@@ -1122,8 +1141,12 @@ async fn train(
         );
         acc.round_trips += traffic.round_trips;
         let t_apply = Instant::now();
-        trainer.send(ApplyUpdates(updates)).await??;
-        acc.compute += t_apply.elapsed();
+        trainer
+            .send(ApplyUpdates(updates))
+            .instrument(span.clone())
+            .await??;
+        let apply_time = t_apply.elapsed();
+        acc.compute += apply_time;
         acc.steps += 1;
         acc.loss_sum += f64::from(out.loss);
         acc.pushed += traffic.pushed;
@@ -1132,6 +1155,37 @@ async fn train(
         evals.pulled += traffic.pulled;
         acc.density_sum += traffic.density.unwrap_or(out.density);
         step += 1;
+        let figures = StepFigures {
+            step,
+            epoch: pos.epoch + 1,
+            loss: out.loss,
+            lr: cfg.optimizer.lr_at(step - 1),
+            data_s: data_wait.as_secs_f64(),
+            compute_s: (out.compute + apply_time).as_secs_f64(),
+            compress_s: out.compress.as_secs_f64(),
+            exchange_s: exchange_time.as_secs_f64(),
+            samples: pos.samples.len() as u64,
+            bytes_pushed: traffic.pushed,
+            bytes_pulled: traffic.pulled,
+        };
+        series.step(&figures, traffic.round_trips, traffic.live_workers);
+        series.data_plane(&loader.stats().total(), loader.ready());
+        span.in_scope(|| {
+            tracing::debug!(
+                loss = figures.loss,
+                lr = figures.lr,
+                data_s = figures.data_s,
+                compute_s = figures.compute_s,
+                compress_s = figures.compress_s,
+                exchange_s = figures.exchange_s,
+                bytes_pushed = figures.bytes_pushed,
+                bytes_pulled = figures.bytes_pulled,
+                "step done"
+            )
+        });
+        if step_record_due(step_every, step) {
+            write_step_metrics(&mut metrics, rank, &figures)?;
+        }
         if traffic.next_step > step {
             // The servers declared this worker dead and went on without it
             // (it was paused or cut off past server.worker_timeout_secs):
@@ -1183,7 +1237,8 @@ async fn train(
         }
         *step_text.borrow_mut() = text;
         if evals.every > 0 && step % evals.every == 0 {
-            evals.at(step, trainer, &test).await?;
+            let (loss, accuracy) = evals.at(step, trainer, &test).await?;
+            series.evaluated(loss, accuracy);
             if evals.reached_target() {
                 stopping = Some(StopReason::TargetAccuracy);
             }
@@ -1564,6 +1619,21 @@ fn write_metrics(out: &mut Option<MetricsFiles>, report: &EpochReport) -> Result
     writer.serialize(report).map_err(|e| io(path, e.into()))?;
     // Flushed per epoch, so the file is complete while the run goes on.
     writer.flush().map_err(|e| io(path, e))
+}
+
+/// Appends a per-step record to the JSONL file (flushed at once, so the
+/// file is complete while the run goes on).
+fn write_step_metrics(
+    out: &mut Option<MetricsFiles>,
+    rank: u32,
+    figures: &StepFigures,
+) -> Result<(), WorkerError> {
+    let Some(files) = out else { return Ok(()) };
+    let (path, file) = &mut files.jsonl;
+    writeln!(file, "{}", figures.jsonl(rank)).map_err(|source| WorkerError::Metrics {
+        path: path.clone(),
+        source,
+    })
 }
 
 #[cfg(test)]

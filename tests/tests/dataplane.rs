@@ -900,7 +900,12 @@ fn worker_run_reports_data_plane_metrics() {
         assert!(e.disk_hit_rate > 0.0, "{e:?}");
     }
     let jsonl = std::fs::read_to_string(dir.path().join("runs/worker-0.jsonl")).unwrap();
-    assert_eq!(jsonl.lines().count(), 3);
+    // One record per epoch, besides the per-step records.
+    let epoch_lines = jsonl
+        .lines()
+        .filter(|l| !l.contains("\"record\":\"step\""))
+        .count();
+    assert_eq!(epoch_lines, 3);
     assert!(jsonl.contains("\"bucket_gets\""));
     let csv = std::fs::read_to_string(dir.path().join("runs/worker-0.csv")).unwrap();
     let mut lines = csv.lines();
@@ -989,6 +994,7 @@ fn plots_are_drawn_from_a_real_runs_metrics() {
     let jsonl = std::fs::read_to_string(runs.join("worker-1.jsonl")).unwrap();
     let epochs: Vec<u64> = jsonl
         .lines()
+        .filter(|l| !l.contains("\"record\":\"step\""))
         .map(|l| {
             serde_json::from_str::<serde_json::Value>(l).unwrap()["epoch"]
                 .as_u64()

@@ -26,7 +26,7 @@ fn refused_then_overwritten(dir: &Path, args: &[&str]) {
     let before = std::fs::read(&manifest).expect("the first dataset's manifest");
     let (ok, text) = ps_data(args);
     assert!(!ok, "writing over a dataset succeeded: {text}");
-    assert!(text.contains("already exists"), "{text}");
+    assert!(text.contains("already holds a dataset"), "{text}");
     assert!(text.contains("--overwrite"), "{text}");
     assert_eq!(
         std::fs::read(&manifest).unwrap(),

@@ -895,14 +895,19 @@ mod tests {
 
     /// Join every shard at version 0.
     fn joined(route: Vec<LinkId>, t0: Instant) -> ClientCore {
-        let mut c = core(route);
+        let shards = route.len();
+        joined_at(core(route), &vec![0; shards], t0)
+    }
+
+    /// Join with shard `s` answering at version and step `at[s]`.
+    fn joined_at(mut c: ClientCore, at: &[u64], t0: Instant) -> ClientCore {
         for a in c.handle(Event::JoinRequested, t0) {
             if let Action::Offer { token, shard, .. } = a {
                 c.handle(
                     Event::Reply {
                         token,
                         shard,
-                        params: params(0, 0),
+                        params: params(at[shard], at[shard]),
                     },
                     t0,
                 );
@@ -911,6 +916,16 @@ mod tests {
         c.handle(Event::Applied, t0);
         assert!(!c.busy());
         c
+    }
+
+    /// The (shard, step) of each push among `acts`.
+    fn pushes(acts: &[Action]) -> Vec<(ShardId, u64)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Send { shard, step, .. } => Some((*shard, *step)),
+                _ => None,
+            })
+            .collect()
     }
 
     fn sends(acts: &[Action]) -> Vec<(Token, ShardId)> {
@@ -1100,21 +1115,7 @@ mod tests {
         // Rejoined while the shards stood at different steps: shard 1 had
         // already applied step 30 without this worker when it answered.
         let t0 = Instant::now();
-        let mut c = core(vec![0, 0]);
-        for a in c.handle(Event::JoinRequested, t0) {
-            if let Action::Offer { token, shard, .. } = a {
-                let at = [30, 31][shard];
-                c.handle(
-                    Event::Reply {
-                        token,
-                        shard,
-                        params: params(at, at),
-                    },
-                    t0,
-                );
-            }
-        }
-        c.handle(Event::Applied, t0);
+        let mut c = joined_at(core(vec![0, 0]), &[30, 31], t0);
         assert_eq!((c.start_step(), c.next_steps()), (30, &[30, 31][..]));
         // Step 30 goes to shard 0 only; shard 1 is asked for its
         // parameters, never sent step 30's gradient as its step 31.
@@ -1155,14 +1156,7 @@ mod tests {
         c.handle(Event::Applied, t0);
         // From here on both shards get the same step.
         let acts = c.handle(Event::StepRequested, t0);
-        let steps: Vec<(ShardId, u64)> = acts
-            .iter()
-            .filter_map(|a| match a {
-                Action::Send { shard, step, .. } => Some((*shard, *step)),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(steps, vec![(0, 31), (1, 31)], "{acts:?}");
+        assert_eq!(pushes(&acts), vec![(0, 31), (1, 31)], "{acts:?}");
     }
 
     #[test]
@@ -1170,33 +1164,13 @@ mod tests {
         // In ASP a shard's step is its own clock of this worker's pushes:
         // shards one push apart each get the step they expect.
         let t0 = Instant::now();
-        let mut c = ClientCore::new(ClientSettings {
+        let asp = ClientCore::new(ClientSettings {
             one_step: false,
             ..ClientSettings::new(vec![0, 0], Duration::from_secs(1), Duration::from_secs(1))
         });
-        for a in c.handle(Event::JoinRequested, t0) {
-            if let Action::Offer { token, shard, .. } = a {
-                let at = [5, 6][shard];
-                c.handle(
-                    Event::Reply {
-                        token,
-                        shard,
-                        params: params(at, at),
-                    },
-                    t0,
-                );
-            }
-        }
-        c.handle(Event::Applied, t0);
+        let mut c = joined_at(asp, &[5, 6], t0);
         let acts = c.handle(Event::StepRequested, t0);
-        let steps: Vec<(ShardId, u64)> = acts
-            .iter()
-            .filter_map(|a| match a {
-                Action::Send { shard, step, .. } => Some((*shard, *step)),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(steps, vec![(0, 5), (1, 6)], "{acts:?}");
+        assert_eq!(pushes(&acts), vec![(0, 5), (1, 6)], "{acts:?}");
     }
 
     #[test]

@@ -145,6 +145,55 @@ impl std::str::FromStr for LogFormat {
     }
 }
 
+/// The logging flags of every binary, flattened into its command line.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct LogArgs {
+    /// Log filter (error, warn, info, debug, or a tracing filter); default
+    /// info for ps-server, warn for the others. When neither this nor
+    /// STRATUS_LOG is given, RUST_LOG is used.
+    #[arg(long, global = true, env = "STRATUS_LOG")]
+    pub log: Option<String>,
+    /// Log lines as text (colour only on a terminal) or JSON objects.
+    #[arg(
+        long,
+        global = true,
+        default_value = "text",
+        env = "STRATUS_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
+}
+
+impl LogArgs {
+    /// Start logging with these flags; `fallback` is the binary's default
+    /// filter.
+    pub fn init(&self, fallback: &str) {
+        init_logging(self.log.as_deref(), fallback, self.log_format);
+    }
+}
+
+/// `--metrics-addr` of the binaries that serve Prometheus metrics.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct MetricsArgs {
+    /// Serve Prometheus metrics on http://HOST:PORT/metrics (off when absent).
+    #[arg(
+        long,
+        global = true,
+        value_name = "HOST:PORT",
+        env = "STRATUS_METRICS_ADDR"
+    )]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+impl MetricsArgs {
+    /// Serve the metrics when `--metrics-addr` was given.
+    pub fn start(&self) -> Result<(), ps_shared::telemetry::TelemetryError> {
+        if let Some(addr) = self.metrics_addr {
+            ps_shared::telemetry::start_exporter(addr)?;
+        }
+        Ok(())
+    }
+}
+
 /// The log filter in force: `--log` (or `STRATUS_LOG`) when given, else
 /// `RUST_LOG` when set and not empty, else the binary's default.
 pub fn log_filter(flag: Option<&str>, rust_log: Option<&str>, default: &str) -> String {

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
 use ps_net::cli::{
-    describe_error, exit_code, init_logging, stop_signal, ExitCode, LogFormat, UsageError,
+    describe_error, exit_code, stop_signal, ExitCode, LogArgs, MetricsArgs, UsageError,
     EXIT_CODES_HELP,
 };
 use ps_net::pki::{ensure_cluster_pki, Existing, PkiPaths};
@@ -40,28 +40,11 @@ struct Cli {
     #[arg(long)]
     listen: Option<SocketAddr>,
 
-    /// Log filter (error, warn, info, debug, or a tracing filter); default
-    /// info. When neither this nor STRATUS_LOG is given, RUST_LOG is used.
-    #[arg(long, global = true, env = "STRATUS_LOG")]
-    log: Option<String>,
+    #[command(flatten)]
+    logging: LogArgs,
 
-    /// Log lines as text (colour only on a terminal) or JSON objects.
-    #[arg(
-        long,
-        global = true,
-        default_value = "text",
-        env = "STRATUS_LOG_FORMAT"
-    )]
-    log_format: LogFormat,
-
-    /// Serve Prometheus metrics on http://HOST:PORT/metrics (off when absent).
-    #[arg(
-        long,
-        global = true,
-        value_name = "HOST:PORT",
-        env = "STRATUS_METRICS_ADDR"
-    )]
-    metrics_addr: Option<SocketAddr>,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 
     #[command(subcommand)]
     command: Option<Command>,
@@ -129,7 +112,7 @@ fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> {
 }
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.log.as_deref(), "info", cli.log_format);
+    cli.logging.init("info");
     let cfg = ps_shared::overrides::load_cli(cli.config.as_deref(), cli.dev)?;
     match cli.command.unwrap_or(Command::Run) {
         Command::Certs { names, force } => {
@@ -152,9 +135,7 @@ fn run() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Run => {
-            if let Some(addr) = cli.metrics_addr {
-                ps_shared::telemetry::start_exporter(addr)?;
-            }
+            cli.metrics.start()?;
             serve(&cfg, cli.index, cli.listen)
         }
     }

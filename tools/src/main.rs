@@ -13,7 +13,7 @@ use ps_dataset::{
     ImportInput, ImportOptions, InputFormat, LabelColumn, Layout, Normalize, SyntheticSpec,
     TestSplit, TextOptions, TextTokenizer, WriteOptions,
 };
-use ps_net::cli::{describe_error, init_logging, LogFormat};
+use ps_net::cli::{describe_error, LogArgs};
 
 mod images_cmd;
 
@@ -23,19 +23,8 @@ mod images_cmd;
 #[derive(Parser, Debug)]
 #[command(name = "ps-data", version, about, long_about = None)]
 struct Cli {
-    /// Log filter (error, warn, info, debug, or a tracing filter); default
-    /// warn. When neither this nor STRATUS_LOG is given, RUST_LOG is used.
-    #[arg(long, global = true, env = "STRATUS_LOG")]
-    log: Option<String>,
-
-    /// Log lines as text (colour only on a terminal) or JSON objects.
-    #[arg(
-        long,
-        global = true,
-        default_value = "text",
-        env = "STRATUS_LOG_FORMAT"
-    )]
-    log_format: LogFormat,
+    #[command(flatten)]
+    logging: LogArgs,
 
     #[command(subcommand)]
     command: Command,
@@ -262,7 +251,7 @@ struct ImportArgs {
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(cli.log.as_deref(), "warn", cli.log_format);
+    cli.logging.init("warn");
     if let Err(e) = dataset(cli.command) {
         eprintln!("ps-data: error: {}", describe_error(e.as_ref()));
         std::process::exit(1);

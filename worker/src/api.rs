@@ -48,7 +48,7 @@ use clap::Parser;
 
 /// A batch as the loss and evaluation closures of [`CustomModel::new`] get it.
 pub use ps_dataset::Batch;
-use ps_net::cli::{init_logging, LogFormat, EXIT_CODES_HELP};
+use ps_net::cli::{LogArgs, MetricsArgs, EXIT_CODES_HELP};
 use ps_shared::config::TensorSpec;
 
 use crate::launch::TrainArgs;
@@ -270,16 +270,10 @@ pub struct Cli {
         required_unless_present = "print_layout"
     )]
     pub config: Option<PathBuf>,
-    /// Log filter (error, warn, info, debug, or a tracing filter); default
-    /// warn. When neither this nor STRATUS_LOG is given, RUST_LOG is used.
-    #[arg(long, env = "STRATUS_LOG")]
-    pub log: Option<String>,
-    /// Log lines as text (colour only on a terminal) or JSON objects.
-    #[arg(long, default_value = "text", env = "STRATUS_LOG_FORMAT")]
-    pub log_format: LogFormat,
-    /// Serve Prometheus metrics on http://HOST:PORT/metrics (off when absent).
-    #[arg(long, value_name = "HOST:PORT", env = "STRATUS_METRICS_ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    pub logging: LogArgs,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Print the `[model]` section this model needs (kind and tensors) and exit.
     #[arg(long)]
     pub print_layout: bool,
@@ -294,7 +288,7 @@ pub fn main(
     build: impl Fn(&Device) -> candle_core::Result<CustomModel> + Send + Sync + 'static,
 ) -> ! {
     let cli = Cli::parse();
-    init_logging(cli.log.as_deref(), "warn", cli.log_format);
+    cli.logging.init("warn");
     let program = std::env::args()
         .next()
         .and_then(|a| {
@@ -322,9 +316,7 @@ fn run_cli(
     let overrides = ps_shared::overrides::Override::from_env()?;
     let cfg =
         ps_shared::overrides::load(ps_shared::overrides::ConfigSource::File(path), &overrides)?;
-    if let Some(addr) = cli.metrics_addr {
-        ps_shared::telemetry::start_exporter(addr)?;
-    }
+    cli.metrics.start()?;
     crate::launch::train(cfg, cli.train, Some(factory(build)))
 }
 

@@ -1,12 +1,11 @@
 //! `ps-worker`: one training worker of a Stratus cluster (the data tools are
 //! in `ps-data`).
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use ps_net::cli::{init_logging, LogFormat, EXIT_CODES_HELP};
+use ps_net::cli::{LogArgs, MetricsArgs, EXIT_CODES_HELP};
 use ps_worker::launch::{train, TrainArgs};
 
 /// Stratus worker: trains its share of each step with candle, pushes compressed
@@ -24,28 +23,11 @@ struct Cli {
     #[arg(long, global = true)]
     dev: bool,
 
-    /// Log filter (error, warn, info, debug, or a tracing filter); default
-    /// warn. When neither this nor STRATUS_LOG is given, RUST_LOG is used.
-    #[arg(long, global = true, env = "STRATUS_LOG")]
-    log: Option<String>,
+    #[command(flatten)]
+    logging: LogArgs,
 
-    /// Log lines as text (colour only on a terminal) or JSON objects.
-    #[arg(
-        long,
-        global = true,
-        default_value = "text",
-        env = "STRATUS_LOG_FORMAT"
-    )]
-    log_format: LogFormat,
-
-    /// Serve Prometheus metrics on http://HOST:PORT/metrics (off when absent).
-    #[arg(
-        long,
-        global = true,
-        value_name = "HOST:PORT",
-        env = "STRATUS_METRICS_ADDR"
-    )]
-    metrics_addr: Option<SocketAddr>,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 
     #[command(subcommand)]
     command: Option<Command>,
@@ -67,7 +49,7 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.log.as_deref(), "warn", cli.log_format);
+    cli.logging.init("warn");
     let command = cli
         .command
         .unwrap_or_else(|| Command::Train(TrainArgs::default()));
@@ -79,9 +61,7 @@ fn run() -> anyhow::Result<()> {
         }
         Command::Train(args) => {
             let cfg = ps_shared::overrides::load_cli(cli.config.as_deref(), cli.dev)?;
-            if let Some(addr) = cli.metrics_addr {
-                ps_shared::telemetry::start_exporter(addr)?;
-            }
+            cli.metrics.start()?;
             train(cfg, args, None)
         }
     }

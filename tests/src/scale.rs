@@ -200,6 +200,13 @@ impl CaseResult {
         max as f64 / self.case.steps as f64
     }
 
+    /// Reply frame bytes one worker received per step from all servers
+    /// together, the mean over workers.
+    pub fn reply_bytes_per_worker_step(&self) -> f64 {
+        let received: u64 = self.worker_received.iter().sum();
+        received as f64 / self.worker_received.len().max(1) as f64 / self.case.steps as f64
+    }
+
     /// Buffer bytes of the server that holds the most.
     pub fn max_server_memory(&self) -> usize {
         self.servers
@@ -256,7 +263,7 @@ struct ServerIo {
 
 impl ServerIo {
     /// Handle one request frame from `rank` as a connection task does.
-    async fn exchange(&self, rank: u32, frame: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+    async fn exchange(&self, rank: u32, frame: Vec<u8>) -> anyhow::Result<Arc<Vec<u8>>> {
         self.bytes_in
             .fetch_add(frame.len() as u64, Ordering::Relaxed);
         let request = decode_request(&frame[FRAME_HEADER_BYTES..])?;
@@ -297,13 +304,12 @@ impl ServerIo {
             })
             .await
             .context("the shard actor stopped")?;
-        // The shard encodes each distinct reply once; the bytes stand for
-        // what this worker's connection sends.
+        // The shard encodes each distinct reply once and every connection
+        // writes the same frame: its bytes count once per worker here.
         let reply = rx.await.context("the shard dropped the reply")?;
-        let out = reply.frame.as_ref().clone();
         self.bytes_out
-            .fetch_add(out.len() as u64, Ordering::Relaxed);
-        Ok(out)
+            .fetch_add(reply.frame.len() as u64, Ordering::Relaxed);
+        Ok(reply.frame)
     }
 
     fn reset(&self) {

@@ -129,10 +129,14 @@ fn global_topk_bounds_replies_by_k() {
     assert_eq!(union.entries_pushed, topk.entries_pushed);
     // 200 entries per push; a union of 8 pushes at different strides holds
     // more than 4 times that, a global top-k reply at most 200.
-    let per_reply = |r: &ps_tests::scale::CaseResult| {
-        r.worker_received.iter().sum::<u64>() as f64 / (8.0 * 2.0)
-    };
-    let (u, t) = (per_reply(&union), per_reply(&topk));
+    let (u, t) = (
+        union.reply_bytes_per_worker_step(),
+        topk.reply_bytes_per_worker_step(),
+    );
+    assert_eq!(
+        u,
+        union.worker_received.iter().sum::<u64>() as f64 / (8.0 * 2.0)
+    );
     println!("reply bytes per worker and step: union {u:.0}, global top-k {t:.0}");
     assert!(u > 4.0 * 200.0 * 4.0, "{u}");
     assert!(t < 200.0 * (4.0 + 5.0) + 64.0, "{t}");

@@ -1,29 +1,34 @@
-//! `bench-scale`: how step time, server CPU, traffic and server memory grow
-//! with the worker count, the server count and the model size.
+//! `bench-scale`: how the servers' CPU and traffic grow with the worker
+//! count, for both kinds of sparse reply.
 //!
-//! Every configuration of the grid (workers × servers × parameters ×
-//! density) runs an in-process cluster with trivial compute (see
-//! `ps_tests::scale`): one warm-up step, then `--steps` measured BSP steps.
-//! For each it reports:
+//! Every configuration of the grid (parameters × density × servers × reply
+//! mode × workers) runs an in-process cluster with trivial compute (see
+//! `ps_tests::scale`): one warm-up step, then the measured BSP steps
+//! (`--steps`, one count per size). A sparse step's reply is either the
+//! union of every worker's push (`union`, up to workers × k entries) or the
+//! servers' global top-k of the update (`global`, `compression.global_topk`,
+//! at most k entries). For each configuration it prints:
 //!
-//! * `step ms`: mean wall time of a measured step (every worker pushes to
-//!   every server and has its replies);
-//! * `cpu/upd ms`: CPU time of the server shard threads in the core (from
-//!   per-thread CPU clocks, plus the rayon pool time of dense updates), all
-//!   servers together, divided by the updates applied (one per step);
-//! * `ns/entry`: the same CPU divided by the entries pushed; flat when the
-//!   server's cost grows with the entries pushed;
-//! * `MB/step`: request plus reply frame bytes per step through the busiest
-//!   server, counted by its I/O side from the frames it decoded and encoded;
-//! * `MiB/server`: the largest server's parameter, optimizer, aggregation and
-//!   history buffers, from the shard's own buffer capacities.
+//! * `step ms`: mean wall time of a measured step;
+//! * `cpu/upd ms`: CPU time of the server shard threads in the core and in
+//!   encoding replies (per-thread CPU clocks, plus the rayon pool time of
+//!   dense updates), all servers together, per update (one per step);
+//! * `ns/entry`: that CPU per pushed entry;
+//! * `x Wmin`: `ns/entry` over the same series' `ns/entry` at its smallest
+//!   worker count (W=2 by default);
+//! * `reply B/wkr`: reply frame bytes one worker receives per step, from all
+//!   servers together (mean over workers);
+//! * `link MB/step`: request plus reply frame bytes per step through the
+//!   busiest server's link, counted by its I/O side;
+//! * `MiB/server`: the largest server's buffers (parameters, optimizer and
+//!   residual, aggregation, change history).
 //!
-//! Configurations whose estimated memory exceeds `--mem-budget-gib`, or whose
-//! estimated entries moved exceed `--max-entries` (the time guard), are
-//! printed as skipped with the reason. After the table it checks how the
-//! server CPU per update grows with the workers at fixed size for the top-k
-//! runs against the growth of the entries pushed, and writes a chart (SVG), a
-//! CSV and a JSON file of the results.
+//! After the table it prints, per (size, density, servers, mode), the target
+//! check "CPU per pushed entry within 1.5x from 2 to 64 workers" as PASS or
+//! MISS with the worst ratio; it never fails on it. Configurations whose
+//! estimated memory exceeds `--mem-budget-gib`, or whose estimated entries
+//! moved exceed `--max-entries` (the time guard), are printed as skipped with
+//! the reason. It writes a chart (SVG), a CSV and a JSON file of the results.
 //!
 //! ```sh
 //! cargo run --release -p ps-tests --bin bench-scale -- --help
@@ -38,43 +43,47 @@ use serde::Serialize;
 
 use ps_tests::scale::{run_case, CaseResult, ScaleCase};
 
-/// Growth exponent of CPU per update against workers above which a term is
-/// flagged: entries pushed grow with exponent 1.
-const FLAG_EXPONENT: f64 = 1.25;
+/// The target: CPU per pushed entry at the largest worker count at most this
+/// many times that at the smallest.
+const TARGET_RATIO: f64 = 1.5;
 
-/// Scaling of the parameter server with workers, servers and model size.
+/// Scaling of the parameter servers with workers, for union and global top-k
+/// replies.
 #[derive(Parser, Debug)]
 #[command(name = "bench-scale", long_about = None)]
 struct Args {
     /// Worker counts, comma separated.
     #[arg(long, value_delimiter = ',', default_values_t = [2usize, 4, 8, 16, 32, 64])]
     workers: Vec<usize>,
-    /// Server process counts (one shard each), comma separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 4])]
-    servers: Vec<usize>,
     /// Model sizes, comma separated; K and M suffixes allowed (1M = 1000000).
     #[arg(long, value_delimiter = ',', value_parser = parse_count,
-          default_values = ["1M", "10M", "100M"])]
+          default_values = ["1M", "10M"])]
     params: Vec<usize>,
+    /// Measured steps per configuration, one count per size of `--params`
+    /// in order (the last count serves the sizes beyond it); one warm-up
+    /// step runs first.
+    #[arg(long, value_delimiter = ',', default_values_t = [20u64, 5])]
+    steps: Vec<u64>,
+    /// Sparse reply modes, comma separated: `union` (the union of the
+    /// pushes) and `global` (the servers' global top-k,
+    /// `compression.global_topk`). Dense runs ignore it.
+    #[arg(long, value_delimiter = ',', value_parser = parse_mode,
+          default_values = ["union", "global"])]
+    replies: Vec<ReplyMode>,
     /// Densities, comma separated: a share in (0, 1) pushed as top-k, or `dense`.
     #[arg(long, value_delimiter = ',', value_parser = parse_density,
-          default_values = ["0.001", "dense"])]
+          default_values = ["0.001"])]
     density: Vec<Density>,
-    /// Measured steps per configuration (one warm-up step runs first).
-    #[arg(long, default_value_t = 3)]
-    steps: u64,
+    /// Server process counts (one shard each), comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize])]
+    servers: Vec<usize>,
     /// Skip configurations estimated to need more memory than this (GiB).
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 4.0)]
     mem_budget_gib: f64,
     /// Skip configurations estimated to move more entries than this per run
     /// (pushed plus replied, over every step): the time guard.
-    #[arg(long, default_value_t = 1e8)]
+    #[arg(long, default_value_t = 1e9)]
     max_entries: f64,
-    /// Servers apply a global top-k of each sparse update
-    /// (`compression.global_topk`): replies carry at most k entries instead
-    /// of the union of every worker's push. `false` measures union replies.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    global_topk: bool,
     /// Folder for the chart, the CSV and the JSON.
     #[arg(long, default_value = "target/bench-scale")]
     out: PathBuf,
@@ -92,6 +101,22 @@ impl Density {
             Density::Topk(d) => Some(d),
             Density::Dense => None,
         }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ReplyMode {
+    Union,
+    Global,
+}
+
+fn parse_mode(s: &str) -> Result<ReplyMode, String> {
+    match s.trim() {
+        "union" => Ok(ReplyMode::Union),
+        "global" => Ok(ReplyMode::Global),
+        other => Err(format!(
+            "--replies: `{other}` is not a reply mode (union or global)"
+        )),
     }
 }
 
@@ -140,13 +165,18 @@ struct Skipped {
 struct Row {
     params: usize,
     density: String,
+    replies: String,
     servers: usize,
     workers: usize,
     steps: u64,
     step_ms: f64,
     server_cpu_per_update_ms: f64,
     server_cpu_per_entry_ns: f64,
+    /// `server_cpu_per_entry_ns` over the series' value at its smallest
+    /// worker count.
+    cpu_per_entry_ratio: f64,
     entries_pushed_per_step: f64,
+    reply_bytes_per_worker_step: f64,
     busiest_server_bytes_per_step: f64,
     max_server_memory_bytes: usize,
     detail: CaseResult,
@@ -156,6 +186,15 @@ fn density_label(d: Option<f64>) -> String {
     match d {
         None => "dense".into(),
         Some(d) => format!("{}%", d * 100.0),
+    }
+}
+
+/// How a case's sparse replies are built; dense cases have one kind only.
+fn mode_label(case: &ScaleCase) -> &'static str {
+    match (case.density, case.global_topk) {
+        (None, _) => "dense",
+        (Some(_), true) => "global",
+        (Some(_), false) => "union",
     }
 }
 
@@ -187,8 +226,11 @@ fn validate(args: &Args) -> anyhow::Result<()> {
     if args.servers.is_empty() || args.servers.contains(&0) {
         bail!("--servers: give one or more counts of at least 1");
     }
-    if args.steps == 0 {
-        bail!("--steps must be at least 1");
+    if args.steps.is_empty() || args.steps.contains(&0) {
+        bail!("--steps: give one or more counts of at least 1");
+    }
+    if args.replies.is_empty() {
+        bail!("--replies: give union, global or both");
     }
     if args.mem_budget_gib.is_nan() || args.mem_budget_gib <= 0.0 {
         bail!("--mem-budget-gib must be positive");
@@ -204,90 +246,120 @@ fn validate(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cases of the grid in the order they run: per size, density, server
+/// count and reply mode (dense once), every worker count.
+fn grid(args: &Args) -> Vec<ScaleCase> {
+    let mut cases = Vec::new();
+    for (i, &params) in args.params.iter().enumerate() {
+        let steps = args.steps[i.min(args.steps.len() - 1)];
+        for &density in &args.density {
+            for &servers in &args.servers {
+                let modes: Vec<bool> = match density {
+                    Density::Dense => vec![false],
+                    Density::Topk(_) => {
+                        let mut m: Vec<bool> = Vec::new();
+                        for r in &args.replies {
+                            let global = *r == ReplyMode::Global;
+                            if !m.contains(&global) {
+                                m.push(global);
+                            }
+                        }
+                        m
+                    }
+                };
+                for global_topk in modes {
+                    for &workers in &args.workers {
+                        cases.push(ScaleCase {
+                            params,
+                            density: density.share(),
+                            servers,
+                            workers,
+                            steps,
+                            global_topk,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    cases
+}
+
 fn run(args: &Args) -> anyhow::Result<()> {
     validate(args)?;
     let budget = args.mem_budget_gib * (1u64 << 30) as f64;
     let mut results = Vec::new();
     let mut skipped = Vec::new();
     println!(
-        "sparse replies: {}",
-        if args.global_topk {
-            "global top-k (at most k entries)"
-        } else {
-            "union of the pushes"
-        }
-    );
-    println!(
-        "{:>6} {:>7} {:>3} {:>4} {:>10} {:>11} {:>9} {:>10} {:>11}",
+        "{:>6} {:>7} {:>6} {:>3} {:>4} {:>5} {:>9} {:>10} {:>9} {:>6} {:>12} {:>12} {:>10}",
         "params",
         "density",
+        "reply",
         "srv",
         "wkr",
+        "steps",
         "step ms",
         "cpu/upd ms",
         "ns/entry",
-        "MB/step",
+        "x Wmin",
+        "reply B/wkr",
+        "link MB/step",
         "MiB/server"
     );
-    for &params in &args.params {
-        for &density in &args.density {
-            for &servers in &args.servers {
-                for &workers in &args.workers {
-                    let case = ScaleCase {
-                        params,
-                        density: density.share(),
-                        servers,
-                        workers,
-                        steps: args.steps,
-                        global_topk: args.global_topk,
-                    };
-                    let lead = format!(
-                        "{:>6} {:>7} {:>3} {:>4}",
-                        size_label(params),
-                        density_label(case.density),
-                        servers,
-                        workers
-                    );
-                    let need = case.estimated_bytes();
-                    let reason = if need > budget {
-                        Some(format!(
-                            "needs ~{:.1} GiB > --mem-budget-gib {}",
-                            need / (1u64 << 30) as f64,
-                            args.mem_budget_gib
-                        ))
-                    } else if case.estimated_entries() > args.max_entries {
-                        Some(format!(
-                            "moves ~{:.2e} entries > --max-entries {:.2e}",
-                            case.estimated_entries(),
-                            args.max_entries
-                        ))
-                    } else {
-                        None
-                    };
-                    if let Some(reason) = reason {
-                        println!("{lead}  skipped: {reason}");
-                        skipped.push(Skipped { case, reason });
-                        continue;
-                    }
-                    let r = run_case(case).with_context(|| format!("configuration {case:?}"))?;
-                    println!(
-                        "{lead} {:>10.1} {:>11.2} {:>9.1} {:>10.2} {:>11.1}",
-                        r.step_ms,
-                        r.cpu_per_update_ms(),
-                        r.cpu_per_entry_ns(),
-                        r.busiest_bytes_per_step() / 1e6,
-                        r.max_server_memory() as f64 / (1u64 << 20) as f64
-                    );
-                    results.push(r);
-                }
-            }
+    for case in grid(args) {
+        let lead = format!(
+            "{:>6} {:>7} {:>6} {:>3} {:>4} {:>5}",
+            size_label(case.params),
+            density_label(case.density),
+            mode_label(&case),
+            case.servers,
+            case.workers,
+            case.steps
+        );
+        let need = case.estimated_bytes();
+        let reason = if need > budget {
+            Some(format!(
+                "needs ~{:.1} GiB > --mem-budget-gib {}",
+                need / (1u64 << 30) as f64,
+                args.mem_budget_gib
+            ))
+        } else if case.estimated_entries() > args.max_entries {
+            Some(format!(
+                "moves ~{:.2e} entries > --max-entries {:.2e}",
+                case.estimated_entries(),
+                args.max_entries
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            println!("{lead}  skipped: {reason}");
+            skipped.push(Skipped { case, reason });
+            continue;
         }
+        let r = run_case(case).with_context(|| format!("configuration {case:?}"))?;
+        // The series' first row is its smallest worker count (the grid runs
+        // them in the order given).
+        let ratio = base_of(&results, &r)
+            .map(|b| ratio_to(b, &r))
+            .unwrap_or(1.0);
+        println!(
+            "{lead} {:>9.1} {:>10.3} {:>9.1} {:>6.2} {:>12.0} {:>12.3} {:>10.1}",
+            r.step_ms,
+            r.cpu_per_update_ms(),
+            r.cpu_per_entry_ns(),
+            ratio,
+            r.reply_bytes_per_worker_step(),
+            r.busiest_bytes_per_step() / 1e6,
+            r.max_server_memory() as f64 / (1u64 << 20) as f64
+        );
+        results.push(r);
     }
     println!();
-    print!("{}", analysis(&results));
+    print!("{}", target_check(&results));
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating --out folder {}", args.out.display()))?;
-    let rows: Vec<Row> = results.iter().map(row).collect();
+    let rows: Vec<Row> = results.iter().map(|r| row(&results, r)).collect();
     let csv = args.out.join("bench-scale.csv");
     std::fs::write(&csv, to_csv(&rows)).with_context(|| format!("writing {}", csv.display()))?;
     let json = args.out.join("bench-scale.json");
@@ -302,17 +374,44 @@ fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn row(r: &CaseResult) -> Row {
+type SeriesKey = (usize, Option<f64>, usize, bool);
+
+fn key(r: &CaseResult) -> SeriesKey {
+    (
+        r.case.params,
+        r.case.density,
+        r.case.servers,
+        r.case.global_topk,
+    )
+}
+
+/// The result of `r`'s series at the smallest worker count measured.
+fn base_of<'a>(results: &'a [CaseResult], r: &CaseResult) -> Option<&'a CaseResult> {
+    results
+        .iter()
+        .filter(|b| key(b) == key(r))
+        .min_by_key(|b| b.case.workers)
+        .filter(|b| b.case.workers <= r.case.workers)
+}
+
+fn ratio_to(base: &CaseResult, r: &CaseResult) -> f64 {
+    r.cpu_per_entry_ns() / base.cpu_per_entry_ns()
+}
+
+fn row(results: &[CaseResult], r: &CaseResult) -> Row {
     Row {
         params: r.case.params,
         density: density_label(r.case.density),
+        replies: mode_label(&r.case).into(),
         servers: r.case.servers,
         workers: r.case.workers,
         steps: r.case.steps,
         step_ms: r.step_ms,
         server_cpu_per_update_ms: r.cpu_per_update_ms(),
         server_cpu_per_entry_ns: r.cpu_per_entry_ns(),
+        cpu_per_entry_ratio: base_of(results, r).map_or(1.0, |b| ratio_to(b, r)),
         entries_pushed_per_step: r.entries_pushed as f64 / r.case.steps as f64,
+        reply_bytes_per_worker_step: r.reply_bytes_per_worker_step(),
         busiest_server_bytes_per_step: r.busiest_bytes_per_step(),
         max_server_memory_bytes: r.max_server_memory(),
         detail: r.clone(),
@@ -321,23 +420,26 @@ fn row(r: &CaseResult) -> Row {
 
 fn to_csv(rows: &[Row]) -> String {
     let mut out = String::from(
-        "params,density,servers,workers,steps,step_ms,server_cpu_per_update_ms,\
-         server_cpu_per_entry_ns,entries_pushed_per_step,busiest_server_bytes_per_step,\
-         max_server_memory_bytes\n",
+        "params,density,replies,servers,workers,steps,step_ms,server_cpu_per_update_ms,\
+         server_cpu_per_entry_ns,cpu_per_entry_ratio,entries_pushed_per_step,\
+         reply_bytes_per_worker_step,busiest_server_bytes_per_step,max_server_memory_bytes\n",
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{:.3},{:.4},{:.3},{:.0},{:.0},{}",
+            "{},{},{},{},{},{},{:.3},{:.4},{:.3},{:.3},{:.0},{:.0},{:.0},{}",
             r.params,
             r.density,
+            r.replies,
             r.servers,
             r.workers,
             r.steps,
             r.step_ms,
             r.server_cpu_per_update_ms,
             r.server_cpu_per_entry_ns,
+            r.cpu_per_entry_ratio,
             r.entries_pushed_per_step,
+            r.reply_bytes_per_worker_step,
             r.busiest_server_bytes_per_step,
             r.max_server_memory_bytes
         );
@@ -345,67 +447,56 @@ fn to_csv(rows: &[Row]) -> String {
     out
 }
 
-/// For each top-k series (size, density, servers), the growth exponent of the
-/// server CPU per update between consecutive worker counts, against the
-/// entries pushed (exponent 1). Exponents above [`FLAG_EXPONENT`] are flagged.
-fn analysis(results: &[CaseResult]) -> String {
-    let mut out = String::from(
-        "Growth of server CPU per update with workers (top-k runs; entries pushed grow with exponent 1):\n",
-    );
-    let mut any = false;
+/// Per series: is the CPU per pushed entry at every worker count within
+/// [`TARGET_RATIO`] of that at the smallest? PASS or MISS, with the worst
+/// ratio; a series with one worker count cannot be checked.
+fn target_check(results: &[CaseResult]) -> String {
+    let mut out = String::new();
     for (key, series) in series(results) {
-        if key.1.is_none() || series.len() < 2 {
-            continue;
-        }
-        any = true;
-        let mut parts = Vec::new();
-        let mut flagged = Vec::new();
-        for pair in series.windows(2) {
-            let (a, b) = (pair[0], pair[1]);
-            let e = (b.cpu_per_update_ms() / a.cpu_per_update_ms()).ln()
-                / (b.case.workers as f64 / a.case.workers as f64).ln();
-            parts.push(format!("{}->{}: {e:.2}", a.case.workers, b.case.workers));
-            if e > FLAG_EXPONENT {
-                flagged.push(format!("{}->{}", a.case.workers, b.case.workers));
-            }
-        }
         let first = series[0];
         let last = series[series.len() - 1];
-        let _ = writeln!(
+        let _ = write!(
             out,
-            "  {} {} {} srv: exponent {}; ns/entry {:.1} -> {:.1}{}",
+            "CPU per pushed entry within {TARGET_RATIO}x from {} to {} workers, {} {} {} srv {}: ",
+            first.case.workers,
+            last.case.workers,
             size_label(key.0),
             density_label(key.1),
             key.2,
-            parts.join(", "),
-            first.cpu_per_entry_ns(),
-            last.cpu_per_entry_ns(),
-            if flagged.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "  FLAG: grows faster than the entries pushed at {}",
-                    flagged.join(", ")
-                )
-            }
+            mode_label(&first.case),
         );
-    }
-    if !any {
-        out.push_str("  (no top-k series with two or more worker counts)\n");
+        if series.len() < 2 {
+            out.push_str("not checked (one worker count)\n");
+            continue;
+        }
+        let (worst, at) = series
+            .iter()
+            .map(|r| (ratio_to(first, r), r.case.workers))
+            .fold((f64::NEG_INFINITY, 0), |a, b| if b.0 > a.0 { b } else { a });
+        let _ = writeln!(
+            out,
+            "{} ({:.1} ns at {} workers, {:.1} ns at {}; worst {worst:.2}x at {at})",
+            if worst <= TARGET_RATIO {
+                "PASS"
+            } else {
+                "MISS"
+            },
+            first.cpu_per_entry_ns(),
+            first.case.workers,
+            last.cpu_per_entry_ns(),
+            last.case.workers,
+        );
     }
     out
 }
 
-type SeriesKey = (usize, Option<f64>, usize);
-
-/// Results grouped by (size, density, servers), each sorted by workers.
+/// Results grouped by (size, density, servers, mode), each sorted by workers.
 fn series(results: &[CaseResult]) -> Vec<(SeriesKey, Vec<&CaseResult>)> {
     let mut out: Vec<(SeriesKey, Vec<&CaseResult>)> = Vec::new();
     for r in results {
-        let key = (r.case.params, r.case.density, r.case.servers);
-        match out.iter_mut().find(|(k, _)| *k == key) {
+        match out.iter_mut().find(|(k, _)| *k == key(r)) {
             Some((_, v)) => v.push(r),
-            None => out.push((key, vec![r])),
+            None => out.push((key(r), vec![r])),
         }
     }
     for (_, v) in &mut out {
@@ -414,8 +505,8 @@ fn series(results: &[CaseResult]) -> Vec<(SeriesKey, Vec<&CaseResult>)> {
     out
 }
 
-/// Two log-log panels against workers: server CPU per update and step time,
-/// one line per (size, density, servers).
+/// Two log-log panels against workers: server CPU per pushed entry and reply
+/// bytes per worker and step, one line per (size, density, servers, mode).
 fn chart(results: &[CaseResult], path: &Path) -> anyhow::Result<()> {
     use plotters::prelude::*;
     // Text is laid out with the font the worker's charts compile in.
@@ -438,8 +529,10 @@ fn chart(results: &[CaseResult], path: &Path) -> anyhow::Result<()> {
         .max(1) as f64;
     type Metric = fn(&CaseResult) -> f64;
     let metrics: [(&str, Metric); 2] = [
-        ("server CPU per update (ms)", |r| r.cpu_per_update_ms()),
-        ("step time (ms)", |r| r.step_ms),
+        ("server CPU per pushed entry (ns)", |r| r.cpu_per_entry_ns()),
+        ("reply bytes per worker and step", |r| {
+            r.reply_bytes_per_worker_step()
+        }),
     ];
     for (panel, (title, metric)) in panels.iter().zip(metrics) {
         let values: Vec<f64> = results.iter().map(metric).filter(|v| *v > 0.0).collect();
@@ -471,10 +564,11 @@ fn chart(results: &[CaseResult], path: &Path) -> anyhow::Result<()> {
             chart
                 .draw_series(LineSeries::new(points, color.stroke_width(2)))?
                 .label(format!(
-                    "{} {} {} srv",
+                    "{} {} {} srv {}",
                     size_label(key.0),
                     density_label(key.1),
-                    key.2
+                    key.2,
+                    mode_label(&series[0].case)
                 ))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
         }

@@ -1,7 +1,8 @@
 //! `bench-convergence`: steps to a test accuracy for dense and top-k training,
 //! over several seeds, measured in one run.
 //!
-//! In-process clusters (1 server process, 2 shards, 2 workers, no link model)
+//! In-process clusters (1 server process, 2 shards, `--workers` workers (2 by
+//! default), no link model)
 //! train the benchmark MLP on the synthetic set and evaluate the whole test
 //! split every `--eval-every` steps, stopping at `--target`. For each mode it
 //! prints, per seed, the steps to 95% and to the target, then the spread
@@ -36,6 +37,14 @@ const TARGET_STEP_RATIO: f64 = 1.3;
 struct Args {
     #[arg(long, default_value_t = 3)]
     seeds: u64,
+    /// First seed; the runs use seeds `--first-seed` .. `--first-seed` +
+    /// `--seeds` - 1.
+    #[arg(long, default_value_t = 1)]
+    first_seed: u64,
+    /// Workers of every cluster (`cluster.workers`); each trains on its
+    /// share of the samples with a batch of `--batch`.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
     /// Test accuracy to reach.
     #[arg(long, default_value_t = 0.97)]
     target: f32,
@@ -115,6 +124,7 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
         other => anyhow::bail!("unknown mode `{other}` (dense, topk1, topk01, topk01-plain)"),
     };
     let mut cfg = test_config(kind, density, 1000);
+    cfg.cluster.workers = args.workers;
     cfg.model.input = args.features;
     cfg.model.hidden = args.hidden.clone();
     cfg.data.batch_size = args.batch;
@@ -187,12 +197,24 @@ fn main() -> anyhow::Result<()> {
     };
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec));
+    println!(
+        "{} workers, batch {} each; sparse updates apply {}; seeds {}..={}",
+        args.workers,
+        args.batch,
+        if args.global_topk {
+            "the servers' global top-k"
+        } else {
+            "the union of the pushes"
+        },
+        args.first_seed,
+        args.first_seed + args.seeds.max(1) - 1
+    );
     let mut means = Vec::new();
     let mut final_losses = Vec::new();
     for mode in &args.modes {
         let (mut to95, mut to_target, mut missed) = (Vec::new(), Vec::new(), 0);
         let mut losses = Vec::new();
-        for seed in 1..=args.seeds {
+        for seed in args.first_seed..args.first_seed + args.seeds {
             let cfg = config(&args, mode, seed)?;
             let reports = run_cluster(cfg, store.clone(), prefix.clone())
                 .with_context(|| format!("{mode} seed {seed}"))?;

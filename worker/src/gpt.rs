@@ -619,4 +619,52 @@ mod tests {
         assert!((loss - want).abs() <= 1e-5 * want, "loss {loss} vs {want}");
         assert_eq!(acc, right / targets.len() as f32);
     }
+
+    /// Where the time of one training step goes, at the `bench-compute`
+    /// `gpt` shape (vocabulary 256, context 128, d_model 256, 4 layers, 4
+    /// heads, batch 16) and one thread: the hand-written pass per phase and
+    /// candle's autograd beside it. `cargo test --release -p ps-worker
+    /// --lib gpt_step_profile -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn gpt_step_profile() {
+        let spec = gpt_spec(256, 128, 256, 4, 4);
+        let mut model = Model::new(&spec, Device::Cpu, 1).unwrap();
+        let data = random_batch(&spec.gpt, 16, 1);
+        let mut grad = vec![0.0f32; model.num_params()];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let steps = 5;
+        pool.install(|| {
+            let time = |model: &mut Model, grad: &mut [f32], autograd: bool| {
+                let t0 = std::time::Instant::now();
+                for _ in 0..steps {
+                    if autograd {
+                        model.autograd_gradient_into(&data, grad).unwrap();
+                    } else {
+                        model.gradient_into(&data, grad).unwrap();
+                    }
+                }
+                t0.elapsed().as_secs_f64() * 1e3 / steps as f64
+            };
+            time(&mut model, &mut grad, true);
+            let autograd = time(&mut model, &mut grad, true);
+            time(&mut model, &mut grad, false);
+            model.with_gpt_exec(|e, _, _| e.profile(true)).unwrap();
+            let ours = time(&mut model, &mut grad, false);
+            let phases = model
+                .with_gpt_exec(|e, _, _| e.phases().to_vec())
+                .unwrap()
+                .unwrap();
+            let total: f64 = phases.iter().map(|(_, t)| t.as_secs_f64()).sum();
+            println!("autograd {autograd:.1} ms per step; hand-written {ours:.1} ms");
+            for (name, t) in phases {
+                let ms = t.as_secs_f64() * 1e3 / steps as f64;
+                let share = 100.0 * t.as_secs_f64() / total;
+                println!("{name:<40} {ms:8.2} ms {share:5.1}%");
+            }
+        });
+    }
 }

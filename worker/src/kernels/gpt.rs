@@ -19,6 +19,7 @@
 //! through autograd).
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
@@ -73,8 +74,39 @@ struct Block {
     gp: Vec<f32>,
 }
 
+/// Wall time per phase of the passes, summed while switched on (for
+/// profiling: `GptExec::phases`).
+#[derive(Default)]
+struct Phases {
+    on: bool,
+    last: Option<Instant>,
+    totals: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn start(&mut self) {
+        if self.on {
+            self.last = Some(Instant::now());
+        }
+    }
+
+    /// The time since the last mark goes to `name`.
+    fn mark(&mut self, name: &'static str) {
+        let Some(last) = self.last else {
+            return;
+        };
+        let now = Instant::now();
+        match self.totals.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, t)) => *t += now - last,
+            None => self.totals.push((name, now - last)),
+        }
+        self.last = Some(now);
+    }
+}
+
 /// The forward/backward executor of one GPT shape.
 pub struct GptExec {
+    phases: Phases,
     dims: GptDims,
     /// Samples the buffers are sized for.
     batch: usize,
@@ -347,6 +379,7 @@ const SERIAL: gemm::Parallelism = gemm::Parallelism::None;
 impl GptExec {
     pub fn new(dims: GptDims) -> Self {
         Self {
+            phases: Phases::default(),
             dims,
             batch: 0,
             x: Vec::new(),
@@ -366,6 +399,21 @@ impl GptExec {
 
     pub fn dims(&self) -> GptDims {
         self.dims
+    }
+
+    /// Starts summing the wall time of each phase (forward, loss and
+    /// backward, per kind of op over every block) from 0, or stops.
+    pub fn profile(&mut self, on: bool) {
+        self.phases = Phases {
+            on,
+            ..Phases::default()
+        };
+    }
+
+    /// The summed time of each phase since [`GptExec::profile`], in the
+    /// order the phases first ran.
+    pub fn phases(&self) -> &[(&'static str, Duration)] {
+        &self.phases.totals
     }
 
     fn size_for(&mut self, batch: usize) {
@@ -421,6 +469,7 @@ impl GptExec {
     pub fn forward(&mut self, params: &[&[f32]], ids: &[u32], batch: usize) {
         assert_eq!(params.len(), self.dims.tensors(), "GPT parameter count");
         self.size_for(batch);
+        self.phases.start();
         let GptDims {
             seq_len: t,
             d_model: d,
@@ -443,6 +492,7 @@ impl GptExec {
                         .for_each(|(x, (e, p))| *x = e + p);
                 }
             });
+        self.phases.mark("embedding");
         for (l, blk) in self.blocks.iter_mut().enumerate() {
             let p = &params[2 + l * PER_BLOCK..2 + (l + 1) * PER_BLOCK];
             layer_norm(
@@ -453,7 +503,9 @@ impl GptExec {
                 &mut blk.rstd1,
                 &mut blk.h1,
             );
+            self.phases.mark("layer norm");
             linear(&blk.h1, p[2], p[3], &mut blk.qkv, d);
+            self.phases.mark("q/k/v projection");
             blk.att
                 .par_chunks_mut(nh * t * t)
                 .zip(blk.y.par_chunks_mut(t * d))
@@ -468,7 +520,9 @@ impl GptExec {
                         matmul_strided((t, hd, t), &mut y[q..], d, false, am, vm, SERIAL);
                     }
                 });
+            self.phases.mark("attention (scores, softmax, weights · v)");
             linear_add(&blk.y, p[4], p[5], &mut self.x, d);
+            self.phases.mark("attention output projection");
             layer_norm(
                 &self.x,
                 p[6],
@@ -477,9 +531,13 @@ impl GptExec {
                 &mut blk.rstd2,
                 &mut blk.h2,
             );
+            self.phases.mark("layer norm");
             linear(&blk.h2, p[8], p[9], &mut blk.g, d);
+            self.phases.mark("MLP up projection");
             gelu_forward(&mut blk.g, &mut blk.gp);
+            self.phases.mark("GELU");
             linear_add(&blk.g, p[10], p[11], &mut self.x, self.dims.hidden);
+            self.phases.mark("MLP down projection");
         }
         let last = 2 + self.dims.n_layer * PER_BLOCK;
         layer_norm(
@@ -490,6 +548,7 @@ impl GptExec {
             &mut self.rstdf,
             &mut self.hf,
         );
+        self.phases.mark("layer norm");
         let n = batch * t;
         let v = self.dims.vocab;
         let logits = &mut self.logits[..n * v];
@@ -502,6 +561,7 @@ impl GptExec {
             Mat::rows(&self.hf, d),
             Mat::transposed(wte, d),
         );
+        self.phases.mark("output head");
     }
 
     /// The mean cross-entropy of the last forward's logits against
@@ -512,6 +572,7 @@ impl GptExec {
         let v = self.dims.vocab;
         let n = targets.len();
         let inv_n = 1.0 / n as f32;
+        self.phases.start();
         let (sum, correct) = self.logits[..n * v]
             .par_chunks_mut(v * ROWS_PER_TASK)
             .zip(targets.par_chunks(ROWS_PER_TASK))
@@ -545,6 +606,7 @@ impl GptExec {
                 (loss, correct)
             })
             .reduce(|| (0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        self.phases.mark("cross-entropy");
         ((sum / n as f64) as f32, correct)
     }
 
@@ -575,6 +637,7 @@ impl GptExec {
         let hd = d / nh;
         let scale = 1.0 / (hd as f32).sqrt();
         let wte = params[0];
+        self.phases.start();
         let dlogits = &self.logits[..n * v];
         // The tied head: the token embedding's gradient starts here.
         let dwte = &mut out[ranges[0].clone()];
@@ -596,6 +659,7 @@ impl GptExec {
             Mat::rows(dlogits, v),
             Mat::rows(wte, d),
         );
+        self.phases.mark("output head backward");
         self.dx.fill(0.0);
         let last = 2 + n_layer * PER_BLOCK;
         {
@@ -603,6 +667,7 @@ impl GptExec {
             let w = params[last];
             layer_norm_backward(&self.dh, &self.xhatf, &self.rstdf, w, &mut self.dx, dw, db);
         }
+        self.phases.mark("layer norm backward");
         for (l, blk) in self.blocks.iter().enumerate().rev() {
             let base = 2 + l * PER_BLOCK;
             let p = &params[base..base + PER_BLOCK];
@@ -610,17 +675,22 @@ impl GptExec {
             // MLP.
             let (dw, db) = pair(out, &r[10], &r[11]);
             linear_backward(&self.dx, &blk.g, p[10], dw, db, Some(&mut self.dg), f);
+            self.phases.mark("MLP down projection backward");
             self.dg
                 .par_chunks_mut(4096)
                 .zip(blk.gp.par_chunks(4096))
                 .for_each(|(g, gp)| g.iter_mut().zip(gp).for_each(|(g, gp)| *g *= gp));
+            self.phases.mark("GELU backward");
             let (dw, db) = pair(out, &r[8], &r[9]);
             linear_backward(&self.dg, &blk.h2, p[8], dw, db, Some(&mut self.dh), d);
+            self.phases.mark("MLP up projection backward");
             let (dw, db) = pair(out, &r[6], &r[7]);
             layer_norm_backward(&self.dh, &blk.xhat2, &blk.rstd2, p[6], &mut self.dx, dw, db);
+            self.phases.mark("layer norm backward");
             // Attention.
             let (dw, db) = pair(out, &r[4], &r[5]);
             linear_backward(&self.dx, &blk.y, p[4], dw, db, Some(&mut self.dy), d);
+            self.phases.mark("attention output projection backward");
             self.datt
                 .par_chunks_mut(nh * t * t)
                 .zip(self.dqkv.par_chunks_mut(t * 3 * d))
@@ -653,10 +723,13 @@ impl GptExec {
                         matmul_strided((t, hd, t), &mut dqkv[k..], 3 * d, false, dst, qm, SERIAL);
                     }
                 });
+            self.phases.mark("attention backward");
             let (dw, db) = pair(out, &r[2], &r[3]);
             linear_backward(&self.dqkv, &blk.h1, p[2], dw, db, Some(&mut self.dh), d);
+            self.phases.mark("q/k/v projection backward");
             let (dw, db) = pair(out, &r[0], &r[1]);
             layer_norm_backward(&self.dh, &blk.xhat1, &blk.rstd1, p[0], &mut self.dx, dw, db);
+            self.phases.mark("layer norm backward");
         }
         // Embeddings: token rows gather, positions repeat every t rows.
         let dwte = &mut out[ranges[0].clone()];
@@ -669,6 +742,7 @@ impl GptExec {
         for sample in self.dx.chunks_exact(t * d) {
             dwpe.iter_mut().zip(sample).for_each(|(a, b)| *a += b);
         }
+        self.phases.mark("embedding backward");
     }
 }
 

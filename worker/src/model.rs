@@ -69,6 +69,7 @@ use ps_shared::config::{ConfigError, ModelKind, ModelSection, TensorSpec};
 use ps_shared::layers::{plan, Init, LayerSpec, Node, Shape};
 
 use crate::api::Program;
+use crate::kernels::gpt::GptExec;
 use crate::kernels::net::{BatchStats, ExecError, NetExec, Running};
 use crate::layers::{BnStats, Mode, Net};
 
@@ -359,6 +360,9 @@ pub struct Model {
     /// (behind a lock so evaluation, which borrows the model shared, can
     /// use its buffers too).
     exec: Option<Mutex<NetExec>>,
+    /// The CPU GPT: its hand-written forward/backward (behind a lock for
+    /// the same reason).
+    gpt_exec: Option<Mutex<GptExec>>,
 }
 
 impl Model {
@@ -411,6 +415,8 @@ impl Model {
             vars.push(Var::from_tensor(&init)?);
         }
         let net = (!nodes.is_empty()).then(|| Net::new(&nodes));
+        let gpt_exec = (spec.kind == ModelKind::Gpt && device.is_cpu())
+            .then(|| Mutex::new(crate::gpt::exec_for(&spec.gpt)));
         let exec = if device.is_cpu() {
             plan_exec(spec, &nodes).map(Mutex::new)
         } else {
@@ -435,6 +441,7 @@ impl Model {
             step: 0,
             custom: None,
             exec,
+            gpt_exec,
         })
     }
 
@@ -496,6 +503,7 @@ impl Model {
             step: 0,
             custom: Some(Mutex::new(program)),
             exec: None,
+            gpt_exec: None,
         })
     }
 
@@ -654,6 +662,21 @@ impl Model {
                 .step
                 .wrapping_add(1)
                 .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+
+    /// Runs `f` on the CPU GPT's executor with every parameter as a host
+    /// slice and the flat gradient's ranges; `None` without an executor.
+    pub(crate) fn with_gpt_exec<R>(
+        &self,
+        f: impl FnOnce(&mut GptExec, &[&[f32]], &[Range<usize>]) -> R,
+    ) -> Result<Option<R>, ModelError> {
+        let Some(exec) = &self.gpt_exec else {
+            return Ok(None);
+        };
+        let mut exec = exec.lock().unwrap_or_else(|e| e.into_inner());
+        with_param_slices(&self.vars, &self.tensors, |params| {
+            Some(f(&mut exec, params, &self.ranges))
+        })
     }
 
     pub(crate) fn advance_step(&mut self) {
@@ -874,7 +897,8 @@ impl Model {
         out: &mut [f32],
     ) -> Result<f32, ModelError> {
         if self.spec.kind == ModelKind::Gpt {
-            return self.gradient_into(batch, out);
+            self.check_out(out)?;
+            return self.gpt_autograd_backward(batch, out);
         }
         let x = self.checked_input(batch, out)?;
         if self.net.is_some() {

@@ -7,8 +7,10 @@
 //! * [`pool`]: max / average pooling and the global average pool.
 //! * [`net`]: the executor that runs a whole layered network's training
 //!   forward and backward pass with these kernels.
+//! * [`gpt`]: the GPT preset's forward and backward pass.
 
 pub mod conv;
+pub mod gpt;
 pub mod net;
 pub mod norm;
 pub mod pool;

@@ -1,0 +1,114 @@
+//! Replies: what a worker gets back (a sparse delta or the whole shard) and
+//! releasing the parked replies whose condition holds.
+
+use std::sync::Arc;
+
+use ps_net::protocol::{ParamUpdate, Response};
+use ps_shared::config::SyncMode;
+
+use super::{checksum, Action, Parked, ShardCore, Wait};
+
+impl ShardCore {
+    /// Entries changed between `have` and now, if remembered and few.
+    fn changed_since(&self, have: u64) -> Option<Vec<u32>> {
+        let behind = usize::try_from(self.version.checked_sub(have)?).ok()?;
+        if behind > self.changes.len() {
+            return None;
+        }
+        let mut union = Vec::new();
+        for c in self.changes.iter().skip(self.changes.len() - behind) {
+            union.extend_from_slice(c.as_deref()?);
+            if union.len() * 2 >= self.len() {
+                return None;
+            }
+        }
+        union.sort_unstable();
+        union.dedup();
+        Some(union)
+    }
+
+    /// The parameters for `rank`: a sparse delta from `have` when known and
+    /// cheaper, else the whole shard.
+    pub(super) fn params_reply(&self, rank: u32, have: Option<u64>) -> Arc<Response> {
+        self.reply_with(rank, self.param_update(have))
+    }
+
+    /// What a worker holding version `have` needs: a sparse delta when known
+    /// and cheaper, else the whole shard.
+    fn param_update(&self, have: Option<u64>) -> ParamUpdate {
+        match have.and_then(|h| self.changed_since(h)) {
+            Some(changed) => ParamUpdate::Sparse {
+                values: changed.iter().map(|&i| self.params[i as usize]).collect(),
+                indices: changed,
+            },
+            None => ParamUpdate::Dense(self.params.clone()),
+        }
+    }
+
+    fn reply_with(&self, rank: u32, update: ParamUpdate) -> Arc<Response> {
+        Arc::new(Response::Params {
+            shard: self.id(),
+            version: self.version,
+            next_step: self.next_step(rank),
+            live_workers: self.connected_workers() as u32,
+            update,
+        })
+    }
+
+    fn ready(&self, p: &Parked) -> bool {
+        match p.wait {
+            Wait::Serving => self.is_serving(),
+            Wait::Applied { step } => self.version > step,
+            Wait::Staleness { next } => match self.setup.mode {
+                SyncMode::Ssp => {
+                    let slowest = self.min_live_clock().unwrap_or(u64::MAX);
+                    next <= slowest.saturating_add(self.setup.staleness)
+                }
+                _ => true,
+            },
+        }
+    }
+
+    /// Answer every parked reply whose condition now holds.
+    pub(super) fn release(&mut self, out: &mut Vec<Action>) {
+        if self.parked.is_empty() {
+            return;
+        }
+        let parked = std::mem::take(&mut self.parked);
+        let held = parked
+            .iter()
+            .any(|p| p.offered.is_some())
+            .then(|| (self.version, checksum(&self.params)));
+        // Replies released together mostly start from the same version (in
+        // BSP all of them) and expect the same next step: each distinct
+        // reply is built once and shared, so a step costs one union of the
+        // changes and one encoding, not one per worker.
+        type Key = (Option<u64>, u64);
+        let mut built: Vec<(Key, Arc<Response>)> = Vec::new();
+        for p in parked {
+            if self.ready(&p) {
+                let have = match p.wait {
+                    // An offer of exactly what the shard starts from needs
+                    // nothing back.
+                    Wait::Serving => p.offered.filter(|&o| Some(o) == held).map(|(v, _)| v),
+                    _ => p.have_version,
+                };
+                let key = (have, self.next_step(p.rank));
+                let response = match built.iter().find(|(k, _)| *k == key) {
+                    Some((_, r)) => r.clone(),
+                    None => {
+                        let r = self.params_reply(p.rank, have);
+                        built.push((key, r.clone()));
+                        r
+                    }
+                };
+                out.push(Action::Reply {
+                    to: p.reply,
+                    response,
+                });
+            } else {
+                self.parked.push(p);
+            }
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! Updates: steps, aggregation, the BSP barrier and applying an update
+//! (dense, sparse or global top-k).
+
+use std::time::Instant;
+
+use ps_net::protocol::{ErrorCode, WireGrad};
+use ps_shared::config::SyncMode;
+use ps_shared::sparse::topk_exact;
+
+use crate::optimizer::{check_update, fused_update_timed, lazy_update, UpdatePlan};
+
+use super::{refusal, Action, ConnId, ReplyId, ShardCore, Wait};
+
+/// Changed-index sets kept for sparse replies (one per recent version).
+const CHANGE_HISTORY: usize = 64;
+
+impl ShardCore {
+    /// The step `rank` pushes next.
+    pub(super) fn next_step(&self, rank: u32) -> u64 {
+        match self.setup.mode {
+            SyncMode::Bsp => self.version,
+            SyncMode::Asp | SyncMode::Ssp => self.clocks.get(&rank).copied().unwrap_or(0),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn step(
+        &mut self,
+        reply: ReplyId,
+        conn: ConnId,
+        rank: u32,
+        step: u64,
+        have_version: Option<u64>,
+        grad: WireGrad,
+        now: Instant,
+        out: &mut Vec<Action>,
+    ) {
+        let refuse = |out: &mut Vec<Action>, code, message: String| {
+            out.push(Action::Reply {
+                to: reply,
+                response: refusal(code, message),
+            })
+        };
+        if self.recovery.is_some() {
+            self.stats.refused += 1;
+            return refuse(
+                out,
+                ErrorCode::NotInitialized,
+                format!("shard {} is starting: offer your copy first", self.id()),
+            );
+        }
+        if self.live.get(&rank) != Some(&Some(conn)) {
+            self.stats.refused += 1;
+            return refuse(
+                out,
+                ErrorCode::UnknownWorker,
+                format!(
+                    "worker {rank} is not in shard {}'s barrier on this connection",
+                    self.id()
+                ),
+            );
+        }
+        let grad = match self.check_push(grad) {
+            Ok(g) => g,
+            Err(response) => {
+                self.stats.refused += 1;
+                out.push(Action::Reply {
+                    to: reply,
+                    response,
+                });
+                return;
+            }
+        };
+        let expected = self.next_step(rank);
+        if step > expected {
+            self.stats.refused += 1;
+            return refuse(
+                out,
+                ErrorCode::WrongStep,
+                format!(
+                    "push for step {step}, shard {} expects step {expected} from worker {rank}",
+                    self.id()
+                ),
+            );
+        }
+        if step < expected {
+            if self.counted.get(&rank) != Some(&step) {
+                // Applied without this rank: it was declared dead for that
+                // step (or never pushed it). Its gradient is stale; it must
+                // take the cluster's parameters and step (an offer) instead.
+                self.stats.refused += 1;
+                self.stats.fenced += 1;
+                return refuse(
+                    out,
+                    ErrorCode::Fenced,
+                    format!(
+                        "push for step {step}, but shard {} applied it without worker {rank} and expects step {expected}: offer your copy and continue at step {expected}",
+                        self.id()
+                    ),
+                );
+            }
+            // Already applied with this push (a retry after a lost reply):
+            // answer with the current parameters.
+            self.stats.duplicate_pushes += 1;
+            out.push(Action::Reply {
+                to: reply,
+                response: self.params_reply(rank, have_version),
+            });
+            return;
+        }
+        match self.setup.mode {
+            SyncMode::Bsp => {
+                if self.pushed.contains(&rank) {
+                    // A retry of a push already counted: wait for the same reply.
+                    self.stats.duplicate_pushes += 1;
+                } else {
+                    self.accumulate(grad);
+                    self.pushed.insert(rank);
+                    self.counted.insert(rank, step);
+                }
+                self.park(
+                    reply,
+                    conn,
+                    rank,
+                    have_version,
+                    Wait::Applied { step },
+                    now,
+                    out,
+                );
+                if self.maybe_apply_bsp(out) {
+                    self.maybe_checkpoint(out);
+                }
+                self.release(out);
+            }
+            SyncMode::Asp | SyncMode::Ssp => {
+                self.accumulate(grad);
+                let scale = 1.0 / self.live.len().max(1) as f32;
+                if let Err(message) = self.apply(scale, out) {
+                    self.stats.refused += 1;
+                    return refuse(out, ErrorCode::Internal, message);
+                }
+                self.counted.insert(rank, step);
+                *self.clocks.entry(rank).or_insert(0) += 1;
+                self.maybe_checkpoint(out);
+                self.park(
+                    reply,
+                    conn,
+                    rank,
+                    have_version,
+                    Wait::Staleness { next: step + 1 },
+                    now,
+                    out,
+                );
+                self.release(out);
+            }
+        }
+    }
+
+    fn accumulate(&mut self, grad: WireGrad) {
+        self.stats.pushes += 1;
+        self.agg_peak += std::mem::take(&mut self.checked_norm);
+        match grad {
+            WireGrad::Dense(values) => {
+                for (a, g) in self.agg.iter_mut().zip(values.into_f32()) {
+                    *a += g;
+                }
+                self.all_touched = true;
+            }
+            WireGrad::Sparse { indices, values } => {
+                self.push_max = self.push_max.max(indices.len());
+                for (&i, g) in indices.iter().zip(values.into_f32()) {
+                    let i = i as usize;
+                    self.agg[i] += g;
+                    if !self.marked[i] {
+                        self.marked[i] = true;
+                        self.touched.push(i as u32);
+                    }
+                }
+            }
+        }
+    }
+
+    /// BSP: apply once every live rank pushed.
+    pub(super) fn maybe_apply_bsp(&mut self, out: &mut Vec<Action>) -> bool {
+        if self.setup.mode != SyncMode::Bsp
+            || self.pushed.is_empty()
+            || !self.live.keys().all(|w| self.pushed.contains(w))
+        {
+            return false;
+        }
+        let scale = 1.0 / self.pushed.len() as f32;
+        if let Err(message) = self.apply(scale, out) {
+            // The pushes of this step are refused; the version stays.
+            let step = self.version;
+            let mut kept = Vec::with_capacity(self.parked.len());
+            for p in std::mem::take(&mut self.parked) {
+                if matches!(p.wait, Wait::Applied { step: s } if s == step) {
+                    out.push(Action::Reply {
+                        to: p.reply,
+                        response: refusal(ErrorCode::Internal, message.clone()),
+                    });
+                } else {
+                    kept.push(p);
+                }
+            }
+            self.parked = kept;
+            return false;
+        }
+        true
+    }
+
+    /// Drop the update under way: its pushes, and nothing else.
+    fn discard_update(&mut self) {
+        self.agg.fill(0.0);
+        self.marked.fill(false);
+        self.touched.clear();
+        self.all_touched = false;
+        self.push_max = 0;
+        self.pushed.clear();
+        self.agg_peak = 0.0;
+    }
+
+    /// Apply the update under way, all or nothing: on `Err` (the update
+    /// cannot run on this shard) no parameter, momentum or residual entry
+    /// changed, the pushes are dropped and the version stays.
+    fn apply(&mut self, scale: f32, out: &mut Vec<Action>) -> Result<(), String> {
+        let sparse = !self.all_touched && !self.moves_untouched;
+        let plan = UpdatePlan {
+            segments: &self.setup.segments,
+            decay: &self.setup.decay,
+            step: self.version,
+        };
+        {
+            if let Err(e) = check_update(
+                &self.params,
+                &self.agg,
+                &self.momentum,
+                &plan,
+                &self.setup.rule,
+            ) {
+                self.stats.failed_updates += 1;
+                self.discard_update();
+                let message = format!(
+                    "shard {} cannot apply update {}: {e}; its pushes are refused and the version stays at {}",
+                    self.id(),
+                    self.version + 1,
+                    self.version
+                );
+                tracing::error!(shard = self.id(), "{message}");
+                return Err(message);
+            }
+        }
+        let entries;
+        if sparse {
+            // Plain SGD on the pushed entries only: O(k), not O(P).
+            // Plain SGD, or lazy Adam/AdamW (only pushed entries and their
+            // moments move).
+            let changed = if self.setup.global_topk {
+                self.select_global_topk(scale)
+            } else {
+                self.touched.sort_unstable();
+                let plan = UpdatePlan {
+                    segments: &self.setup.segments,
+                    decay: &self.setup.decay,
+                    step: self.version,
+                };
+                // Checked above: the lengths fit.
+                let _ = lazy_update(
+                    &mut self.params,
+                    &self.agg,
+                    &mut self.momentum,
+                    &self.touched,
+                    &plan,
+                    &self.setup.rule,
+                    scale,
+                );
+                for &i in &self.touched {
+                    let i = i as usize;
+                    self.agg[i] = 0.0;
+                    self.marked[i] = false;
+                }
+                std::mem::take(&mut self.touched)
+            };
+            entries = changed.len();
+            self.stats.sparse_updates += 1;
+            self.changes.push_back(Some(changed));
+        } else {
+            // A residual left by earlier sparse updates joins this dense one.
+            for &i in &self.residual_idx {
+                let i = i as usize;
+                self.agg[i] += self.residual[i] / scale;
+                self.residual[i] = 0.0;
+            }
+            self.residual_idx.clear();
+            // Checked above: the update runs (an `Err` here would have
+            // written nothing).
+            let plan = UpdatePlan {
+                segments: &self.setup.segments,
+                decay: &self.setup.decay,
+                step: self.version,
+            };
+            if let Ok(cpu) = fused_update_timed(
+                &mut self.params,
+                &self.agg,
+                &mut self.momentum,
+                &plan,
+                &self.setup.rule,
+                scale,
+            ) {
+                self.stats.update_pool_cpu += cpu;
+            }
+            self.agg.fill(0.0);
+            self.marked.fill(false);
+            self.touched.clear();
+            entries = self.len();
+            self.changes.push_back(None);
+        }
+        self.push_max = 0;
+        if self.changes.len() > CHANGE_HISTORY {
+            self.changes.pop_front();
+        }
+        self.all_touched = false;
+        self.pushed.clear();
+        self.agg_peak = 0.0;
+        self.version += 1;
+        self.stats.updates += 1;
+        out.push(Action::Applied {
+            version: self.version,
+            entries,
+        });
+        Ok(())
+    }
+
+    /// Global top-k: adds the mean of this update's pushes to the residual,
+    /// applies the `push_max` largest entries of it (plain SGD) and keeps the
+    /// rest. Returns the applied entries, ascending. O(candidates): the
+    /// pushed entries and the residual's.
+    fn select_global_topk(&mut self, scale: f32) -> Vec<u32> {
+        for &i in &self.residual_idx {
+            if !self.marked[i as usize] {
+                self.marked[i as usize] = true;
+                self.touched.push(i);
+            }
+        }
+        self.residual_idx.clear();
+        let mut candidates = std::mem::take(&mut self.touched);
+        candidates.sort_unstable();
+        for &i in &candidates {
+            let i = i as usize;
+            self.residual[i] += scale * self.agg[i];
+            self.agg[i] = 0.0;
+            self.marked[i] = false;
+        }
+        let k = self.push_max.max(1);
+        let chosen = if candidates.len() <= k {
+            candidates
+        } else {
+            let values: Vec<f32> = candidates
+                .iter()
+                .map(|&i| self.residual[i as usize])
+                .collect();
+            // Positions into `candidates`, ascending.
+            let top = topk_exact(&values, k).indices;
+            let mut chosen = Vec::with_capacity(top.len());
+            let mut next = top.iter().peekable();
+            for (pos, &i) in candidates.iter().enumerate() {
+                if next.peek().is_some_and(|&&p| p as usize == pos) {
+                    next.next();
+                    chosen.push(i);
+                } else {
+                    self.residual_idx.push(i);
+                }
+            }
+            chosen
+        };
+        let plan = UpdatePlan {
+            segments: &self.setup.segments,
+            decay: &self.setup.decay,
+            step: self.version,
+        };
+        // The residual is in mean units already; the lengths were checked.
+        let _ = lazy_update(
+            &mut self.params,
+            &self.residual,
+            &mut self.momentum,
+            &chosen,
+            &plan,
+            &self.setup.rule,
+            1.0,
+        );
+        for &i in &chosen {
+            self.residual[i as usize] = 0.0;
+        }
+        chosen
+    }
+}

@@ -1,0 +1,156 @@
+//! Per-epoch data-plane counters of a loader, their rates and their cost.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use ps_shared::dataplane::CostModel;
+use serde::Serialize;
+
+/// Data-plane counters of one epoch. GETs and bytes are counted for the
+/// epoch of the batch that needed them, even when fetched during the previous
+/// epoch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct EpochDataStats {
+    /// Samples handed to the trainer.
+    pub samples: u64,
+    /// Samples served from memory (the memory tier or the prefetch window).
+    pub memory_hits: u64,
+    /// Samples served from the disk tier.
+    pub disk_hits: u64,
+    /// Samples fetched from the bucket.
+    pub bucket_samples: u64,
+    /// Data GETs that succeeded (delivered their records).
+    pub gets: u64,
+    /// Data GET attempts, failed ones and retries included.
+    pub get_attempts: u64,
+    /// Bytes received from the bucket.
+    pub bucket_bytes: u64,
+    /// GETs that were retries.
+    pub retries: u64,
+    /// Disk-tier reads that failed (the sample was fetched again).
+    pub disk_errors: u64,
+    /// Images decoded (0 for feature records).
+    pub decoded: u64,
+    /// Microseconds the decode threads spent, summed over threads.
+    pub decode_us: u64,
+    /// Samples left out because they could not be decoded
+    /// (`data.on_bad_sample = "skip"`).
+    pub bad_samples: u64,
+}
+
+impl EpochDataStats {
+    /// Fraction of samples served from memory.
+    pub fn memory_hit_rate(&self) -> f64 {
+        ratio(
+            self.memory_hits,
+            self.memory_hits + self.disk_hits + self.bucket_samples,
+        )
+    }
+
+    /// Fraction of samples served from the disk tier.
+    pub fn disk_hit_rate(&self) -> f64 {
+        ratio(
+            self.disk_hits,
+            self.memory_hits + self.disk_hits + self.bucket_samples,
+        )
+    }
+
+    /// Estimated request and egress cost in dollars (every attempt is a
+    /// request the bucket may bill).
+    pub fn cost(&self, prices: &CostModel) -> f64 {
+        prices.estimate(self.get_attempts, self.bucket_bytes)
+    }
+
+    /// Field-wise sum.
+    pub fn add(&mut self, o: &EpochDataStats) {
+        self.samples += o.samples;
+        self.memory_hits += o.memory_hits;
+        self.disk_hits += o.disk_hits;
+        self.bucket_samples += o.bucket_samples;
+        self.gets += o.gets;
+        self.get_attempts += o.get_attempts;
+        self.bucket_bytes += o.bucket_bytes;
+        self.retries += o.retries;
+        self.disk_errors += o.disk_errors;
+        self.decoded += o.decoded;
+        self.decode_us += o.decode_us;
+        self.bad_samples += o.bad_samples;
+    }
+
+    /// Images decoded and augmented per second of one decode thread.
+    pub fn images_per_core_s(&self) -> f64 {
+        if self.decode_us == 0 {
+            0.0
+        } else {
+            self.decoded as f64 / (self.decode_us as f64 / 1e6)
+        }
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Per-epoch counters of a loader, shared with its pump task.
+#[derive(Debug, Default)]
+pub struct LoaderStats {
+    per_epoch: Mutex<BTreeMap<u64, EpochDataStats>>,
+}
+
+impl LoaderStats {
+    /// Counters of `epoch` so far (final once its last batch was handed over).
+    pub fn epoch(&self, epoch: u64) -> EpochDataStats {
+        self.lock().get(&epoch).copied().unwrap_or_default()
+    }
+
+    /// Counters of all epochs together.
+    pub fn total(&self) -> EpochDataStats {
+        let mut t = EpochDataStats::default();
+        for s in self.lock().values() {
+            t.add(s);
+        }
+        t
+    }
+
+    pub(super) fn update(&self, epoch: u64, f: impl FnOnce(&mut EpochDataStats)) {
+        f(self.lock().entry(epoch).or_default());
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, EpochDataStats>> {
+        match self.per_epoch.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_rates_and_cost() {
+        let s = EpochDataStats {
+            samples: 10,
+            memory_hits: 5,
+            disk_hits: 2,
+            bucket_samples: 3,
+            gets: 1500,
+            get_attempts: 2000,
+            bucket_bytes: 2_000_000_000,
+            ..EpochDataStats::default()
+        };
+        assert!((s.memory_hit_rate() - 0.5).abs() < 1e-12);
+        assert!((s.disk_hit_rate() - 0.2).abs() < 1e-12);
+        let prices = CostModel {
+            per_1000_gets: 0.0004,
+            per_gb_egress: 0.09,
+        };
+        assert!((s.cost(&prices) - (0.0008 + 0.18)).abs() < 1e-12);
+        assert_eq!(EpochDataStats::default().memory_hit_rate(), 0.0);
+    }
+}

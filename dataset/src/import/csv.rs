@@ -277,4 +277,22 @@ mod tests {
         assert_batch(&train, &rows);
         assert!(test.is_empty());
     }
+
+    /// Errors name the line as an editor shows it (the header is line 1,
+    /// blank lines count) and the column from 1, the label column included.
+    #[tokio::test]
+    async fn a_bad_field_is_named_by_its_1_based_line_and_column() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), "pos.csv", "label,a,b,c\n0,1,2,3\n\n1,4,x,6\n");
+        let (store, prefix) = memory();
+        let options = ImportOptions::new(ImportInput::new(&path));
+        let err = import_dataset(store.as_ref(), &prefix, &options)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("pos.csv:4: column 3 (`b`): `x` is not a number"),
+            "{err}"
+        );
+    }
 }

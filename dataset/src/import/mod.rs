@@ -1074,7 +1074,7 @@ mod tests {
         let nan = write(d, "nan.npy", npy("<f4", &[4, 3], &bytes));
         fails(
             &ImportOptions::new(ImportInput::with_labels(&nan, &y4)),
-            &["nan.npy", "row 3", "feature 1"],
+            &["nan.npy", "row 3: feature 2 is NaN"],
         )
         .await;
         let yf = write(

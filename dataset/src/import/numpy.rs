@@ -286,7 +286,7 @@ impl RowSource for NpyRows {
         let truncated = |path: &FsPath, row: usize, rows: usize| {
             err_file(
                 path,
-                format!("the data ends at row {row}, before the {rows} rows the header promises"),
+                format!("the data ends in row {row}, before the {rows} rows the header promises"),
             )
         };
         if !self
@@ -311,7 +311,7 @@ impl RowSource for NpyRows {
     }
 
     fn feature_name(&self, j: usize) -> String {
-        format!("feature {j}")
+        format!("feature {}", j + 1)
     }
 }
 
@@ -457,5 +457,25 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("no array `x`"), "{err}");
         assert!(err.to_string().contains("data, target"), "{err}");
+    }
+
+    /// Rows and features of an array are numbered from 1 in messages:
+    /// `x[1, 2]` is row 2, feature 3.
+    #[tokio::test]
+    async fn a_bad_value_is_named_by_its_1_based_row_and_feature() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows = table(3, 4, 2);
+        let mut bytes = f32_bytes(&rows);
+        let at = (4 + 2) * 4;
+        bytes[at..at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+        let x = write(dir.path(), "x.npy", npy("<f4", &[3, 4], &bytes));
+        let y = write(dir.path(), "y.npy", npy("|u1", &[3], &[0, 1, 0]));
+        let (store, prefix) = memory();
+        let options = ImportOptions::new(ImportInput::with_labels(&x, &y));
+        let err = import_dataset(store.as_ref(), &prefix, &options)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("x.npy: row 2: feature 3 is inf"), "{err}");
     }
 }

@@ -99,7 +99,7 @@ impl ParquetRows {
                 return Err(err_file(
                     path,
                     format!(
-                        "label column index {i} is past the last of the {} columns",
+                        "label column index {i} is past the last of the {} columns (indices start at 0)",
                         names.len()
                     ),
                 ))
@@ -255,5 +255,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("compressed with lz4"), "{err}");
+    }
+
+    /// Rows are numbered from 1 across row groups: the sixth row (the
+    /// second of the file's second row group) is row 6.
+    #[tokio::test]
+    async fn a_bad_value_is_named_by_its_1_based_row() {
+        use ::parquet::basic::Compression;
+        let dir = tempfile::tempdir().unwrap();
+        let mut rows = table(8, 3, 2);
+        rows[5].1[1] = f32::NAN;
+        let path = dir.path().join("pos.parquet");
+        write_parquet(&path, &rows, Compression::SNAPPY);
+        let (store, prefix) = memory();
+        let options = ImportOptions::new(ImportInput::new(&path));
+        let err = import_dataset(store.as_ref(), &prefix, &options)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("pos.parquet: row 6: column `f1` is NaN"),
+            "{err}"
+        );
     }
 }

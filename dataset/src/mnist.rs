@@ -306,6 +306,11 @@ fn parse_mnist_csv<R: BufRead>(
     };
 
     let mut samples = Vec::with_capacity(rows.len());
+    // Column numbers in messages are 1-based and count the label column.
+    let first_pixel_column = match label_col {
+        LabelColumn::First => 2,
+        LabelColumn::Last => 1,
+    };
     for (line_no, mut values) in rows {
         let raw = match label_col {
             LabelColumn::First => values.remove(0),
@@ -318,7 +323,10 @@ fn parse_mnist_csv<R: BufRead>(
             if !(0.0..=255.0).contains(v) {
                 return Err(parse_err(
                     line_no,
-                    format!("pixel {j} is {v}, outside 0..=255"),
+                    format!(
+                        "column {}: pixel value {v} is outside 0..=255",
+                        j + first_pixel_column
+                    ),
                 ));
             }
             *v /= 255.0;
@@ -439,7 +447,7 @@ pub fn read_mnist_idx(
             if u32::from(label) >= MNIST_CLASSES {
                 return Err(format_err(
                     labels,
-                    format!("label {label} of item {i} is outside 0..=9"),
+                    format!("label {label} of item {} is outside 0..=9", i + 1),
                 ));
             }
             Ok(Sample {
@@ -607,6 +615,29 @@ mod tests {
         assert_eq!(counts, [500; 10]);
     }
 
+    /// Lines and columns in messages are 1-based as an editor shows them:
+    /// the header is line 1, column 1 is the first column (the label's
+    /// included).
+    #[test]
+    fn a_bad_pixel_is_named_by_its_1_based_line_and_column() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pos.csv");
+        // Label first: the pixel in column 4 of line 3 is out of range.
+        std::fs::write(&path, "label,p0,p1,p2\n1,0,0,0\n2,0,0,300\n").unwrap();
+        let err = read_mnist_csv(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("pos.csv:3: column 4: pixel value 300 is outside 0..=255"),
+            "{err}"
+        );
+        // Label last: the same pixel is column 3.
+        std::fs::write(&path, "p0,p1,p2,label\n0,0,0,1\n0,0,300,2\n").unwrap();
+        let err = read_mnist_csv(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("pos.csv:3: column 3: pixel value 300"),
+            "{err}"
+        );
+    }
+
     fn idx_files(dir: &std::path::Path, gz: bool) -> (PathBuf, PathBuf) {
         let mut img = Vec::new();
         img.extend_from_slice(&IDX_IMAGES_MAGIC.to_be_bytes());
@@ -672,7 +703,11 @@ mod tests {
         lab[10] = 10;
         std::fs::write(&lp, &lab).unwrap();
         let err = read_mnist_idx(&ip, &lp).unwrap_err();
-        assert!(err.to_string().contains("label 10"), "{err}");
+        // Items are numbered from 1: byte 10 is the third label.
+        assert!(
+            err.to_string().contains("label 10 of item 3 is outside"),
+            "{err}"
+        );
         lab.pop();
         lab[7] = 2;
         std::fs::write(&lp, &lab).unwrap();

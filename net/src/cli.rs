@@ -248,6 +248,67 @@ pub fn describe_error(e: &(dyn Error + 'static)) -> String {
     out
 }
 
+/// Writes `args` to stdout, for the commands whose output is their result
+/// (`show-config`, `ps-data info`, ...). A stdout whose reader has gone
+/// away (`ps-worker show-config | head -1`) ends the process quietly with
+/// exit code 0, as a pipeline that only wanted the start of the output
+/// expects; any other write error is reported on stderr with exit code 1.
+/// Use it through [`outln!`](crate::outln), in place of `println!`, which
+/// panics on a closed pipe.
+pub fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.flush()) {
+        stdout_failed(&e);
+    }
+}
+
+/// Writes `args` to stdout for a process that goes on after it (a training
+/// run's epoch and summary lines): a write that fails, a closed pipe
+/// included, drops the text and the run goes on, since its result is the
+/// model, the metrics files and the exit code, not these lines. Returns
+/// whether the text was written.
+pub fn write_stdout_or_drop(args: std::fmt::Arguments<'_>) -> bool {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args).and_then(|()| out.flush()).is_ok()
+}
+
+/// How a failed write to stdout ends the process (see [`write_stdout`]).
+fn stdout_failed(e: &std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(ExitCode::Ok.code());
+    }
+    eprintln!("error: cannot write to stdout: {e}");
+    std::process::exit(ExitCode::Failed.code());
+}
+
+/// `println!` for a command's output: a closed pipe ends the process
+/// quietly with exit code 0 instead of a panic ([`cli::write_stdout`](crate::cli::write_stdout)).
+///
+/// ```
+/// ps_net::outln!("{} shards", 4);
+/// ```
+#[macro_export]
+macro_rules! outln {
+    () => {
+        $crate::cli::write_stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// `println!` for a training run's progress and summary lines: a closed
+/// pipe drops the line and the run goes on
+/// ([`cli::write_stdout_or_drop`](crate::cli::write_stdout_or_drop)).
+#[macro_export]
+macro_rules! progressln {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout_or_drop(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 /// Resolves on SIGINT or SIGTERM, whichever comes first; returns its name.
 pub async fn stop_signal() -> &'static str {
     #[cfg(unix)]

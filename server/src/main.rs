@@ -123,15 +123,15 @@ fn run() -> anyhow::Result<()> {
             };
             let report = write_certs(&cfg, &names, existing)?;
             for path in &report.written {
-                println!("wrote {}", path.display());
+                ps_net::outln!("wrote {}", path.display());
             }
             for path in &report.kept {
-                println!("kept {} (use --force to replace it)", path.display());
+                ps_net::outln!("kept {} (use --force to replace it)", path.display());
             }
             Ok(())
         }
         Command::ShowConfig => {
-            println!("{}", cfg.to_redacted_toml()?);
+            ps_net::outln!("{}", cfg.to_redacted_toml()?);
             Ok(())
         }
         Command::Run => {

@@ -182,7 +182,7 @@ pub fn images(a: ImagesArgs) -> anyhow::Result<()> {
         .chain(&test)
         .map(|i| i.bytes.len() as u64)
         .sum();
-    println!(
+    ps_net::outln!(
         "wrote {name} to {}: {} train + {} test images ({} MB encoded), shape {:?}, {} classes, layout {}",
         a.out,
         manifest.train.num_samples,
@@ -278,7 +278,7 @@ pub fn index(a: IndexArgs) -> anyhow::Result<()> {
     for why in &report.skipped {
         eprintln!("skipped: {why}");
     }
-    println!(
+    ps_net::outln!(
         "indexed {}: {} train + {} test images in {} classes from {} objects ({:.1} MB read, {:.1} s); {} skipped; wrote manifest.json",
         a.url,
         manifest.train.num_samples,

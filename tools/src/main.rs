@@ -261,7 +261,7 @@ fn main() {
 fn plot(run_dir: &Path, out: Option<PathBuf>) -> anyhow::Result<()> {
     let out = out.unwrap_or_else(|| run_dir.join("plots"));
     for path in ps_data::plot::plot_run_dir(run_dir, &out)? {
-        println!("{}", path.display());
+        ps_net::outln!("{}", path.display());
     }
     Ok(())
 }
@@ -369,7 +369,7 @@ fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
         .build()?;
     let summary = rt.block_on(import_dataset(store.as_ref(), &prefix, &options))?;
     let m = &summary.manifest;
-    println!(
+    ps_net::outln!(
         "imported {} to {out}: {} train + {} test samples, {} features, {} classes, {} data objects ({layout} layout) + manifest.json, {} bytes",
         m.name,
         m.train.num_samples,
@@ -379,21 +379,21 @@ fn import(args: ImportArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
         summary.objects,
         summary.bytes,
     );
-    println!("  class   train    test");
+    ps_net::outln!("  class   train    test");
     for (c, [tr, te]) in &summary.class_counts {
-        println!("  {c:>5} {tr:>7} {te:>7}");
+        ps_net::outln!("  {c:>5} {tr:>7} {te:>7}");
     }
     let empty = m.classes - summary.class_counts.len();
     if empty > 0 {
-        println!("  ({empty} of the {} classes have no samples)", m.classes);
+        ps_net::outln!("  ({empty} of the {} classes have no samples)", m.classes);
     }
     if m.test.num_samples == 0 {
-        println!(
+        ps_net::outln!(
             "  note: the test split is empty; give --test FILE or --test-fraction F to evaluate"
         );
     }
     if let Some(n) = &m.normalization {
-        println!(
+        ps_net::outln!(
             "  normalization: {} (recorded in {out}/manifest.json)",
             serde_json::to_string(n)?
         );
@@ -436,9 +436,11 @@ fn text(args: TextArgs, created: Option<PathBuf>) -> anyhow::Result<()> {
             t.tokenizer, t.tokenizer_crc32, t.vocab, t.seq_len
         )
     });
-    println!(
+    ps_net::outln!(
         "wrote {} to {out}: {} train + {} test windows, {text}",
-        m.name, m.train.num_samples, m.test.num_samples
+        m.name,
+        m.train.num_samples,
+        m.test.num_samples
     );
     Ok(())
 }
@@ -556,7 +558,7 @@ fn write_builtin(cmd: Command) -> anyhow::Result<()> {
             manifest.train.num_samples + manifest.test.num_samples
         }
     };
-    println!(
+    ps_net::outln!(
         "wrote {name} to {out}: {} train + {} test samples, {} features, {} classes, {objects} {layout} objects",
         manifest.train.num_samples,
         manifest.test.num_samples,

@@ -307,7 +307,7 @@ fn run_cli(
 ) -> anyhow::Result<()> {
     if cli.print_layout {
         let model = build(&Device::Cpu)?;
-        print!("{}", model.config_tensors());
+        ps_net::cli::write_stdout(format_args!("{}", model.config_tensors()));
         return Ok(());
     }
     let Some(path) = &cli.config else {

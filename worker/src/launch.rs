@@ -392,7 +392,7 @@ fn train_ranks(
     for report in &reports {
         let rank = report.rank;
         if report.steps_short_of_workers > 0 {
-            println!(
+            ps_net::progressln!(
                 "worker {rank}: WARNING: {} of {} steps ran with fewer than {} workers in the barrier (as few as {})",
                 report.steps_short_of_workers,
                 report.steps - report.start_step,
@@ -400,7 +400,7 @@ fn train_ranks(
                 report.min_live_workers
             );
         }
-        println!(
+        ps_net::progressln!(
             "worker {rank} done: {} steps, test accuracy {}, pushed {:.1} KB/step, pulled {:.1} KB/step, data wait {:.2}s, compute {:.2}s, comm {:.2}s",
             report.steps,
             crate::run::accuracy_text(report.final_accuracy, 2),
@@ -412,7 +412,7 @@ fn train_ranks(
         );
     }
     if let (Some(n), Some(first)) = (node, reports.first()) {
-        println!(
+        ps_net::progressln!(
             "node {n} done: its link carried {:.1} MB up and {:.1} MB down for {} ranks",
             first.link_sent_bytes as f64 / 1e6,
             first.link_received_bytes as f64 / 1e6,

@@ -56,7 +56,7 @@ fn run() -> anyhow::Result<()> {
     match command {
         Command::ShowConfig => {
             let cfg = ps_shared::overrides::load_cli(cli.config.as_deref(), cli.dev)?;
-            println!("{}", cfg.to_redacted_toml()?);
+            ps_net::outln!("{}", cfg.to_redacted_toml()?);
             Ok(())
         }
         Command::Train(args) => {

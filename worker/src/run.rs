@@ -1039,7 +1039,7 @@ async fn train(
                 ));
             }
             if opts.epoch_lines {
-                bar.suspend(|| println!("{line}"));
+                bar.suspend(|| ps_net::progressln!("{line}"));
             }
             write_metrics(&mut metrics, &report)?;
             reports.push(report);

@@ -82,8 +82,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use ps_dataset::{Batch, DatasetError, DatasetReader, Manifest, RecordRequest, Split};
-use ps_shared::config::ClusterConfig;
-use ps_shared::dataplane::CostModel;
+use ps_shared::config::{ClusterConfig, CostModel};
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint, SamplerError};
 
 use crate::cache::{CacheError, DatasetIdentity, Lookup, TieredCache};
@@ -270,7 +269,7 @@ impl RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        let d = ps_shared::dataplane::LoaderSection::default();
+        let d = ps_shared::config::LoaderSection::default();
         Self {
             backoff: Duration::from_millis(d.retry_backoff_ms),
             max_backoff: Duration::from_millis(d.retry_max_backoff_ms),
@@ -445,7 +444,7 @@ pub struct LoaderSettings {
 impl LoaderSettings {
     /// Prefetching with the `[loader]` defaults and no cache.
     pub fn new(batch_size: usize, epochs: u64) -> Self {
-        let d = ps_shared::dataplane::LoaderSection::default();
+        let d = ps_shared::config::LoaderSection::default();
         Self {
             batch_size,
             epochs,

@@ -48,7 +48,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
-use serde::{Deserialize, Serialize};
+use crate::config::CompressionSection;
 
 /// Largest number of entries a top-k input may have: indices are `u32`.
 /// Entries past this length are ignored by the kernels.
@@ -692,77 +692,6 @@ pub fn values_from_f16(bits: &[u16]) -> Vec<f32> {
         .collect()
 }
 
-/// Gradient compression kinds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CompressionKind {
-    /// Dense gradients (the baseline).
-    None,
-    /// Top-k sparsification with error feedback.
-    Topk,
-}
-
-/// Worker-side gradient compression: the settings of the top-k
-/// [`Compressor`] (error feedback and DGC-style momentum correction, masking,
-/// local clipping and density warm-up), which takes this section as it is.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct CompressionSection {
-    /// `topk`, or `none` for dense gradients (then no compressor is built
-    /// and the other settings are not used).
-    pub kind: CompressionKind,
-    /// Final fraction of entries sent per step, in (0, 1]; 1 sends everything.
-    pub density: f64,
-    /// `exact` (introselect) or `approx` (sampled threshold).
-    pub method: TopKMethod,
-    /// Keep the unsent residual and add it to later gradients.
-    pub error_feedback: bool,
-    /// DGC momentum correction factor m in [0, 1) (0 disables):
-    /// `u = m*u + g; v += u`. Use with server momentum 0.
-    pub momentum_correction: f32,
-    /// DGC momentum factor masking: zero `u` at the sent indices.
-    pub momentum_masking: bool,
-    /// Steps of exponential density warm-up from `warmup_start_density`
-    /// down to `density` (0 disables).
-    pub warmup_steps: u64,
-    pub warmup_start_density: f64,
-    /// DGC local gradient clipping: largest L2 norm of one step's gradient on
-    /// a worker before it is accumulated (0 disables).
-    pub clip_norm: f32,
-    /// Send values as f16 on the wire (the transport's business; the
-    /// compressor does not read it).
-    pub f16_values: bool,
-    /// Global top-k on the servers: each sparse update applies only the k
-    /// largest entries of the workers' mean gradient (k = the largest push
-    /// of that update) and keeps the rest in a server-side residual, saved
-    /// in checkpoints. A pull then carries at most k changed entries instead
-    /// of the union of every worker's top-k (up to workers × k). The
-    /// servers read it; it has no effect on dense updates (`kind = "none"`,
-    /// or an optimizer with momentum, weight decay or LARS). Off by default:
-    /// with few workers the union applies more of the gradient per step and
-    /// converges in fewer steps; turn it on when workers × k makes the pulls
-    /// expensive.
-    pub global_topk: bool,
-}
-
-impl Default for CompressionSection {
-    fn default() -> Self {
-        Self {
-            kind: CompressionKind::Topk,
-            density: 0.01,
-            method: TopKMethod::Exact,
-            error_feedback: true,
-            momentum_correction: 0.9,
-            momentum_masking: true,
-            warmup_steps: 0,
-            warmup_start_density: 0.25,
-            clip_norm: 0.0,
-            f16_values: false,
-            global_topk: false,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1151,31 +1080,6 @@ mod tests {
     }
 
     #[test]
-    fn config_validation_messages() {
-        let bad_density = topk_config(0.0);
-        assert!(bad_density.validate().unwrap_err().contains("density"));
-        let bad_correction = CompressionSection {
-            momentum_correction: 1.0,
-            ..topk_config(0.01)
-        };
-        assert!(bad_correction
-            .validate()
-            .unwrap_err()
-            .contains("momentum_correction"));
-        let bad_start = CompressionSection {
-            warmup_steps: 10,
-            warmup_start_density: 0.25,
-            ..topk_config(0.5)
-        };
-        assert!(bad_start
-            .validate()
-            .unwrap_err()
-            .contains("warmup_start_density"));
-        assert!(topk_config(0.01).validate().is_ok());
-        assert!(CompressionSection::default().validate().is_ok());
-    }
-
-    #[test]
     fn k_for_density_rounds_and_clamps() {
         assert_eq!(k_for_density(1000, 0.01), 10);
         assert_eq!(k_for_density(1000, 0.0001), 1);
@@ -1252,6 +1156,10 @@ mod tests {
             clip_norm: -1.0,
             ..topk_config(0.01)
         };
-        assert!(bad.validate().unwrap_err().contains("clip_norm"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("clip_norm"));
     }
 }

@@ -8,8 +8,8 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use ps_shared::config::layers::LayerSpec;
 use ps_shared::config::{ClusterConfig, TensorDecl};
-use ps_shared::layers::LayerSpec;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

@@ -14,12 +14,11 @@ use object_store::{ObjectStore, ObjectStoreExt};
 use ps_dataset::{
     synthetic, write_dataset_with, Batch, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
-use ps_shared::config::{ClusterConfig, CompressionKind};
-use ps_shared::dataplane::{CacheSize, SimBucketSection};
+use ps_shared::config::{CacheSize, ClusterConfig, CompressionKind};
 use ps_shared::sampler::{EpochSampler, Partition, SamplerError};
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
 use ps_worker::simstore::{SimSettings, SimStore};
-use ps_worker::simulate::Simulation;
+use ps_worker::simulate::{SimBucketSection, Simulation};
 
 const FEATURES: usize = 6;
 /// 4-byte label plus the features.

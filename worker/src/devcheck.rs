@@ -14,8 +14,8 @@
 use candle_core::Device;
 
 use ps_dataset::{synthetic, Batch, SyntheticSpec};
+use ps_shared::config::layers::LayerSpec;
 use ps_shared::config::{ModelKind, ModelSection};
-use ps_shared::layers::LayerSpec;
 
 use crate::model::{Model, ModelError};
 

@@ -18,7 +18,7 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape as CShape, Tensor, Var};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use ps_shared::layers::{LayerSpec, Node, Shape};
+use ps_shared::config::layers::{LayerSpec, Node, Shape};
 
 /// Added to the variance before the square root.
 pub const BN_EPS: f64 = 1e-5;

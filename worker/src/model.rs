@@ -65,8 +65,8 @@ use candle_nn::Linear;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use ps_dataset::Batch;
+use ps_shared::config::layers::{plan, Init, LayerSpec, Node, Shape};
 use ps_shared::config::{ConfigError, ModelKind, ModelSection, TensorSpec};
-use ps_shared::layers::{plan, Init, LayerSpec, Node, Shape};
 
 use crate::api::Program;
 use crate::kernels::gpt::GptExec;
@@ -1412,7 +1412,7 @@ mod tests {
         assert!(m.evaluate(&batch).is_err());
     }
 
-    use ps_shared::layers::LayerSpec;
+    use ps_shared::config::layers::LayerSpec;
 
     fn layered(
         in_channels: usize,

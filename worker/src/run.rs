@@ -28,8 +28,7 @@ use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
 use ps_net::cli::ExitCode;
 use ps_net::protocol::ErrorCode;
-use ps_shared::config::{ClusterConfig, OnBadSample};
-use ps_shared::dataplane::CostModel;
+use ps_shared::config::{ClusterConfig, CostModel, OnBadSample};
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 
 use crate::comm::{

@@ -51,9 +51,10 @@ use object_store::{
 };
 use serde::Serialize;
 
-use ps_shared::dataplane::SimBucketSection;
 use ps_shared::hash::splitmix64;
 use ps_shared::link::TokenBucket;
+
+use crate::simulate::SimBucketSection;
 
 /// Body bytes metered per reservation: small enough that concurrent requests
 /// interleave on the shared link, large enough to keep timer overhead low.

@@ -25,7 +25,6 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use ps_shared::dataplane::SimBucketSection;
 use ps_shared::link::LinkSection;
 
 /// What a worker simulates; nothing by default.
@@ -88,6 +87,69 @@ impl Simulation {
     /// Whether this simulates nothing.
     pub fn is_none(&self) -> bool {
         self.link.is_unlimited() && self.bucket.is_none()
+    }
+}
+
+/// A simulated slow bucket in front of the real one: the `[bucket]` section
+/// of a simulation file (tests and benchmarks, never the cluster config).
+///
+/// Every GET waits `first_byte_ms`, then streams its body no faster than
+/// `per_connection_mb_per_s` while all GETs together share
+/// `aggregate_gbit_per_s`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimBucketSection {
+    /// Latency before the first byte of every request, in milliseconds.
+    pub first_byte_ms: f64,
+    /// Bandwidth of one request's stream in megabytes (1e6 B) per second; 0 = unlimited.
+    pub per_connection_mb_per_s: f64,
+    /// Bandwidth shared by all requests in gigabits per second; 0 = unlimited.
+    pub aggregate_gbit_per_s: f64,
+    /// Fraction of GETs that fail with a transient error (tests retries).
+    pub transient_error_rate: f64,
+    /// Seed of the injected failures.
+    pub seed: u64,
+}
+
+impl Default for SimBucketSection {
+    fn default() -> Self {
+        Self {
+            first_byte_ms: 50.0,
+            per_connection_mb_per_s: 50.0,
+            aggregate_gbit_per_s: 1.0,
+            transient_error_rate: 0.0,
+            seed: 1,
+        }
+    }
+}
+
+impl SimBucketSection {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.first_byte_ms.is_finite() && (0.0..=60_000.0).contains(&self.first_byte_ms)) {
+            return Err("bucket.first_byte_ms must be in [0, 60000]".into());
+        }
+        if !(self.per_connection_mb_per_s.is_finite() && self.per_connection_mb_per_s >= 0.0) {
+            return Err("bucket.per_connection_mb_per_s must be >= 0 (0 = unlimited)".into());
+        }
+        if !(self.aggregate_gbit_per_s.is_finite() && self.aggregate_gbit_per_s >= 0.0) {
+            return Err("bucket.aggregate_gbit_per_s must be >= 0 (0 = unlimited)".into());
+        }
+        if !(self.transient_error_rate.is_finite()
+            && (0.0..1.0).contains(&self.transient_error_rate))
+        {
+            return Err("bucket.transient_error_rate must be in [0, 1)".into());
+        }
+        Ok(())
+    }
+
+    /// Aggregate bandwidth in bytes per second (0 = unlimited).
+    pub fn aggregate_bytes_per_s(&self) -> f64 {
+        self.aggregate_gbit_per_s * 1e9 / 8.0
+    }
+
+    /// Per-connection bandwidth in bytes per second (0 = unlimited).
+    pub fn per_connection_bytes_per_s(&self) -> f64 {
+        self.per_connection_mb_per_s * 1e6
     }
 }
 

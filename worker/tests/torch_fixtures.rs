@@ -8,8 +8,8 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 use ps_dataset::Batch;
+use ps_shared::config::layers::LayerSpec;
 use ps_shared::config::{ModelKind, ModelSection};
-use ps_shared::layers::LayerSpec;
 use ps_worker::model::Model;
 
 fn fixture(name: &str) -> HashMap<String, Tensor> {

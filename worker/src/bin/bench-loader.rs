@@ -40,10 +40,11 @@ use serde::Serialize;
 use ps_dataset::{
     synthetic, write_dataset_with, DatasetReader, Layout, Split, SyntheticSpec, WriteOptions,
 };
-use ps_shared::dataplane::{CacheSize, CostModel, CostSection, SimBucketSection};
+use ps_shared::config::{CacheSize, CostModel, CostSection};
 use ps_shared::sampler::EpochSampler;
 use ps_worker::loader::{EpochDataStats, Loader, LoaderSettings};
 use ps_worker::simstore::{SimSettings, SimStore};
+use ps_worker::simulate::SimBucketSection;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Which {

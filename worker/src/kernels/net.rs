@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use ps_shared::layers::{LayerSpec, Node, Shape};
+use ps_shared::config::layers::{LayerSpec, Node, Shape};
 
 use super::conv::{Conv2d, ConvError, ConvGeom};
 use super::norm::{self, Epilogue, NormScratch};
@@ -349,7 +349,7 @@ fn geom(input: Shape, out: usize, kernel: usize, stride: usize, padding: usize) 
 }
 
 impl NetExec {
-    /// The plan of `nodes` (validated, as [`ps_shared::layers::plan`] gives
+    /// The plan of `nodes` (validated, as [`ps_shared::config::layers::plan`] gives
     /// them), its output `classes` wide.
     pub fn new(nodes: &[Node]) -> Result<Self, ExecError> {
         let mut n = Counter::default();

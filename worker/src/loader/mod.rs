@@ -179,7 +179,7 @@ pub struct LoaderSettings {
 impl LoaderSettings {
     /// Prefetching with the `[loader]` defaults and no cache.
     pub fn new(batch_size: usize, epochs: u64) -> Self {
-        let d = ps_shared::dataplane::LoaderSection::default();
+        let d = ps_shared::config::LoaderSection::default();
         Self {
             batch_size,
             epochs,

@@ -144,7 +144,7 @@ impl RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        let d = ps_shared::dataplane::LoaderSection::default();
+        let d = ps_shared::config::LoaderSection::default();
         Self {
             backoff: Duration::from_millis(d.retry_backoff_ms),
             max_backoff: Duration::from_millis(d.retry_max_backoff_ms),

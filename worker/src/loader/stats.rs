@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use ps_shared::dataplane::CostModel;
+use ps_shared::config::CostModel;
 use serde::Serialize;
 
 /// Data-plane counters of one epoch. GETs and bytes are counted for the

@@ -1,15 +1,13 @@
-//! Data-plane configuration: the loader's prefetch and cache settings
-//! (`[loader]`), the bucket's prices used for the per-epoch cost estimate
-//! (`[cost]`), and the settings of a simulated slow bucket (the `[bucket]`
-//! section of a simulation file, see `ps_worker::simulate`).
+//! `[loader]` and `[cost]`: the data plane's settings. The loader's
+//! prefetch window, cache tiers and retries, and the bucket's prices used
+//! for the per-epoch cost estimate.
 //!
 //! Cache capacities are a [`CacheSize`]: a byte count (`1073741824`,
 //! `"512MiB"`, `"2GB"`) or a fraction of the training split (`"25%"`), resolved
 //! once the manifest is known.
 //!
 //! ```
-//! use ps_shared::config::ClusterConfig;
-//! use ps_shared::dataplane::CacheSize;
+//! use ps_shared::config::{CacheSize, ClusterConfig};
 //!
 //! let cfg = ClusterConfig::from_toml_str(
 //!     "[loader]\nmemory_cache = \"25%\"\ndisk_cache = \"64MiB\"\ndisk_cache_dir = \"/tmp/cache\"\n\
@@ -26,6 +24,8 @@
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+
+use super::{check_range, invalid, ConfigError};
 
 /// A cache capacity: bytes, or a fraction of the dataset's training split.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -199,7 +199,39 @@ impl Default for LoaderSection {
 }
 
 impl LoaderSection {
-    pub fn validate(&self) -> Result<(), String> {
+    /// The sizes that [`Self::check_rules`] bounds only from below.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range(
+            "loader.lookahead_batches",
+            self.lookahead_batches,
+            0..=1 << 20,
+        )?;
+        check_range(
+            "loader.lookahead_samples",
+            self.lookahead_samples,
+            0..=1 << 26,
+        )?;
+        check_range(
+            "loader.max_inflight_mb",
+            self.max_inflight_mb,
+            0.001..=1_048_576.0,
+        )?;
+        check_range("loader.max_request_kb", self.max_request_kb, 1..=1 << 20)?;
+        check_range(
+            "loader.outage_budget_s",
+            self.outage_budget_s,
+            0.0..=86_400.0,
+        )
+    }
+
+    /// Sizes in range, a disk directory for a disk tier, retry waits that
+    /// grow, timeouts a clock can hold.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_ranges()?;
+        self.check_rules().map_err(|m| invalid("loader", m))
+    }
+
+    fn check_rules(&self) -> Result<(), String> {
         if self.lookahead_batches == 0 && self.lookahead_samples == 0 {
             return Err(
                 "loader.lookahead_samples must be >= 1 when loader.lookahead_batches is 0".into(),
@@ -310,13 +342,14 @@ impl Default for CostSection {
 }
 
 impl CostSection {
-    pub fn validate(&self) -> Result<(), String> {
+    /// Prices finite and >= 0.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         for (name, v) in [
             ("cost.get_cost_per_1000", self.get_cost_per_1000),
             ("cost.egress_cost_per_gb", self.egress_cost_per_gb),
         ] {
             if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{name} must be >= 0"));
+                return Err(invalid("cost", format!("{name} must be >= 0")));
             }
         }
         Ok(())
@@ -328,69 +361,6 @@ impl CostSection {
             per_1000_gets: self.get_cost_per_1000,
             per_gb_egress: self.egress_cost_per_gb,
         }
-    }
-}
-
-/// A simulated slow bucket in front of the real one: the `[bucket]` section
-/// of a simulation file (tests and benchmarks, never the cluster config).
-///
-/// Every GET waits `first_byte_ms`, then streams its body no faster than
-/// `per_connection_mb_per_s` while all GETs together share
-/// `aggregate_gbit_per_s`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SimBucketSection {
-    /// Latency before the first byte of every request, in milliseconds.
-    pub first_byte_ms: f64,
-    /// Bandwidth of one request's stream in megabytes (1e6 B) per second; 0 = unlimited.
-    pub per_connection_mb_per_s: f64,
-    /// Bandwidth shared by all requests in gigabits per second; 0 = unlimited.
-    pub aggregate_gbit_per_s: f64,
-    /// Fraction of GETs that fail with a transient error (tests retries).
-    pub transient_error_rate: f64,
-    /// Seed of the injected failures.
-    pub seed: u64,
-}
-
-impl Default for SimBucketSection {
-    fn default() -> Self {
-        Self {
-            first_byte_ms: 50.0,
-            per_connection_mb_per_s: 50.0,
-            aggregate_gbit_per_s: 1.0,
-            transient_error_rate: 0.0,
-            seed: 1,
-        }
-    }
-}
-
-impl SimBucketSection {
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.first_byte_ms.is_finite() && (0.0..=60_000.0).contains(&self.first_byte_ms)) {
-            return Err("bucket.first_byte_ms must be in [0, 60000]".into());
-        }
-        if !(self.per_connection_mb_per_s.is_finite() && self.per_connection_mb_per_s >= 0.0) {
-            return Err("bucket.per_connection_mb_per_s must be >= 0 (0 = unlimited)".into());
-        }
-        if !(self.aggregate_gbit_per_s.is_finite() && self.aggregate_gbit_per_s >= 0.0) {
-            return Err("bucket.aggregate_gbit_per_s must be >= 0 (0 = unlimited)".into());
-        }
-        if !(self.transient_error_rate.is_finite()
-            && (0.0..1.0).contains(&self.transient_error_rate))
-        {
-            return Err("bucket.transient_error_rate must be in [0, 1)".into());
-        }
-        Ok(())
-    }
-
-    /// Aggregate bandwidth in bytes per second (0 = unlimited).
-    pub fn aggregate_bytes_per_s(&self) -> f64 {
-        self.aggregate_gbit_per_s * 1e9 / 8.0
-    }
-
-    /// Per-connection bandwidth in bytes per second (0 = unlimited).
-    pub fn per_connection_bytes_per_s(&self) -> f64 {
-        self.per_connection_mb_per_s * 1e6
     }
 }
 

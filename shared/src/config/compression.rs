@@ -1,0 +1,230 @@
+//! `[compression]`: how workers compress their gradients before a push.
+//! The top-k [`Compressor`] of [`crate::sparse`] takes this section as it
+//! is.
+
+use serde::{Deserialize, Serialize};
+
+use super::{check_range, invalid, ConfigError};
+use crate::sparse::{Compressor, TopKMethod};
+
+/// Gradient compression kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CompressionKind {
+    /// Dense gradients (the baseline).
+    None,
+    /// Top-k sparsification with error feedback.
+    Topk,
+}
+
+/// Worker-side gradient compression: the settings of the top-k
+/// [`Compressor`] (error feedback and DGC-style momentum correction, masking,
+/// local clipping and density warm-up), which takes this section as it is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CompressionSection {
+    /// `topk`, or `none` for dense gradients (then no compressor is built
+    /// and the other settings are not used).
+    pub kind: CompressionKind,
+    /// Final fraction of entries sent per step, in (0, 1]; 1 sends everything.
+    pub density: f64,
+    /// `exact` (introselect) or `approx` (sampled threshold).
+    pub method: TopKMethod,
+    /// Keep the unsent residual and add it to later gradients.
+    pub error_feedback: bool,
+    /// DGC momentum correction factor m in [0, 1) (0 disables):
+    /// `u = m*u + g; v += u`. Use with server momentum 0.
+    pub momentum_correction: f32,
+    /// DGC momentum factor masking: zero `u` at the sent indices.
+    pub momentum_masking: bool,
+    /// Steps of exponential density warm-up from `warmup_start_density`
+    /// down to `density` (0 disables).
+    pub warmup_steps: u64,
+    pub warmup_start_density: f64,
+    /// DGC local gradient clipping: largest L2 norm of one step's gradient on
+    /// a worker before it is accumulated (0 disables).
+    pub clip_norm: f32,
+    /// Send values as f16 on the wire (the transport's business; the
+    /// compressor does not read it).
+    pub f16_values: bool,
+    /// Global top-k on the servers: each sparse update applies only the k
+    /// largest entries of the workers' mean gradient (k = the largest push
+    /// of that update) and keeps the rest in a server-side residual, saved
+    /// in checkpoints. A pull then carries at most k changed entries instead
+    /// of the union of every worker's top-k (up to workers × k). The
+    /// servers read it; it has no effect on dense updates (`kind = "none"`,
+    /// or an optimizer with momentum, weight decay or LARS). Off by default:
+    /// with few workers the union applies more of the gradient per step and
+    /// converges in fewer steps; turn it on when workers × k makes the pulls
+    /// expensive.
+    pub global_topk: bool,
+}
+
+impl Default for CompressionSection {
+    fn default() -> Self {
+        Self {
+            kind: CompressionKind::Topk,
+            density: 0.01,
+            method: TopKMethod::Exact,
+            error_feedback: true,
+            momentum_correction: 0.9,
+            momentum_masking: true,
+            warmup_steps: 0,
+            warmup_start_density: 0.25,
+            clip_norm: 0.0,
+            f16_values: false,
+            global_topk: false,
+        }
+    }
+}
+
+impl CompressionSection {
+    /// Step counts (the fractions are checked by [`Self::validate`]).
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range("compression.warmup_steps", self.warmup_steps, 0..=1 << 40)
+    }
+
+    /// Step counts in range, the density in (0, 1] whatever `kind` says,
+    /// and with `kind = "topk"` the compressor's settings
+    /// ([`Self::check_topk`]).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_ranges()?;
+        if !(self.density > 0.0 && self.density <= 1.0) {
+            return Err(invalid("compression.density", "must be in (0, 1]"));
+        }
+        // With kind = "none" no compressor is built, so only the density
+        // (checked above) is held to its range.
+        if self.kind == CompressionKind::Topk {
+            self.check_topk().map_err(|m| invalid("compression", m))?;
+        }
+        Ok(())
+    }
+
+    /// The compressor for `num_params` parameters, or `None` with
+    /// `kind = "none"` (dense gradients need none).
+    pub fn compressor(&self, num_params: usize) -> Option<Compressor> {
+        match self.kind {
+            CompressionKind::None => None,
+            CompressionKind::Topk => Some(Compressor::new(num_params, self.clone())),
+        }
+    }
+
+    /// The top-k settings' ranges, whatever `kind` says: density in (0, 1],
+    /// momentum correction in [0, 1), clip norm finite and >= 0, and with
+    /// warm-up on a start density in [density, 1].
+    fn check_topk(&self) -> Result<(), String> {
+        if !(self.density > 0.0 && self.density <= 1.0) {
+            return Err(format!(
+                "compressor density must be in (0, 1], got {}",
+                self.density
+            ));
+        }
+        if !(self.momentum_correction >= 0.0 && self.momentum_correction < 1.0) {
+            return Err(format!(
+                "compressor momentum_correction must be in [0, 1), got {}",
+                self.momentum_correction
+            ));
+        }
+        if !(self.clip_norm >= 0.0 && self.clip_norm.is_finite()) {
+            return Err(format!(
+                "compressor clip_norm must be a finite number >= 0, got {}",
+                self.clip_norm
+            ));
+        }
+        if self.warmup_steps > 0
+            && !(self.warmup_start_density >= self.density && self.warmup_start_density <= 1.0)
+        {
+            return Err(format!(
+                "compressor warmup_start_density must be in [density, 1] = [{}, 1], got {}",
+                self.density, self.warmup_start_density
+            ));
+        }
+        Ok(())
+    }
+
+    /// Density used at `step` (0-based): during warm-up
+    /// `start * (density / start)^(step / warmup_steps)`, afterwards `density`.
+    /// Never increases with `step`; out-of-range settings are clamped.
+    pub fn density_at(&self, step: u64) -> f64 {
+        let density = if self.density.is_nan() {
+            1.0
+        } else {
+            self.density.clamp(f64::MIN_POSITIVE, 1.0)
+        };
+        if self.warmup_steps == 0 || step >= self.warmup_steps {
+            return density;
+        }
+        let start = if self.warmup_start_density.is_nan() {
+            density
+        } else {
+            self.warmup_start_density.clamp(density, 1.0)
+        };
+        let progress = step as f64 / self.warmup_steps as f64;
+        (start * (density / start).powf(progress)).clamp(density, start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ClusterConfig;
+
+    /// Top-k settings at `density` with DGC momentum correction off.
+    fn topk_config(density: f64) -> CompressionSection {
+        CompressionSection {
+            density,
+            momentum_correction: 0.0,
+            ..CompressionSection::default()
+        }
+    }
+
+    #[test]
+    fn config_validation_messages() {
+        let bad_density = topk_config(0.0);
+        assert!(bad_density
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("compression.density"));
+        let bad_correction = CompressionSection {
+            momentum_correction: 1.0,
+            ..topk_config(0.01)
+        };
+        assert!(bad_correction
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("momentum_correction"));
+        let bad_start = CompressionSection {
+            warmup_steps: 10,
+            warmup_start_density: 0.25,
+            ..topk_config(0.5)
+        };
+        assert!(bad_start
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("warmup_start_density"));
+        assert!(topk_config(0.01).validate().is_ok());
+        assert!(CompressionSection::default().validate().is_ok());
+    }
+
+    #[test]
+    fn compression_kind_none_builds_no_compressor() {
+        let topk = ClusterConfig::from_toml_str(
+            "[compression]\nkind = \"topk\"\nmomentum_correction = 1.5\n",
+        )
+        .unwrap_err();
+        assert!(topk.to_string().contains("momentum_correction"), "{topk}");
+        // The top-k settings are not used without a compressor.
+        let cfg = ClusterConfig::from_toml_str(
+            "[compression]\nkind = \"none\"\nmomentum_correction = 1.5\n",
+        )
+        .unwrap();
+        assert!(cfg.compression.compressor(8).is_none());
+        let cfg = ClusterConfig::from_toml_str("[compression]\nkind = \"topk\"\n").unwrap();
+        let compressor = cfg.compression.compressor(8).expect("a top-k compressor");
+        assert_eq!(compressor.config(), &cfg.compression);
+        assert_eq!(compressor.residual().len(), 8);
+    }
+}

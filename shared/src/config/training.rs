@@ -1,0 +1,95 @@
+//! `[training]`: the worker's training loop (epochs, device, evaluation,
+//! metrics, stopping rules, compute threads).
+
+use serde::{Deserialize, Serialize};
+
+use super::{check_range, invalid, ConfigError};
+
+/// Training loop settings (worker side).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingSection {
+    pub epochs: u64,
+    /// `cpu`, or `cuda` / `cuda:N` when built with the `cuda` feature.
+    pub device: String,
+    /// Seed of the initial weights (the first worker's initial weights win).
+    pub init_seed: u64,
+    /// Directory for per-epoch metrics (`worker-<rank>.jsonl` and `.csv`);
+    /// empty disables.
+    pub metrics_dir: String,
+    /// Evaluate on the test split every this many steps (0 = only at the end
+    /// of each epoch). Evaluation time is not counted as training time.
+    pub eval_every: u64,
+    /// Also write a per-step record (loss, learning rate, data, compute,
+    /// compress and exchange seconds, bytes) to `worker-<rank>.jsonl`
+    /// every this many steps (0 = per-epoch records only).
+    pub step_metrics_every: u64,
+    /// Stop (saying goodbye) after the evaluation that reaches this test
+    /// accuracy, in [0, 1] (0 = train every epoch).
+    pub target_accuracy: f32,
+    /// Stop after this many steps of the run (0 = no cap).
+    pub max_steps: u64,
+    /// asp/ssp only: compute the next step's gradient while this step's
+    /// push and pull are in flight (the gradient is one step stale).
+    pub overlap: bool,
+    /// Threads of a worker process's compute pool (forward, backward,
+    /// compression). 0 = automatic: `RAYON_NUM_THREADS` when set, else the
+    /// CPUs divided among the worker processes when every server is on
+    /// loopback (the whole cluster on one machine), else every CPU.
+    pub compute_threads: usize,
+}
+
+impl Default for TrainingSection {
+    fn default() -> Self {
+        Self {
+            epochs: 5,
+            device: "cpu".into(),
+            init_seed: 1,
+            metrics_dir: "runs".into(),
+            eval_every: 0,
+            step_metrics_every: 10,
+            target_accuracy: 0.0,
+            max_steps: 0,
+            overlap: false,
+            compute_threads: 0,
+        }
+    }
+}
+
+impl TrainingSection {
+    /// Step and epoch counts.
+    fn check_ranges(&self) -> Result<(), ConfigError> {
+        check_range("training.epochs", self.epochs, 1..=1_000_000)?;
+        check_range("training.eval_every", self.eval_every, 0..=1 << 40)?;
+        check_range(
+            "training.step_metrics_every",
+            self.step_metrics_every,
+            0..=1 << 40,
+        )?;
+        check_range("training.max_steps", self.max_steps, 0..=1 << 48)?;
+        check_range("training.compute_threads", self.compute_threads, 0..=1024)
+    }
+
+    /// Counts in range, a known device and a target accuracy in [0, 1].
+    /// Whether `overlap` fits the sync mode is a rule across sections
+    /// ([`super::ClusterConfig::validate`]).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_ranges()?;
+        if self.epochs == 0 {
+            return Err(invalid("training.epochs", "must be >= 1"));
+        }
+        if !(self.device == "cpu" || self.device == "cuda" || self.device.starts_with("cuda:")) {
+            return Err(invalid(
+                "training.device",
+                format!("`{}`: use cpu, cuda or cuda:N", self.device),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.target_accuracy) {
+            return Err(invalid(
+                "training.target_accuracy",
+                format!("must be in [0, 1], got {}", self.target_accuracy),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -563,10 +563,20 @@ impl Membership {
         if self.ranks.values().all(|s| s.said_goodbye()) {
             if self.s.exit_when_done {
                 self.exited = true;
-                out.push(MemberAction::Exit {
-                    ok: true,
-                    message: "every worker finished".into(),
-                });
+                let stopped = self
+                    .ranks
+                    .values()
+                    .filter(|s| matches!(s, RankState::Stopped))
+                    .count();
+                let message = if stopped == 0 {
+                    "every worker finished".to_string()
+                } else {
+                    format!(
+                        "every worker said goodbye: {} finished, {stopped} stopped by a signal",
+                        self.ranks.len() - stopped
+                    )
+                };
+                out.push(MemberAction::Exit { ok: true, message });
             }
             return;
         }
@@ -821,6 +831,27 @@ mod tests {
         m.connection_opened(3, t0).unwrap();
         let e = m.hello(3, 0, &hello(0, 2), t0).unwrap_err();
         assert_eq!(e.code, ErrorCode::RankFinished);
+    }
+
+    #[test]
+    fn the_exit_message_counts_the_ranks_stopped_by_a_signal() {
+        let t0 = Instant::now();
+        let mut m = Membership::new(settings(2), t0);
+        for (conn, rank) in [(1, 0), (2, 1)] {
+            m.connection_opened(conn, t0).unwrap();
+            m.hello(conn, rank, &hello(rank, 2), t0).unwrap();
+        }
+        m.bye(1, true, t0);
+        let out = m.bye(2, false, t0);
+        let message = out.iter().find_map(|a| match a {
+            MemberAction::Exit { ok: true, message } => Some(message.as_str()),
+            _ => None,
+        });
+        assert_eq!(
+            message,
+            Some("every worker said goodbye: 1 finished, 1 stopped by a signal"),
+            "{out:?}"
+        );
     }
 
     #[test]

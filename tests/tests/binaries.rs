@@ -451,21 +451,84 @@ fn metrics_addr_serves_the_documented_series_from_both_binaries() {
             "no {name} in\n{from_server}"
         );
     }
+    // The series move while the run goes on: after the second epoch line,
+    // a second scrape counts at least one more epoch of steps, samples,
+    // bytes, updates and pushes, and the shard's version has advanced.
+    let epoch2 = worker.next_stdout_line();
+    let again_worker = scrape(worker_addr);
+    let again_server = scrape(server_addr);
+    let samples_per_epoch = (per_epoch as usize * cluster.cfg.data.batch_size) as f64;
+    for (text, before, name, label, at_least) in [
+        (
+            &again_worker,
+            &from_worker,
+            "stratus_worker_steps_total",
+            "rank=\"0\"",
+            per_epoch,
+        ),
+        (
+            &again_worker,
+            &from_worker,
+            "stratus_worker_samples_total",
+            "",
+            samples_per_epoch,
+        ),
+        (
+            &again_worker,
+            &from_worker,
+            "stratus_worker_pushed_bytes_total",
+            "",
+            1.0,
+        ),
+        (
+            &again_server,
+            &from_server,
+            "stratus_server_updates_total",
+            "shard=\"0\"",
+            per_epoch,
+        ),
+        (
+            &again_server,
+            &from_server,
+            "stratus_server_pushes_total",
+            "",
+            per_epoch,
+        ),
+        (
+            &again_server,
+            &from_server,
+            "stratus_server_shard_version",
+            "shard=\"0\"",
+            per_epoch,
+        ),
+    ] {
+        let first = sample(before, name, label).unwrap_or_else(|| panic!("no {name}"));
+        let second = sample(text, name, label).unwrap_or_else(|| panic!("no {name} in\n{text}"));
+        assert!(
+            second - first >= at_least,
+            "{name}{{{label}}} went from {first} to {second} between `{epoch}` and `{epoch2}` (at least {at_least} expected)"
+        );
+    }
+    let steps2 = sample(&again_worker, "stratus_worker_steps_total", "rank=\"0\"").unwrap_or(0.0);
+    let updates2 =
+        sample(&again_server, "stratus_server_updates_total", "shard=\"0\"").unwrap_or(0.0);
+    // 1000 epochs cannot end by themselves here: SIGTERM stops the worker
+    // after its current step, and its exit code says so.
     worker.signal("TERM");
     let (worker_status, worker_log) = worker.exit();
-    // SIGTERM, or the end of a run that finished first.
-    assert!(
-        matches!(worker_status.code(), Some(0 | 143)),
-        "{worker_status:?}: {worker_log}"
-    );
+    assert_eq!(worker_status.code(), Some(143), "{worker_log}");
+    // The worker said goodbye on its way out, and with every worker gone
+    // that way the server may end by itself (0) before its own SIGTERM
+    // arrives (143); either way it says why.
     server.signal("TERM");
     let (server_status, server_log) = server.exit();
-    assert!(
-        matches!(server_status.code(), Some(0 | 143)),
-        "{server_status:?}: {server_log}"
-    );
+    match server_status.code() {
+        Some(143) => assert!(server_log.contains("stopped by SIGTERM"), "{server_log}"),
+        Some(0) => assert!(server_log.contains("1 stopped"), "{server_log}"),
+        other => panic!("ps-server exited {other:?}:\n{server_log}"),
+    }
     println!(
-        "--metrics-addr 127.0.0.1:0: ps-server bound {server_addr}, ps-worker bound {worker_addr}; after `{epoch}` the worker reported {steps} steps and shard 0 {updates} updates; they exited with {:?} and {:?}",
+        "--metrics-addr 127.0.0.1:0: ps-server bound {server_addr}, ps-worker bound {worker_addr}; scraped after `{epoch}`: {steps} worker steps, {updates} shard-0 updates; after `{epoch2}`: {steps2} and {updates2}; SIGTERM: the worker exited {:?}, the server {:?}",
         worker_status.code(),
         server_status.code()
     );

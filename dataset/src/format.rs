@@ -239,9 +239,13 @@ pub struct Manifest {
     pub features: usize,
     /// Labels lie in `0..classes`.
     pub classes: usize,
-    /// `4 + 4 * features`; for images, the mean bytes of one encoded image
-    /// plus its 4-byte label (what the loader holds per sample).
+    /// `4 + features * feature_type.bytes()`; for images, the mean bytes of
+    /// one encoded image plus its 4-byte label (what the loader holds per
+    /// sample).
     pub record_bytes: usize,
+    /// How each feature is stored; `f32` when absent.
+    #[serde(default, skip_serializing_if = "FeatureType::is_f32")]
+    pub feature_type: FeatureType,
     pub train: SplitInfo,
     pub test: SplitInfo,
     /// How the importer transformed the features, so the same transform can
@@ -252,7 +256,7 @@ pub struct Manifest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images: Option<ImageIndex>,
     /// Text datasets only: each record is a window of `seq_len + 1` token
-    /// ids (stored as f32, exact below 2^24; the label is the last token).
+    /// ids (stored as `feature_type`; the label is the last token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<TextInfo>,
 }
@@ -268,6 +272,95 @@ pub struct TextInfo {
     pub tokenizer: String,
     /// CRC-32 of the tokenizer file as 8 hex digits (`bytes`: of the name).
     pub tokenizer_crc32: String,
+}
+
+/// How each feature of a record is stored: `f32` (the default, and what
+/// manifests without the field mean), or an unsigned integer of one or two
+/// bytes for features that are whole numbers in range (a text dataset's
+/// token ids: one byte for a vocabulary of at most 256, two for 65,536).
+/// Readers always hand out f32 features.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FeatureType {
+    #[default]
+    F32,
+    U8,
+    U16,
+}
+
+impl FeatureType {
+    /// Bytes of one stored feature.
+    pub fn bytes(self) -> usize {
+        match self {
+            FeatureType::F32 => 4,
+            FeatureType::U8 => 1,
+            FeatureType::U16 => 2,
+        }
+    }
+
+    /// The smallest type that holds every id below `vocab` exactly.
+    pub fn for_ids(vocab: usize) -> Self {
+        if vocab <= 1 << 8 {
+            FeatureType::U8
+        } else if vocab <= 1 << 16 {
+            FeatureType::U16
+        } else {
+            FeatureType::F32
+        }
+    }
+
+    fn is_f32(&self) -> bool {
+        *self == FeatureType::F32
+    }
+
+    /// Whether `v` is stored exactly.
+    pub(crate) fn holds(self, v: f32) -> bool {
+        match self {
+            FeatureType::F32 => v.is_finite(),
+            FeatureType::U8 => v.fract() == 0.0 && (0.0..=255.0).contains(&v),
+            FeatureType::U16 => v.fract() == 0.0 && (0.0..=65535.0).contains(&v),
+        }
+    }
+
+    /// Appends the stored form of `features` (each one [`holds`](Self::holds)).
+    pub(crate) fn encode(self, buf: &mut Vec<u8>, features: &[f32]) {
+        match self {
+            FeatureType::F32 => features
+                .iter()
+                .for_each(|v| buf.extend_from_slice(&v.to_le_bytes())),
+            FeatureType::U8 => buf.extend(features.iter().map(|&v| v as u8)),
+            FeatureType::U16 => features
+                .iter()
+                .for_each(|&v| buf.extend_from_slice(&(v as u16).to_le_bytes())),
+        }
+    }
+
+    /// Appends the features stored in `bytes` to `out` as f32.
+    pub(crate) fn decode_into(self, bytes: &[u8], out: &mut Vec<f32>) {
+        match self {
+            FeatureType::F32 => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            ),
+            FeatureType::U8 => out.extend(bytes.iter().map(|&b| f32::from(b))),
+            FeatureType::U16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| f32::from(u16::from_le_bytes([c[0], c[1]]))),
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for FeatureType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FeatureType::F32 => "f32",
+            FeatureType::U8 => "u8",
+            FeatureType::U16 => "u16",
+        })
+    }
 }
 
 /// A feature transform applied before the records were written, recorded in
@@ -514,14 +607,22 @@ impl Manifest {
                 self.layout
             ));
         }
-        let expected = record_bytes(self.features).ok_or_else(|| {
+        let expected = record_bytes(self.features, self.feature_type).ok_or_else(|| {
             DatasetError::Manifest(format!("{} features do not fit a record", self.features))
         })?;
         if self.record_bytes != expected {
             return bad(format!(
-                "record_bytes is {} but {} features need {expected}",
-                self.record_bytes, self.features
+                "record_bytes is {} but {} {} features need {expected}",
+                self.record_bytes, self.features, self.feature_type
             ));
+        }
+        if let Some(text) = &self.text {
+            if FeatureType::for_ids(text.vocab).bytes() > self.feature_type.bytes() {
+                return bad(format!(
+                    "feature_type {} cannot hold the token ids of a vocabulary of {}",
+                    self.feature_type, text.vocab
+                ));
+            }
         }
         match &self.normalization {
             Some(Normalization::Scale { divisor }) if !divisor.is_finite() || *divisor == 0.0 => {
@@ -677,8 +778,8 @@ impl Manifest {
     }
 }
 
-pub(crate) fn record_bytes(features: usize) -> Option<usize> {
-    features.checked_mul(4)?.checked_add(LABEL_BYTES)
+pub(crate) fn record_bytes(features: usize, ty: FeatureType) -> Option<usize> {
+    features.checked_mul(ty.bytes())?.checked_add(LABEL_BYTES)
 }
 
 /// Parses a manifest shard path: relative, no empty or `..` segments.
@@ -727,16 +828,6 @@ pub(crate) fn merge_runs(sorted: &[usize]) -> Vec<Range<usize>> {
     runs
 }
 
-pub(crate) fn features_iter(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-}
-
-pub(crate) fn decode_features(bytes: &[u8]) -> Vec<f32> {
-    features_iter(bytes).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -750,6 +841,7 @@ mod tests {
             features: 2,
             classes: 3,
             record_bytes: 12,
+            feature_type: FeatureType::F32,
             train: SplitInfo {
                 num_samples: 5,
                 shards: vec![

@@ -368,6 +368,7 @@ fn image_manifest(
         features: c * h * w,
         classes: class_names.len(),
         record_bytes: mean.saturating_add(LABEL_BYTES),
+        feature_type: FeatureType::F32,
         train: SplitInfo {
             num_samples: train.len(),
             ..SplitInfo::default()

@@ -191,6 +191,7 @@ mod tests {
             features,
             classes: 3,
             record_bytes: LABEL_BYTES + 4 * features,
+            feature_type: FeatureType::F32,
             train,
             test: SplitInfo {
                 num_samples: 0,

@@ -447,7 +447,8 @@ impl DatasetReader {
                 ))
             })?;
             batch.labels.push(label);
-            batch.features.extend(features_iter(&r[LABEL_BYTES..]));
+            m.feature_type
+                .decode_into(&r[LABEL_BYTES..], &mut batch.features);
         }
         Ok(batch)
     }
@@ -472,11 +473,12 @@ impl DatasetReader {
                 .collect());
         }
         let mut out = Vec::with_capacity(indices.len());
+        let m = &self.inner.planner.manifest;
+        let (ty, dim) = (m.feature_type, m.features);
         self.fetch_each(split, indices, |label, bytes| {
-            out.push(Sample {
-                label,
-                features: decode_features(bytes),
-            })
+            let mut features = Vec::with_capacity(dim);
+            ty.decode_into(bytes, &mut features);
+            out.push(Sample { label, features })
         })
         .await?;
         Ok(out)
@@ -491,11 +493,12 @@ impl DatasetReader {
         if self.layout().is_images() {
             return self.fetch_images(split, indices).await;
         }
-        let dim = self.inner.planner.manifest.features;
-        let mut batch = Batch::with_capacity(indices.len(), dim);
+        let m = &self.inner.planner.manifest;
+        let ty = m.feature_type;
+        let mut batch = Batch::with_capacity(indices.len(), m.features);
         self.fetch_each(split, indices, |label, bytes| {
             batch.labels.push(label);
-            batch.features.extend(features_iter(bytes));
+            ty.decode_into(bytes, &mut batch.features);
         })
         .await?;
         Ok(batch)
@@ -527,7 +530,7 @@ impl DatasetReader {
                     let index = first + run.start + i;
                     let (label, feats) = self.decode_record(split, *shard, index, record)?;
                     batch.labels.push(label);
-                    batch.features.extend(features_iter(feats));
+                    m.feature_type.decode_into(feats, &mut batch.features);
                 }
             }
         }

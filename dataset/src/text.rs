@@ -9,8 +9,10 @@
 //! the last `seq_len`); a tail shorter than a window is dropped. Each window
 //! is one record of the ordinary record format, so the loader's order,
 //! caches, resume and checksums apply unchanged: its features are the token
-//! ids as f32 (exact below 2^24) and its label is the last token. The
-//! manifest's `text` records the vocabulary, `seq_len` and the tokenizer.
+//! ids, stored in one byte each for a vocabulary of at most 256 and two for
+//! at most 65,536 (f32, exact below 2^24, beyond), and its label is the last
+//! token. The manifest's `text` records the vocabulary, `seq_len` and the
+//! tokenizer, and its `feature_type` the width of a token.
 //!
 //! The test split is either separate files (`test`) or the last
 //! `test_fraction` of the windows (the stream is counted in a first pass).
@@ -282,6 +284,7 @@ pub async fn write_text_dataset(
         &options.write,
     )?;
     writer.set_text(Some(tokenizer.info(options.seq_len)));
+    writer.set_feature_type(FeatureType::for_ids(vocab))?;
     if let Some(dir) = &options.remove_dir_if_empty {
         writer.remove_dir_if_empty(dir.clone());
     }
@@ -404,7 +407,7 @@ mod tests {
         let m = write_text_dataset(store.as_ref(), &prefix, &TextTokenizer::Bytes, &o)
             .await
             .unwrap();
-        let (read, train, test) = read_back(store, &prefix).await;
+        let (read, train, test) = read_back(store.clone(), &prefix).await;
         assert_eq!(read, m);
         let info = m.text.as_ref().unwrap();
         assert_eq!(
@@ -430,6 +433,106 @@ mod tests {
         }
         // Every record's checksum is in the manifest.
         assert_eq!(m.train.crc32.len(), train.len());
+        // Byte tokens take one byte each: a record is the label and the window.
+        assert_eq!(m.feature_type, FeatureType::U8);
+        assert_eq!(m.record_bytes, 4 + seq_len + 1);
+        use object_store::ObjectStoreExt;
+        let shard = store
+            .get(&crate::format::object_path(&prefix, &m.train.shards[0].path).unwrap())
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert_eq!(shard.len(), m.train.shards[0].count * m.record_bytes);
+        assert_eq!(&shard[4..4 + seq_len + 1], &text.as_bytes()[..seq_len + 1]);
+    }
+
+    #[test]
+    fn token_widths_follow_the_vocabulary() {
+        assert_eq!(FeatureType::for_ids(2), FeatureType::U8);
+        assert_eq!(FeatureType::for_ids(256), FeatureType::U8);
+        assert_eq!(FeatureType::for_ids(257), FeatureType::U16);
+        assert_eq!(FeatureType::for_ids(65_536), FeatureType::U16);
+        assert_eq!(FeatureType::for_ids(65_537), FeatureType::F32);
+        for ty in [FeatureType::U8, FeatureType::U16, FeatureType::F32] {
+            let max = match ty {
+                FeatureType::U8 => 255.0,
+                FeatureType::U16 => 65_535.0,
+                FeatureType::F32 => 16_777_215.0,
+            };
+            let values = [0.0, 1.0, 200.0, max];
+            let mut buf = Vec::new();
+            ty.encode(&mut buf, &values);
+            assert_eq!(buf.len(), values.len() * ty.bytes(), "{ty}");
+            let mut back = Vec::new();
+            ty.decode_into(&buf, &mut back);
+            assert_eq!(back, values, "{ty}");
+        }
+        assert!(!FeatureType::U8.holds(256.0));
+        assert!(!FeatureType::U8.holds(1.5));
+        assert!(!FeatureType::U16.holds(-1.0));
+        assert!(!FeatureType::U16.holds(65_536.0));
+        assert!(!FeatureType::F32.holds(f32::NAN));
+    }
+
+    #[tokio::test]
+    async fn a_writer_refuses_a_feature_its_integer_type_cannot_hold() {
+        let (store, prefix) = crate::open_bucket("memory://ints").unwrap();
+        let options = WriteOptions::default();
+        let mut w = DatasetWriter::create(store.as_ref(), &prefix, "ints", 3, 4, &options).unwrap();
+        w.set_feature_type(FeatureType::U8).unwrap();
+        w.push(Split::Train, 1, &[0.0, 255.0, 7.0]).await.unwrap();
+        let err = w
+            .push(Split::Train, 1, &[0.0, 256.0, 7.0])
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("train sample 1 feature 1 is 256, which u8 does not hold"),
+            "{err}"
+        );
+        // Too late to change the width once a sample is in.
+        let (store, prefix) = crate::open_bucket("memory://ints2").unwrap();
+        let mut w = DatasetWriter::create(store.as_ref(), &prefix, "ints", 3, 4, &options).unwrap();
+        w.push(Split::Train, 1, &[0.0, 1.0, 2.0]).await.unwrap();
+        assert!(w.set_feature_type(FeatureType::U16).is_err());
+    }
+
+    #[test]
+    fn a_manifest_whose_tokens_do_not_fit_its_feature_type_is_refused() {
+        let mut m = Manifest {
+            format: FORMAT_VERSION,
+            layout: Layout::Shards,
+            name: "t".into(),
+            features: 5,
+            classes: 300,
+            record_bytes: 4 + 5,
+            feature_type: FeatureType::U8,
+            train: SplitInfo::default(),
+            test: SplitInfo::default(),
+            normalization: None,
+            images: None,
+            text: Some(TextInfo {
+                vocab: 300,
+                seq_len: 4,
+                tokenizer: "t.json".into(),
+                tokenizer_crc32: "00000000".into(),
+            }),
+        };
+        let err = m.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("feature_type u8 cannot hold the token ids of a vocabulary of 300"),
+            "{err}"
+        );
+        m.feature_type = FeatureType::U16;
+        let err = m.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("record_bytes is 9 but 5 u16 features need 14"),
+            "{err}"
+        );
+        m.record_bytes = 14;
+        m.validate().unwrap();
     }
 
     #[tokio::test]

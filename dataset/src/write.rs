@@ -38,11 +38,9 @@ fn check_samples(
     Ok(())
 }
 
-fn encode_record(buf: &mut Vec<u8>, label: u32, features: &[f32]) {
+fn encode_record(buf: &mut Vec<u8>, label: u32, features: &[f32], ty: FeatureType) {
     buf.extend_from_slice(&label.to_le_bytes());
-    for v in features {
-        buf.extend_from_slice(&v.to_le_bytes());
-    }
+    ty.encode(buf, features);
 }
 
 /// How [`write_dataset_with`] lays a dataset out.
@@ -157,6 +155,7 @@ pub struct DatasetWriter<'a> {
     features: usize,
     classes: usize,
     record_bytes: usize,
+    feature_type: FeatureType,
     options: WriteOptions,
     normalization: Option<Normalization>,
     text: Option<TextInfo>,
@@ -200,7 +199,7 @@ impl<'a> DatasetWriter<'a> {
                 "records_per_shard must be at least 1".into(),
             ));
         }
-        let record_bytes = record_bytes(features).ok_or_else(|| {
+        let record_bytes = record_bytes(features, FeatureType::F32).ok_or_else(|| {
             DatasetError::Invalid(format!("{features} features do not fit a record"))
         })?;
         if options.layout == Layout::Shards
@@ -225,6 +224,7 @@ impl<'a> DatasetWriter<'a> {
             features,
             classes,
             record_bytes,
+            feature_type: FeatureType::F32,
             options: *options,
             normalization: None,
             text: None,
@@ -242,6 +242,22 @@ impl<'a> DatasetWriter<'a> {
     /// expected to be transformed already).
     pub fn set_normalization(&mut self, normalization: Option<Normalization>) {
         self.normalization = normalization;
+    }
+
+    /// Stores each feature as `ty` (f32 unless set): integer types take
+    /// whole numbers in their range only, checked on every push. Set it
+    /// before the first push.
+    pub fn set_feature_type(&mut self, ty: FeatureType) -> Result<(), DatasetError> {
+        if self.splits.iter().any(|s| s.samples > 0) {
+            return Err(DatasetError::Invalid(
+                "the feature type must be set before the first sample".into(),
+            ));
+        }
+        self.record_bytes = record_bytes(self.features, ty).ok_or_else(|| {
+            DatasetError::Invalid(format!("{} features do not fit a record", self.features))
+        })?;
+        self.feature_type = ty;
+        Ok(())
     }
 
     /// Records how a text dataset was tokenized in the manifest.
@@ -288,17 +304,24 @@ impl<'a> DatasetWriter<'a> {
                 self.classes
             ))
         } else {
-            features
-                .iter()
-                .position(|v| !v.is_finite())
-                .map(|j| format!("{split} sample {index} feature {j} is not finite"))
+            let ty = self.feature_type;
+            features.iter().position(|&v| !ty.holds(v)).map(|j| {
+                if ty == FeatureType::F32 {
+                    format!("{split} sample {index} feature {j} is not finite")
+                } else {
+                    format!(
+                        "{split} sample {index} feature {j} is {}, which {ty} does not hold",
+                        features[j]
+                    )
+                }
+            })
         };
         if let Some(message) = problem {
             return Err(self.fail(DatasetError::Invalid(message)).await);
         }
         let state = &mut self.splits[split.index()];
         let start = state.buf.len();
-        encode_record(&mut state.buf, label, features);
+        encode_record(&mut state.buf, label, features, self.feature_type);
         state.crc32.push(crc32(&state.buf[start..]));
         state.buffered += 1;
         state.samples += 1;
@@ -357,6 +380,7 @@ impl<'a> DatasetWriter<'a> {
             features: self.features,
             classes: self.classes,
             record_bytes: self.record_bytes,
+            feature_type: self.feature_type,
             train,
             test,
             normalization: self.normalization.clone(),

@@ -3,9 +3,11 @@
 A dataset is a folder (a `file://` bucket prefix) holding `manifest.json` and
 the records of two splits, `train` and `test`. Every record is
 
-    label: u32 little-endian, then features: f32 little-endian x features
+    label: u32 little-endian, then the features, little-endian, each stored
+    as the manifest's `feature_type`: f32 (the default when the field is
+    absent), u8 or u16 (a text dataset's token ids)
 
-so `record_bytes = 4 + 4 * features`. The manifest's `layout` says how the
+so `record_bytes = 4 + width * features`. The manifest's `layout` says how the
 records are cut into objects:
 
 * `shards` (format 1, also manifests without a layout field): each split lists
@@ -14,7 +16,8 @@ records are cut into objects:
 * `per_sample` (format 2): one object per sample, `train/00000123.bin`,
   holding exactly one record.
 
-`load_split(root, "train")` returns `(features [n, features] float32,
+`load_split(root, "train")` returns `(features [n, features] float32 (token
+ids converted),
 labels [n] int64)` in global index order, checked against the manifest.
 """
 import json
@@ -45,15 +48,22 @@ def read_manifest(url):
     except FileNotFoundError:
         raise DatasetError(f"no dataset at {root}: manifest.json not found") from None
     features = int(manifest["features"])
-    if int(manifest["record_bytes"]) != 4 + 4 * features:
+    kind = manifest.get("feature_type", "f32")
+    if kind not in _FEATURE_TYPES:
+        raise DatasetError(f"unknown feature_type {kind!r}")
+    width = np.dtype(_FEATURE_TYPES[kind]).itemsize
+    if int(manifest["record_bytes"]) != 4 + width * features:
         raise DatasetError(
-            f"record_bytes {manifest['record_bytes']} does not match {features} features"
+            f"record_bytes {manifest['record_bytes']} does not match {features} {kind} features"
         )
     return manifest
 
 
-def _record_dtype(features):
-    return np.dtype([("label", "<u4"), ("features", "<f4", (features,))])
+_FEATURE_TYPES = {"f32": "<f4", "u8": "u1", "u16": "<u2"}
+
+
+def _record_dtype(features, kind):
+    return np.dtype([("label", "<u4"), ("features", _FEATURE_TYPES[kind], (features,))])
 
 
 def load_split(url, split):
@@ -64,7 +74,7 @@ def load_split(url, split):
     classes = int(manifest["classes"])
     info = manifest[split]
     n = int(info["num_samples"])
-    dtype = _record_dtype(features)
+    dtype = _record_dtype(features, manifest.get("feature_type", "f32"))
     layout = manifest.get("layout", "shards")
     records = np.empty(n, dtype=dtype)
     if layout == "shards":
@@ -93,4 +103,4 @@ def load_split(url, split):
     labels = records["label"].astype(np.int64)
     if n and labels.max() >= classes:
         raise DatasetError(f"{split} has a label >= {classes} classes")
-    return np.ascontiguousarray(records["features"]), labels
+    return np.ascontiguousarray(records["features"], dtype=np.float32), labels

@@ -175,8 +175,7 @@ impl Cluster {
         cfg.validate().expect("valid config");
         let config = config_file_with_certs(&cfg, dir);
         let token = cfg.cluster.token.clone();
-        let cluster = Self { cfg, config, token };
-        cluster
+        Self { cfg, config, token }
     }
 
     /// `bin --config <config>` with the token in the environment.

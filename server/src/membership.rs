@@ -770,9 +770,10 @@ mod tests {
         assert_eq!(joined, vec![MemberAction::Joined { rank: 0, conn: 2 }]);
     }
 
-    #[test]
-    fn a_finished_rank_cannot_rejoin() {
-        let t0 = Instant::now();
+    /// Two ranks that stay up when they finish; rank 0 joined on
+    /// connection 1, said goodbye (`finished`: its work is done; else it
+    /// was stopped) and that connection closed.
+    fn rank_0_gone(finished: bool, t0: Instant) -> Membership {
         let mut m = Membership::new(
             MembershipSettings {
                 exit_when_done: false,
@@ -782,13 +783,21 @@ mod tests {
         );
         m.connection_opened(1, t0).unwrap();
         m.hello(1, 0, &hello(0, 2), t0).unwrap();
-        let left = m.bye(1, true, t0);
+        let left = m.bye(1, finished, t0);
+        let said = if finished { "finished" } else { "stopped" };
         assert!(matches!(
             left[..],
-            [MemberAction::Left { rank: 0, ref why, .. }] if why == "finished"
+            [MemberAction::Left { rank: 0, ref why, .. }] if why == said
         ));
-        // Its connection closes; a new one with the same certificate comes.
         assert!(m.connection_closed(1, "closed", t0).is_empty());
+        m
+    }
+
+    #[test]
+    fn a_finished_rank_cannot_rejoin() {
+        let t0 = Instant::now();
+        let mut m = rank_0_gone(true, t0);
+        // A new connection with the same certificate comes.
         m.connection_opened(2, t0).unwrap();
         let e = m.hello(2, 0, &hello(0, 2), t0).unwrap_err();
         assert_eq!(e.code, ErrorCode::RankFinished);
@@ -806,21 +815,7 @@ mod tests {
     #[test]
     fn a_rank_stopped_by_a_signal_may_be_replaced() {
         let t0 = Instant::now();
-        let mut m = Membership::new(
-            MembershipSettings {
-                exit_when_done: false,
-                ..settings(2)
-            },
-            t0,
-        );
-        m.connection_opened(1, t0).unwrap();
-        m.hello(1, 0, &hello(0, 2), t0).unwrap();
-        let left = m.bye(1, false, t0);
-        assert!(matches!(
-            left[..],
-            [MemberAction::Left { rank: 0, ref why, .. }] if why == "stopped"
-        ));
-        assert!(m.connection_closed(1, "closed", t0).is_empty());
+        let mut m = rank_0_gone(false, t0);
         // A replacement with the same certificate takes its place.
         m.connection_opened(2, t0).unwrap();
         let joined = m.hello(2, 0, &hello(0, 2), t0).unwrap();

@@ -65,19 +65,129 @@ impl TestPki {
 
     /// Options for worker `rank` (no progress bar, no fault injection).
     pub fn options(&self, rank: u32) -> WorkerOptions {
-        WorkerOptions {
-            rank,
-            tls: self.worker(rank),
-            progress: false,
-            epoch_lines: false,
-            crash_after_steps: None,
-            pause_after_steps: None,
-            stop: None,
-            steps_done: None,
-            trained: None,
-            simulation: Simulation::default(),
-        }
+        worker_options(rank, self.worker(rank))
     }
+}
+
+/// Options for worker `rank` with TLS material `tls` (no progress bar, no
+/// fault injection).
+pub fn worker_options(rank: u32, tls: WorkerTls) -> WorkerOptions {
+    WorkerOptions {
+        rank,
+        tls,
+        progress: false,
+        epoch_lines: false,
+        crash_after_steps: None,
+        pause_after_steps: None,
+        stop: None,
+        steps_done: None,
+        trained: None,
+        simulation: Simulation::default(),
+    }
+}
+
+/// A UDP port on loopback that was free a moment ago (the socket that found
+/// it is closed again), for a server process the test starts.
+pub fn free_udp_port() -> u16 {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port");
+    socket.local_addr().expect("its address").port()
+}
+
+/// Point `cfg.tls` at the files `ps-server certs` writes under `certs` (the
+/// CA, the server's pair, one `worker-{rank}` pair per worker), and have no
+/// process generate missing ones.
+pub fn tls_files_under(cfg: &mut ClusterConfig, certs: &std::path::Path) {
+    cfg.tls.ca = certs.join("ca.pem");
+    cfg.tls.ca_key = certs.join("ca.key");
+    cfg.tls.cert = certs.join("server.pem");
+    cfg.tls.key = certs.join("server.key");
+    cfg.tls.worker_cert = certs.join("worker-{rank}.pem").display().to_string();
+    cfg.tls.worker_key = certs.join("worker-{rank}.key").display().to_string();
+    cfg.tls.generate_if_missing = false;
+}
+
+/// Write `cfg` to `<dir>/cluster.toml` without its token (a process gets
+/// the token through the environment), then have `ps-server certs` write
+/// the TLS files `cfg.tls` names; returns the config file's path.
+pub fn config_file_with_certs(cfg: &ClusterConfig, dir: &std::path::Path) -> std::path::PathBuf {
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, cfg.to_redacted_toml().expect("toml")).expect("write config");
+    let certs = std::process::Command::new(server_binary())
+        .env_remove("STRATUS_CONFIG")
+        .env_remove("STRATUS_METRICS_ADDR")
+        .env(ps_shared::config::TOKEN_ENV, &cfg.cluster.token)
+        .arg("--config")
+        .arg(&config)
+        .arg("certs")
+        .output()
+        .expect("run ps-server certs");
+    assert!(
+        certs.status.success(),
+        "ps-server certs: {}",
+        String::from_utf8_lossy(&certs.stderr)
+    );
+    config
+}
+
+/// Worker `rank`'s TLS material, from the files `ps-server certs` wrote
+/// where `cfg.tls` names them.
+pub fn worker_tls_from_files(cfg: &ClusterConfig, rank: u32) -> WorkerTls {
+    let (cert, key) = cfg.tls.worker_paths(rank);
+    WorkerTls {
+        ca_pem: ps_net::transport::read_pem(&cfg.tls.ca).expect("CA certificate"),
+        identity: CertPair::read(&cert, &key).expect("worker certificate"),
+    }
+}
+
+/// `bin --config <config> run` with `token` in the environment, logging at
+/// info without colour to a piped stderr (stdin and stdout closed), for the
+/// test to read its log lines.
+pub fn server_run_command(
+    bin: &std::path::Path,
+    config: &std::path::Path,
+    token: &str,
+) -> std::process::Command {
+    use std::process::Stdio;
+    let mut cmd = std::process::Command::new(bin);
+    cmd.arg("--config")
+        .arg(config)
+        .arg("run")
+        .env(ps_shared::config::TOKEN_ENV, token)
+        .env("STRATUS_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// A connection of worker `rank` of `cfg`, with TLS material `tls`, to the
+/// server at `addr` that said Hello and was welcomed; the test drives it.
+pub async fn welcomed_connection(
+    tls: &WorkerTls,
+    cfg: &ClusterConfig,
+    addr: std::net::SocketAddr,
+    rank: u32,
+) -> quinn::Connection {
+    use ps_net::transport::{self, EndpointLimits};
+    let ep = transport::client_endpoint(
+        &tls.ca_pem,
+        &tls.identity,
+        false,
+        &EndpointLimits::default(),
+    )
+    .expect("client endpoint");
+    let conn = transport::connect(&ep, addr, "localhost", std::time::Duration::from_secs(10))
+        .await
+        .expect("connect");
+    let (resp, _) = transport::call(&conn, &hello(cfg, rank), cfg.server.max_frame_bytes)
+        .await
+        .expect("hello");
+    assert!(
+        matches!(resp, ps_net::protocol::Response::Welcome { .. }),
+        "{resp:?}"
+    );
+    conn
 }
 
 /// A synthetic dataset written to an in-memory bucket.

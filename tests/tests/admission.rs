@@ -228,11 +228,14 @@ mod memory {
     use super::*;
     use std::io::{BufRead, BufReader};
     use std::path::Path;
-    use std::process::{Child, Command, Stdio};
+    use std::process::Child;
 
-    use ps_net::pki::CertPair;
-    use ps_net::transport::{read_pem, PRE_HELLO_RECEIVE_WINDOW};
-    use ps_shared::config::TOKEN_ENV;
+    use ps_net::transport::PRE_HELLO_RECEIVE_WINDOW;
+    use ps_tests::{
+        config_file_with_certs, free_udp_port, server_run_command, tls_files_under,
+        worker_tls_from_files,
+    };
+    use ps_worker::comm::WorkerTls;
 
     const MIB: u64 = 1 << 20;
     /// Connections of the attack before Hello.
@@ -288,16 +291,7 @@ mod memory {
 
     /// Start `ps-server run` and wait for its "listening" line.
     fn start(bin: &Path, config: &Path, token: &str) -> Server {
-        let mut child = Command::new(bin)
-            .arg("--config")
-            .arg(config)
-            .arg("run")
-            .env(TOKEN_ENV, token)
-            .env("STRATUS_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+        let mut child = server_run_command(bin, config, token)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         let stderr = child.stderr.take().expect("piped stderr");
@@ -417,10 +411,7 @@ mod memory {
     fn server_memory_stays_within_the_connection_budget() {
         let bin = server_binary();
         let dir = tempfile::tempdir().expect("temp dir");
-        let port = {
-            let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port");
-            socket.local_addr().expect("its address").port()
-        };
+        let port = free_udp_port();
         let mut cfg = one_worker_config();
         cfg.cluster.servers = vec![format!("127.0.0.1:{port}")];
         cfg.server.max_frame_bytes = MAX_FRAME;
@@ -430,33 +421,11 @@ mod memory {
         cfg.server.idle_timeout_secs = 1.0;
         cfg.server.request_timeout_secs = 4.0;
         cfg.server.worker_timeout_secs = 30.0;
-        let certs = dir.path().join("certs");
-        cfg.tls.ca = certs.join("ca.pem");
-        cfg.tls.ca_key = certs.join("ca.key");
-        cfg.tls.cert = certs.join("server.pem");
-        cfg.tls.key = certs.join("server.key");
-        cfg.tls.worker_cert = certs.join("worker-{rank}.pem").display().to_string();
-        cfg.tls.worker_key = certs.join("worker-{rank}.key").display().to_string();
-        cfg.tls.generate_if_missing = false;
+        tls_files_under(&mut cfg, &dir.path().join("certs"));
         cfg.validate().expect("valid config");
-        let config_path = dir.path().join("cluster.toml");
-        std::fs::write(&config_path, cfg.to_redacted_toml().expect("toml")).expect("write config");
+        let config_path = config_file_with_certs(&cfg, dir.path());
         let token = cfg.cluster.token.clone();
-        let made = Command::new(&bin)
-            .arg("--config")
-            .arg(&config_path)
-            .arg("certs")
-            .env(TOKEN_ENV, &token)
-            .output()
-            .expect("run ps-server certs");
-        assert!(
-            made.status.success(),
-            "ps-server certs: {}",
-            String::from_utf8_lossy(&made.stderr)
-        );
-        let (cert, key) = cfg.tls.worker_paths(0);
-        let ca_pem = read_pem(&cfg.tls.ca).expect("CA certificate");
-        let identity = CertPair::read(&cert, &key).expect("worker certificate");
+        let WorkerTls { ca_pem, identity } = worker_tls_from_files(&cfg, 0);
         let limits = ps_server::net::endpoint_limits(&cfg);
         let frame_budget = ps_server::net::frame_budget_bytes(&cfg) as u64;
         let window = limits.server_receive_window();

@@ -23,7 +23,10 @@ use std::time::Duration;
 use ps_dataset::{synthetic, write_dataset_with, Layout, SyntheticSpec, WriteOptions};
 use ps_shared::config::{ClusterConfig, CompressionKind, OnBadSample, TOKEN_ENV};
 use ps_shared::sampler::EpochSampler;
-use ps_tests::{profile_binary, server_binary, test_config};
+use ps_tests::{
+    config_file_with_certs, free_udp_port, profile_binary, server_binary, test_config,
+    tls_files_under,
+};
 
 /// Upper bound on every wait, so a bug cannot hang the suite; not a
 /// measure of speed.
@@ -164,38 +167,15 @@ impl Cluster {
     fn new(dir: &Path, workers: usize, edit: impl FnOnce(&mut ClusterConfig)) -> Self {
         let mut cfg = test_config(CompressionKind::Topk, 0.05, 3);
         cfg.cluster.workers = workers;
-        let port = {
-            let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port");
-            socket.local_addr().expect("its address").port()
-        };
-        cfg.cluster.servers = vec![format!("127.0.0.1:{port}")];
+        cfg.cluster.servers = vec![format!("127.0.0.1:{}", free_udp_port())];
         cfg.server.heartbeat_secs = 0.25;
         cfg.server.connect_timeout_secs = 30;
-        let certs = dir.join("certs");
-        cfg.tls.ca = certs.join("ca.pem");
-        cfg.tls.ca_key = certs.join("ca.key");
-        cfg.tls.cert = certs.join("server.pem");
-        cfg.tls.key = certs.join("server.key");
-        cfg.tls.worker_cert = certs.join("worker-{rank}.pem").display().to_string();
-        cfg.tls.worker_key = certs.join("worker-{rank}.key").display().to_string();
-        cfg.tls.generate_if_missing = false;
+        tls_files_under(&mut cfg, &dir.join("certs"));
         edit(&mut cfg);
         cfg.validate().expect("valid config");
-        let config = dir.join("cluster.toml");
-        std::fs::write(&config, cfg.to_redacted_toml().expect("toml")).expect("write config");
+        let config = config_file_with_certs(&cfg, dir);
         let token = cfg.cluster.token.clone();
-        let cluster = Self { cfg, config, token };
-        let certs = cluster
-            .command(&server_binary())
-            .arg("certs")
-            .output()
-            .expect("run ps-server certs");
-        assert!(
-            certs.status.success(),
-            "ps-server certs: {}",
-            String::from_utf8_lossy(&certs.stderr)
-        );
-        cluster
+        Self { cfg, config, token }
     }
 
     /// `bin --config <config>` with the token in the environment.

@@ -49,6 +49,40 @@ async fn bucket(layout: Layout, train: usize) -> (Arc<InMemory>, Arc<SimStore>, 
     (raw, sim, prefix)
 }
 
+/// A per-sample synthetic dataset of `train` and `test` samples (64
+/// records a shard) named `name`, under the prefix `name` of a memory
+/// bucket; written on a runtime of its own, for a test outside any.
+fn per_sample_bucket(name: &str, train: usize, test: usize) -> (Arc<InMemory>, Path) {
+    let spec = SyntheticSpec {
+        train,
+        test,
+        ..SyntheticSpec::default()
+    };
+    let prefix = Path::from(name);
+    let raw = Arc::new(InMemory::new());
+    let (tr, te) = synthetic(&spec);
+    let options = WriteOptions {
+        layout: Layout::PerSample,
+        records_per_shard: 64,
+    };
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(write_dataset_with(
+            raw.as_ref(),
+            &prefix,
+            name,
+            spec.features,
+            spec.classes,
+            &tr,
+            &te,
+            &options,
+        ))
+        .expect("write dataset");
+    (raw, prefix)
+}
+
 async fn open(store: Arc<dyn ObjectStore>, prefix: &Path) -> DatasetReader {
     DatasetReader::open(store, prefix.clone())
         .await
@@ -1008,33 +1042,7 @@ fn plots_are_drawn_from_a_real_runs_metrics() {
 /// the bucket's own request count, failed requests included.
 #[test]
 fn worker_counts_every_get_it_sends() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let spec = SyntheticSpec {
-        train: 256,
-        test: 32,
-        ..SyntheticSpec::default()
-    };
-    let prefix = Path::from("ps");
-    let raw = Arc::new(InMemory::new());
-    let (tr, te) = synthetic(&spec);
-    let options = WriteOptions {
-        layout: Layout::PerSample,
-        records_per_shard: 64,
-    };
-    rt.block_on(write_dataset_with(
-        raw.as_ref(),
-        &prefix,
-        "ps",
-        spec.features,
-        spec.classes,
-        &tr,
-        &te,
-        &options,
-    ))
-    .expect("write dataset");
+    let (raw, prefix) = per_sample_bucket("ps", 256, 32);
     let sim = Arc::new(SimStore::new(raw, SimSettings::instant()));
     // Two failed tries of a training sample and one of the manifest.
     sim.fail_next(&Path::from("ps/train/00000007.bin"), 2);
@@ -1114,33 +1122,7 @@ async fn stable_partition_keeps_the_cache_useful() {
 fn a_resumed_worker_fetches_only_from_the_resume_step() {
     const TRAIN: usize = 256;
     const TEST: usize = 32;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let spec = SyntheticSpec {
-        train: TRAIN,
-        test: TEST,
-        ..SyntheticSpec::default()
-    };
-    let prefix = Path::from("rs");
-    let raw = Arc::new(InMemory::new());
-    let (tr, te) = synthetic(&spec);
-    let options = WriteOptions {
-        layout: Layout::PerSample,
-        records_per_shard: 64,
-    };
-    rt.block_on(write_dataset_with(
-        raw.as_ref(),
-        &prefix,
-        "rs",
-        spec.features,
-        spec.classes,
-        &tr,
-        &te,
-        &options,
-    ))
-    .expect("write dataset");
+    let (raw, prefix) = per_sample_bucket("rs", TRAIN, TEST);
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 1);
     cfg.cluster.workers = 1;
@@ -1198,33 +1180,7 @@ fn a_resumed_worker_fetches_only_from_the_resume_step() {
 /// short included (the epochs' counters only cover batches it reached).
 #[test]
 fn gets_in_flight_at_a_stop_are_counted() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let spec = SyntheticSpec {
-        train: 512,
-        test: 16,
-        ..SyntheticSpec::default()
-    };
-    let prefix = Path::from("st");
-    let raw = Arc::new(InMemory::new());
-    let (tr, te) = synthetic(&spec);
-    let options = WriteOptions {
-        layout: Layout::PerSample,
-        records_per_shard: 64,
-    };
-    rt.block_on(write_dataset_with(
-        raw.as_ref(),
-        &prefix,
-        "st",
-        spec.features,
-        spec.classes,
-        &tr,
-        &te,
-        &options,
-    ))
-    .expect("write dataset");
+    let (raw, prefix) = per_sample_bucket("st", 512, 16);
     // A slow first byte keeps many GETs in flight at once.
     let sim = Arc::new(SimStore::new(
         raw,

@@ -13,8 +13,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
 
 /// The info string of a block the test runs.
 const MARK: &str = "sh test";
@@ -185,12 +186,46 @@ fn marked_blocks(page: &Path, text: &str) -> Vec<Block> {
     blocks
 }
 
+/// Waits for `child` to end, for at most `limit`; past that kills it and
+/// returns `None`. The wait is an event: a thread blocks in `wait` and
+/// reports the exit, and the deadline is a bound on the receive.
+fn wait_at_most(mut child: Child, limit: Duration) -> Result<Option<ExitStatus>, String> {
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    let waited = match rx.recv_timeout(limit) {
+        Ok(waited) => {
+            return waited
+                .map(Some)
+                .map_err(|e| format!("waiting for bash: {e}"))
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => return Err("the waiting thread died".into()),
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            // The pid is the child's until the thread's `wait` reaps it; a
+            // child that ended in the instant since cannot have passed the
+            // pid on yet (Linux hands out pids in sequence, wrapping only
+            // after pid_max others).
+            let _ = Command::new("bash")
+                .args(["-c", &format!("kill -KILL {pid}")])
+                .stderr(Stdio::null())
+                .status();
+            rx.recv()
+        }
+    };
+    waited
+        .map_err(|_| "the waiting thread died".to_string())?
+        .map_err(|e| format!("waiting for bash: {e}"))?;
+    Ok(None)
+}
+
 /// Runs `block` in `dir`; the failure message, if any.
 fn run_block(block: &Block, dir: &Path, path: &str) -> Result<(), String> {
     let out = dir.join(".stdout");
     let err = dir.join(".stderr");
     let file = |p: &Path| std::fs::File::create(p).expect("an output file in the temporary folder");
-    let mut child = Command::new("bash")
+    let child = Command::new("bash")
         .args(["-euo", "pipefail", "-c", &block.script])
         .current_dir(dir)
         .env("PATH", path)
@@ -205,21 +240,7 @@ fn run_block(block: &Block, dir: &Path, path: &str) -> Result<(), String> {
         .stderr(file(&err))
         .spawn()
         .map_err(|e| format!("bash: {e}"))?;
-    let deadline = Instant::now() + BLOCK_DEADLINE;
-    let status = loop {
-        match child
-            .try_wait()
-            .map_err(|e| format!("waiting for bash: {e}"))?
-        {
-            Some(status) => break Some(status),
-            None if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            None => std::thread::sleep(Duration::from_millis(20)),
-        }
-    };
+    let status = wait_at_most(child, BLOCK_DEADLINE)?;
     let output = format!(
         "--- stdout\n{}--- stderr\n{}",
         std::fs::read_to_string(&out).unwrap_or_default(),

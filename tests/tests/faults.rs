@@ -37,7 +37,8 @@ use ps_server::core::RecoverySource;
 use ps_server::net::RunningServer;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
 use ps_tests::{
-    hello, start_loopback_server, synthetic_bucket, synthetic_bucket_blocking, test_config, TestPki,
+    hello, start_loopback_server, synthetic_bucket, synthetic_bucket_blocking, test_config,
+    welcomed_connection, TestPki,
 };
 use ps_worker::comm::{Comm, CommError, Outgoing, ParamSource};
 use ps_worker::run::{run_worker, WorkerError, WorkerOptions, WorkerReport};
@@ -586,26 +587,7 @@ fn garbage_and_impersonation_during_training_are_refused() {
 
 /// A connection of worker `rank` that said Hello, driven by the test.
 async fn raw_worker(setup: &Setup, addr: std::net::SocketAddr, rank: u32) -> quinn::Connection {
-    let tls = setup.pki.worker(rank);
-    let ep = transport::client_endpoint(
-        &tls.ca_pem,
-        &tls.identity,
-        false,
-        &EndpointLimits::default(),
-    )
-    .expect("client endpoint");
-    let conn = transport::connect(&ep, addr, "localhost", Duration::from_secs(10))
-        .await
-        .expect("connect");
-    let (resp, _) = transport::call(
-        &conn,
-        &hello(&setup.cfg, rank),
-        setup.cfg.server.max_frame_bytes,
-    )
-    .await
-    .expect("hello");
-    assert!(matches!(resp, Response::Welcome { .. }), "{resp:?}");
-    conn
+    welcomed_connection(&setup.pki.worker(rank), &setup.cfg, addr, rank).await
 }
 
 #[test]

@@ -11,7 +11,8 @@
 //! rank 1's step is refused as `Fenced`; rank 1 then resumes with its stale
 //! step, and must come back with the cluster's parameters and step instead
 //! of pushing. The test waits on events (replies, steps), never on a sleep;
-//! the only timer is rank 0's heartbeat cadence, as a live worker's.
+//! the only timer is rank 0's heartbeat interval, as a live worker's: what
+//! the server measures, not a synchronisation.
 //!
 //! A second test runs two whole workers (`run_worker`) to `training.max_steps`
 //! and pauses one of them past the worker timeout: it must come back at the
@@ -24,9 +25,11 @@ use std::time::Duration;
 
 use ps_dataset::SyntheticSpec;
 use ps_net::protocol::{ErrorCode, ParamUpdate, Request, Response, WireGrad, WireValues};
-use ps_net::transport::{self, EndpointLimits};
+use ps_net::transport;
 use ps_shared::config::CompressionKind;
-use ps_tests::{hello, start_loopback_server, synthetic_bucket_blocking, test_config, TestPki};
+use ps_tests::{
+    start_loopback_server, synthetic_bucket_blocking, test_config, welcomed_connection, TestPki,
+};
 use ps_worker::comm::{Comm, Outgoing, ParamSource, ShardUpdate, Traffic};
 use ps_worker::run::{run_worker, WorkerOptions};
 
@@ -66,6 +69,30 @@ async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
         .unwrap_or_else(|_| panic!("{what} did not end within {LIMIT:?}"))
 }
 
+/// The reply of `step` went on to the next step with `live` workers.
+fn check(t: &Traffic, step: u64, live: u32) {
+    assert_eq!(t.next_step, step + 1, "step {step}");
+    assert_eq!(t.live_workers, live, "step {step}");
+}
+
+/// A step of both ranks together: each pushes its gradient of `step`, both
+/// go on with two live workers, and each applies its reply.
+async fn step_both(comms: [&Comm; 2], held: &[Held], n: usize, step: u64) {
+    let (a, b) = within(
+        "a step of both",
+        futures::future::join(
+            comms[0].step(grad(n, 0, step)),
+            comms[1].step(grad(n, 1, step)),
+        ),
+    )
+    .await;
+    let (a, b) = (a.expect("rank 0 steps"), b.expect("rank 1 steps"));
+    check(&a.1, step, 2);
+    check(&b.1, step, 2);
+    apply(&held[0], a.0);
+    apply(&held[1], b.0);
+}
+
 #[test]
 fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
     ps_tests::log_from_env();
@@ -98,12 +125,18 @@ fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
         )
         .await;
         let (c0, c1) = (Rc::new(c0.expect("rank 0 connects")), c1.expect("rank 1 connects"));
-        // Rank 0 is alive throughout: it heartbeats as a worker does.
+        // Rank 0 is alive throughout: it heartbeats as a worker does (the
+        // worker's `CommActor` runs the same interval). This timer is not a
+        // wait for anything: it is the liveness the server measures, which
+        // is what keeps rank 0 in while rank 1 is dropped; no step of the
+        // test waits on it.
         let beating = c0.clone();
         let beat = Duration::from_secs_f64(cfg.server.heartbeat_secs);
         let heartbeats = tokio::task::spawn_local(async move {
+            let mut every = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tokio::time::sleep(beat).await;
+                every.tick().await;
                 beating.heartbeat().await;
             }
         });
@@ -111,21 +144,8 @@ fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
         apply(&held[0], j0.expect("rank 0 joins").0);
         apply(&held[1], j1.expect("rank 1 joins").0);
 
-        let check = |t: &Traffic, step: u64, live: u32| {
-            assert_eq!(t.next_step, step + 1, "step {step}");
-            assert_eq!(t.live_workers, live, "step {step}");
-        };
         for step in 0..FREEZE {
-            let (a, b) = within(
-                "a step of both",
-                futures::future::join(c0.step(grad(n, 0, step)), c1.step(grad(n, 1, step))),
-            )
-            .await;
-            let (a, b) = (a.expect("rank 0 steps"), b.expect("rank 1 steps"));
-            check(&a.1, step, 2);
-            check(&b.1, step, 2);
-            apply(&held[0], a.0);
-            apply(&held[1], b.0);
+            step_both([&*c0, &c1], &held, n, step).await;
         }
 
         // Rank 1 freezes. Rank 0's next step waits at the barrier until the
@@ -141,22 +161,8 @@ fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
         // A stale push of rank 1 (its step FREEZE, on a connection of its
         // own) is refused as fenced, and changes nothing.
         let before = server.status().await;
-        let tls = pki.worker(1);
-        let ep = transport::client_endpoint(
-            &tls.ca_pem,
-            &tls.identity,
-            false,
-            &EndpointLimits::default(),
-        )
-        .expect("client endpoint");
-        let raw = transport::connect(&ep, addr, "localhost", Duration::from_secs(10))
-            .await
-            .expect("connect");
+        let raw = welcomed_connection(&pki.worker(1), &cfg, addr, 1).await;
         let limit = cfg.server.max_frame_bytes;
-        let (resp, _) = transport::call(&raw, &hello(&cfg, 1), limit)
-            .await
-            .expect("hello");
-        assert!(matches!(resp, Response::Welcome { .. }), "{resp:?}");
         let stale = Request::Step {
             shard: 0,
             step: FREEZE,
@@ -199,16 +205,7 @@ fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
 
         // Both go on in step to the end.
         for step in REJOIN..MAX_STEPS {
-            let (a, b) = within(
-                "a step of both",
-                futures::future::join(c0.step(grad(n, 0, step)), c1.step(grad(n, 1, step))),
-            )
-            .await;
-            let (a, b) = (a.expect("rank 0 steps"), b.expect("rank 1 steps"));
-            check(&a.1, step, 2);
-            check(&b.1, step, 2);
-            apply(&held[0], a.0);
-            apply(&held[1], b.0);
+            step_both([&*c0, &c1], &held, n, step).await;
         }
 
         let mut status = server.status().await;

@@ -17,19 +17,18 @@
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
 use ps_dataset::SyntheticSpec;
-use ps_net::pki::CertPair;
-use ps_net::transport::read_pem;
-use ps_shared::config::{ClusterConfig, CompressionKind, TOKEN_ENV};
-use ps_tests::{server_binary, synthetic_bucket, test_config};
-use ps_worker::comm::WorkerTls;
-use ps_worker::run::{run_worker, WorkerOptions};
-use ps_worker::simulate::Simulation;
+use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_tests::{
+    config_file_with_certs, free_udp_port, server_binary, server_run_command, synthetic_bucket,
+    test_config, tls_files_under, worker_options, worker_tls_from_files,
+};
+use ps_worker::run::{run_worker, WorkerError, WorkerOptions, WorkerReport};
 
 const ACCURACY_BAR: f32 = 0.90;
 /// Upper bound on every wait, so a bug cannot hang the suite.
@@ -51,16 +50,7 @@ struct ServerProcess {
 
 impl ServerProcess {
     fn start(bin: &Path, config: &Path, token: &str) -> Self {
-        let mut child = Command::new(bin)
-            .arg("--config")
-            .arg(config)
-            .arg("run")
-            .env(TOKEN_ENV, token)
-            .env("STRATUS_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+        let mut child = server_run_command(bin, config, token)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         let stderr = child.stderr.take().expect("piped stderr");
@@ -206,6 +196,15 @@ fn published(log: &[String]) -> std::collections::BTreeMap<u64, u64> {
     newest
 }
 
+/// The dataset of every run.
+fn spec() -> SyntheticSpec {
+    SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    }
+}
+
 /// The cluster config: one server on `port` of loopback, certificates and
 /// checkpoints under `dir`.
 fn config(dir: &Path, port: u16) -> ClusterConfig {
@@ -220,78 +219,26 @@ fn config(dir: &Path, port: u16) -> ClusterConfig {
     std::fs::create_dir_all(&checkpoints).expect("checkpoint directory");
     cfg.server.checkpoint_url = format!("file://{}", checkpoints.display());
     cfg.server.checkpoint_every = CHECKPOINT_EVERY;
-    let certs = dir.join("certs");
-    cfg.tls.ca = certs.join("ca.pem");
-    cfg.tls.ca_key = certs.join("ca.key");
-    cfg.tls.cert = certs.join("server.pem");
-    cfg.tls.key = certs.join("server.key");
-    cfg.tls.worker_cert = certs.join("worker-{rank}.pem").display().to_string();
-    cfg.tls.worker_key = certs.join("worker-{rank}.key").display().to_string();
-    cfg.tls.generate_if_missing = false;
+    tls_files_under(&mut cfg, &dir.join("certs"));
     cfg.validate().expect("valid config");
     cfg
 }
 
-/// Worker `rank`'s TLS material, from the files `ps-server certs` wrote.
-fn worker_tls(cfg: &ClusterConfig, rank: u32) -> WorkerTls {
-    let (cert, key) = cfg.tls.worker_paths(rank);
-    WorkerTls {
-        ca_pem: read_pem(&cfg.tls.ca).expect("CA certificate"),
-        identity: CertPair::read(&cert, &key).expect("worker certificate"),
-    }
-}
-
+/// Options for worker `rank`, with the TLS files `ps-server certs` wrote.
 fn options(cfg: &ClusterConfig, rank: u32) -> WorkerOptions {
-    WorkerOptions {
-        rank,
-        tls: worker_tls(cfg, rank),
-        progress: false,
-        epoch_lines: false,
-        crash_after_steps: None,
-        pause_after_steps: None,
-        stop: None,
-        steps_done: None,
-        trained: None,
-        simulation: Simulation::default(),
-    }
+    worker_options(rank, worker_tls_from_files(cfg, rank))
 }
 
 #[test]
 fn a_killed_server_process_restarts_and_no_update_is_lost() {
-    let bin = server_binary();
     let dir = tempfile::tempdir().expect("temp dir");
-    // A free UDP port on loopback; both server processes bind it.
-    let port = {
-        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port");
-        socket.local_addr().expect("its address").port()
-    };
-    let cfg = config(dir.path(), port);
-    let config_path = dir.path().join("cluster.toml");
-    // The token goes to the process through the environment.
-    std::fs::write(&config_path, cfg.to_redacted_toml().expect("toml")).expect("write config");
-    let token = cfg.cluster.token.clone();
-    let certs = Command::new(&bin)
-        .arg("--config")
-        .arg(&config_path)
-        .arg("certs")
-        .env(TOKEN_ENV, &token)
-        .output()
-        .expect("run ps-server certs");
-    assert!(
-        certs.status.success(),
-        "ps-server certs: {}",
-        String::from_utf8_lossy(&certs.stderr)
-    );
+    // Both server processes bind the same port.
+    let (bin, cfg, config_path, token) = prepared(dir.path(), |_| {});
 
-    let spec = SyntheticSpec {
-        train: 4096,
-        test: 1024,
-        ..SyntheticSpec::default()
-    };
     let planned = EPOCHS * STEPS_PER_EPOCH;
     let system = actix::System::new();
     system.block_on(async move {
-        let (store, prefix) = synthetic_bucket(&spec).await;
+        let (store, prefix) = synthetic_bucket(&spec()).await;
         let mut first = ServerProcess::listening(&bin, &config_path, &token).await;
         let first_pid = first.pid();
         let (steps_tx, mut steps) = watch::channel(0);
@@ -358,8 +305,9 @@ fn a_killed_server_process_restarts_and_no_update_is_lost() {
             assert!(r.final_accuracy > ACCURACY_BAR, "accuracy {}", r.final_accuracy);
         }
         println!(
-            "process: ps-server pid {first_pid} killed with SIGKILL (signal {}) at worker step {step_at_kill} and started again on 127.0.0.1:{port}: faults injected {injected}, shards recovered from the workers' copies at versions {:?} from {} offers (checkpoints found at {:?}), updates lost {lost}, final version {final_version} of {planned} planned, reconnects {}+{}, accuracy {:.2}% / {:.2}%",
+            "process: ps-server pid {first_pid} killed with SIGKILL (signal {}) at worker step {step_at_kill} and started again on {}: faults injected {injected}, shards recovered from the workers' copies at versions {:?} from {} offers (checkpoints found at {:?}), updates lost {lost}, final version {final_version} of {planned} planned, reconnects {}+{}, accuracy {:.2}% / {:.2}%",
             killed.signal().unwrap_or(0),
+            cfg.cluster.servers[0],
             recovered.iter().map(|r| r.version).collect::<Vec<_>>(),
             recovered.iter().map(|r| r.offers).sum::<u64>(),
             recovered.iter().map(|r| r.checkpoint_version).collect::<Vec<_>>(),
@@ -379,30 +327,34 @@ fn prepared(
     dir: &Path,
     edit: impl FnOnce(&mut ClusterConfig),
 ) -> (PathBuf, ClusterConfig, PathBuf, String) {
-    let bin = server_binary();
-    let port = {
-        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port");
-        socket.local_addr().expect("its address").port()
-    };
-    let mut cfg = config(dir, port);
+    let mut cfg = config(dir, free_udp_port());
     edit(&mut cfg);
     cfg.validate().expect("valid config");
-    let config_path = dir.join("cluster.toml");
-    std::fs::write(&config_path, cfg.to_redacted_toml().expect("toml")).expect("write config");
+    let config_path = config_file_with_certs(&cfg, dir);
     let token = cfg.cluster.token.clone();
-    let certs = Command::new(&bin)
-        .arg("--config")
-        .arg(&config_path)
-        .arg("certs")
-        .env(TOKEN_ENV, &token)
-        .output()
-        .expect("run ps-server certs");
-    assert!(
-        certs.status.success(),
-        "ps-server certs: {}",
-        String::from_utf8_lossy(&certs.stderr)
-    );
-    (bin, cfg, config_path, token)
+    (server_binary(), cfg, config_path, token)
+}
+
+/// Both workers of `cfg` run with their default options over `store`,
+/// within [`RUN_LIMIT`] (`what` names the wait).
+async fn both_workers(
+    cfg: &ClusterConfig,
+    store: &std::sync::Arc<dyn object_store::ObjectStore>,
+    prefix: &object_store::path::Path,
+    what: &str,
+) -> (
+    Result<WorkerReport, WorkerError>,
+    Result<WorkerReport, WorkerError>,
+) {
+    tokio::time::timeout(
+        RUN_LIMIT,
+        futures::future::join(
+            run_worker(cfg, options(cfg, 0), store.clone(), prefix.clone()),
+            run_worker(cfg, options(cfg, 1), store.clone(), prefix.clone()),
+        ),
+    )
+    .await
+    .expect(what)
 }
 
 /// The run's checkpoint store (`server.checkpoint_url`).
@@ -424,24 +376,11 @@ fn a_completed_run_ends_with_a_final_checkpoint() {
         cfg.training.max_steps = STEPS;
     });
     assert_ne!(STEPS % cfg.server.checkpoint_every, 0);
-    let spec = SyntheticSpec {
-        train: 4096,
-        test: 1024,
-        ..SyntheticSpec::default()
-    };
     let system = actix::System::new();
     system.block_on(async move {
-        let (store, prefix) = synthetic_bucket(&spec).await;
+        let (store, prefix) = synthetic_bucket(&spec()).await;
         let server = ServerProcess::listening(&bin, &config_path, &token).await;
-        let (a, b) = tokio::time::timeout(
-            RUN_LIMIT,
-            futures::future::join(
-                run_worker(&cfg, options(&cfg, 0), store.clone(), prefix.clone()),
-                run_worker(&cfg, options(&cfg, 1), store.clone(), prefix.clone()),
-            ),
-        )
-        .await
-        .expect("the run finished in time");
+        let (a, b) = both_workers(&cfg, &store, &prefix, "the run finished in time").await;
         let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
         assert_eq!((a.steps, b.steps), (STEPS, STEPS));
         let (exited, log) = server.exit().await;
@@ -482,29 +421,16 @@ fn checkpoints_that_cannot_be_written_fail_the_run() {
         // The workers give up on the stopped server soon.
         cfg.server.connect_timeout_secs = 2;
     });
-    let spec = SyntheticSpec {
-        train: 4096,
-        test: 1024,
-        ..SyntheticSpec::default()
-    };
     let system = actix::System::new();
     system.block_on(async move {
-        let (store, prefix) = synthetic_bucket(&spec).await;
+        let (store, prefix) = synthetic_bucket(&spec()).await;
         let server = ServerProcess::listening(&bin, &config_path, &token).await;
         // The checkpoint directory becomes a plain file: every write under
         // it fails (also for root, which permissions would not stop).
         let checkpoints = dir.path().join("checkpoints");
         std::fs::remove_dir_all(&checkpoints).expect("remove the checkpoint dir");
         std::fs::write(&checkpoints, b"not a directory").expect("a file in its place");
-        let (a, b) = tokio::time::timeout(
-            RUN_LIMIT,
-            futures::future::join(
-                run_worker(&cfg, options(&cfg, 0), store.clone(), prefix.clone()),
-                run_worker(&cfg, options(&cfg, 1), store.clone(), prefix.clone()),
-            ),
-        )
-        .await
-        .expect("the workers ended in time");
+        let (a, b) = both_workers(&cfg, &store, &prefix, "the workers ended in time").await;
         let (exited, log) = server.exit().await;
         let text = log.join("\n");
         assert_eq!(exited.code(), Some(1), "ps-server: {exited:?}\n{text}");

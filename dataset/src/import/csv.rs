@@ -217,8 +217,7 @@ mod tests {
             "digits_test.csv",
             csv(&test, 3, Some("target"), ','),
         );
-        let mut options = ImportOptions::new(ImportInput::new(&tr));
-        options.test = TestSplit::File(ImportInput::new(&te));
+        let mut options = with_test_file(ImportInput::new(&tr), ImportInput::new(&te));
         options.label_column = LabelColumn::Name("target".into());
         options.write.records_per_shard = 50;
         let (store, prefix) = memory();

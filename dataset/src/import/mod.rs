@@ -890,35 +890,23 @@ mod tests {
         // CSV: the test file lists its columns in another order.
         let tr = write(dir.path(), "tr.csv", csv_columns(&train, &[0, 1, 2, 3]));
         let te = write(dir.path(), "te.csv", csv_columns(&test, &[2, 0, 3, 1]));
-        let mut options = ImportOptions::new(ImportInput::new(&tr));
-        options.test = TestSplit::File(ImportInput::new(&te));
-        let (store, prefix) = memory();
-        import_dataset(store.as_ref(), &prefix, &options)
-            .await
-            .unwrap();
-        let (_, a, b) = read_back(store, &prefix).await;
-        assert_batch(&a, &train);
-        assert_batch(&b, &test);
+        let options = with_test_file(ImportInput::new(&tr), ImportInput::new(&te));
+        assert_imports(&options, &train, &test).await;
 
         // Parquet, the same.
         let tr = dir.path().join("tr.parquet");
         let te = dir.path().join("te.parquet");
         write_parquet_columns(&tr, &train, Compression::SNAPPY, &[0, 1, 2, 3]);
         write_parquet_columns(&te, &test, Compression::SNAPPY, &[3, 1, 0, 2]);
-        let mut options = ImportOptions::new(ImportInput::new(&tr));
-        options.test = TestSplit::File(ImportInput::new(&te));
-        let (store, prefix) = memory();
-        import_dataset(store.as_ref(), &prefix, &options)
-            .await
-            .unwrap();
-        let (_, a, b) = read_back(store, &prefix).await;
-        assert_batch(&a, &train);
-        assert_batch(&b, &test);
+        let options = with_test_file(ImportInput::new(&tr), ImportInput::new(&te));
+        assert_imports(&options, &train, &test).await;
 
         // A missing column is named, with the file; so is an extra one.
         let missing = write(dir.path(), "missing.csv", csv_columns(&test, &[2, 0, 3]));
-        let mut options_csv = ImportOptions::new(ImportInput::new(dir.path().join("tr.csv")));
-        options_csv.test = TestSplit::File(ImportInput::new(&missing));
+        let mut options_csv = with_test_file(
+            ImportInput::new(dir.path().join("tr.csv")),
+            ImportInput::new(&missing),
+        );
         fails(&options_csv, &["missing.csv", "no column `f1`", "tr.csv"]).await;
         let renamed = write(
             dir.path(),
@@ -941,23 +929,15 @@ mod tests {
         // Parquet's missing column too.
         let short = dir.path().join("short.parquet");
         write_parquet_columns(&short, &test, Compression::SNAPPY, &[3, 1, 0]);
-        let mut options = ImportOptions::new(ImportInput::new(&tr));
-        options.test = TestSplit::File(ImportInput::new(&short));
+        let options = with_test_file(ImportInput::new(&tr), ImportInput::new(&short));
         fails(&options, &["short.parquet", "no column `f2`"]).await;
 
         // Without a header the columns still go by position.
         let tr = write(dir.path(), "tr_plain.csv", csv(&train, 0, None, ','));
         let te = write(dir.path(), "te_plain.csv", csv(&test, 0, None, ','));
-        let mut options = ImportOptions::new(ImportInput::new(&tr));
-        options.test = TestSplit::File(ImportInput::new(&te));
+        let mut options = with_test_file(ImportInput::new(&tr), ImportInput::new(&te));
         options.label_column = LabelColumn::Index(0);
-        let (store, prefix) = memory();
-        import_dataset(store.as_ref(), &prefix, &options)
-            .await
-            .unwrap();
-        let (_, a, b) = read_back(store, &prefix).await;
-        assert_batch(&a, &train);
-        assert_batch(&b, &test);
+        assert_imports(&options, &train, &test).await;
     }
 
     /// Imports and expects an error containing every one of `needles`, with

@@ -406,16 +406,12 @@ mod tests {
         );
         let labels: Vec<u8> = test.iter().map(|(l, _)| *l as u8).collect();
         let yt = write(dir.path(), "yt.npy", npy("|u1", &[10, 1], &labels));
-        let mut options = ImportOptions::new(ImportInput::with_labels(&x, &y));
-        options.test = TestSplit::File(ImportInput::with_labels(&xt, &yt));
-        let (store, prefix) = memory();
-        import_dataset(store.as_ref(), &prefix, &options)
-            .await
-            .unwrap();
-        let (manifest, tr, te) = read_back(store, &prefix).await;
+        let options = with_test_file(
+            ImportInput::with_labels(&x, &y),
+            ImportInput::with_labels(&xt, &yt),
+        );
+        let manifest = assert_imports(&options, &train, &test).await;
         assert_eq!((manifest.features, manifest.classes), (64, 10));
-        assert_batch(&tr, &train);
-        assert_batch(&te, &test);
     }
 
     #[tokio::test]

@@ -217,16 +217,9 @@ mod tests {
         let te = dir.path().join("test.parquet");
         write_parquet(&tr, &train, Compression::SNAPPY);
         write_parquet(&te, &test, Compression::GZIP(GzipLevel::default()));
-        let mut options = ImportOptions::new(ImportInput::new(&tr));
-        options.test = TestSplit::File(ImportInput::new(&te));
-        let (store, prefix) = memory();
-        import_dataset(store.as_ref(), &prefix, &options)
-            .await
-            .unwrap();
-        let (manifest, a, b) = read_back(store, &prefix).await;
+        let options = with_test_file(ImportInput::new(&tr), ImportInput::new(&te));
+        let manifest = assert_imports(&options, &train, &test).await;
         assert_eq!((manifest.features, manifest.classes), (64, 10));
-        assert_batch(&a, &train);
-        assert_batch(&b, &test);
     }
 
     #[test]

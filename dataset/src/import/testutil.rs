@@ -9,6 +9,7 @@ use futures::TryStreamExt;
 use object_store::path::Path;
 use object_store::ObjectStore;
 
+use super::{import_dataset, ImportInput, ImportOptions, TestSplit};
 use crate::format::*;
 use crate::DatasetReader;
 
@@ -29,6 +30,30 @@ pub(super) async fn read_back(
     let train = reader.fetch_all(Split::Train).await.unwrap();
     let test = reader.fetch_all(Split::Test).await.unwrap();
     (reader.manifest().clone(), train, test)
+}
+
+/// Options importing `train`, with the test split from the file(s) `test`.
+pub(super) fn with_test_file(train: ImportInput, test: ImportInput) -> ImportOptions {
+    let mut options = ImportOptions::new(train);
+    options.test = TestSplit::File(test);
+    options
+}
+
+/// Import with `options` into a fresh memory bucket and check that the
+/// splits read back hold `train` and `test`; returns the manifest.
+pub(super) async fn assert_imports(
+    options: &ImportOptions,
+    train: &[(u32, Vec<f32>)],
+    test: &[(u32, Vec<f32>)],
+) -> Manifest {
+    let (store, prefix) = memory();
+    import_dataset(store.as_ref(), &prefix, options)
+        .await
+        .unwrap();
+    let (manifest, a, b) = read_back(store, &prefix).await;
+    assert_batch(&a, train);
+    assert_batch(&b, test);
+    manifest
 }
 
 /// `n` rows of `features` values with labels cycling through `classes`;

@@ -64,26 +64,15 @@ impl ShardCore {
     }
 
     pub(super) fn tick(&mut self, now: Instant, out: &mut Vec<Action>) {
-        let mut kept = Vec::with_capacity(self.parked.len());
-        for p in std::mem::take(&mut self.parked) {
-            if p.deadline <= now {
-                self.stats.timeouts += 1;
-                out.push(Action::Reply {
-                    to: p.reply,
-                    response: refusal(
-                        ErrorCode::Timeout,
-                        format!(
-                            "shard {} could not answer within {:?} (waiting for other workers)",
-                            self.id(),
-                            self.settings.request_timeout
-                        ),
-                    ),
-                });
-            } else {
-                kept.push(p);
-            }
+        if self.parked.iter().any(|p| p.deadline <= now) {
+            let message = format!(
+                "shard {} could not answer within {:?} (waiting for other workers)",
+                self.id(),
+                self.settings.request_timeout
+            );
+            self.stats.timeouts +=
+                self.refuse_parked(|p| p.deadline <= now, ErrorCode::Timeout, message, out);
         }
-        self.parked = kept;
         if self.recovery.is_some() {
             self.maybe_decide(now, out);
         }

@@ -116,6 +116,18 @@ pub struct ShardSetup {
     pub decay: Vec<bool>,
 }
 
+impl ShardSetup {
+    /// How update `step` (0-based: the version before it) applies to this
+    /// shard: its segments and their decay.
+    pub(crate) fn plan(&self, step: u64) -> crate::optimizer::UpdatePlan<'_> {
+        crate::optimizer::UpdatePlan {
+            segments: &self.segments,
+            decay: &self.decay,
+            step,
+        }
+    }
+}
+
 /// Policy knobs of a shard core.
 #[derive(Debug, Clone)]
 pub struct CoreSettings {
@@ -537,12 +549,12 @@ impl ShardCore {
             }
             Event::Shutdown => {
                 self.stopping = true;
-                for p in std::mem::take(&mut self.parked) {
-                    out.push(Action::Reply {
-                        to: p.reply,
-                        response: refusal(ErrorCode::ShuttingDown, "server is shutting down"),
-                    });
-                }
+                self.refuse_parked(
+                    |_| true,
+                    ErrorCode::ShuttingDown,
+                    "server is shutting down",
+                    &mut out,
+                );
                 if self.saving {
                     // One write at a time: the final one follows it.
                     self.final_due = true;

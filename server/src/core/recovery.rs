@@ -161,18 +161,12 @@ impl ShardCore {
                     // A new window opens with the next offer.
                     rec.first_offer = None;
                 }
-                let mut kept = Vec::with_capacity(self.parked.len());
-                for p in std::mem::take(&mut self.parked) {
-                    if matches!(p.wait, Wait::Serving) {
-                        out.push(Action::Reply {
-                            to: p.reply,
-                            response: refusal(ErrorCode::NotInitialized, message.clone()),
-                        });
-                    } else {
-                        kept.push(p);
-                    }
-                }
-                self.parked = kept;
+                self.refuse_parked(
+                    |p| matches!(p.wait, Wait::Serving),
+                    ErrorCode::NotInitialized,
+                    message,
+                    out,
+                );
                 return;
             }
         };

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use ps_net::protocol::{ParamUpdate, Response};
+use ps_net::protocol::{ErrorCode, ParamUpdate, Response};
 use ps_shared::config::SyncMode;
 
-use super::{checksum, Action, Parked, ShardCore, Wait};
+use super::{checksum, refusal, Action, Parked, ShardCore, Wait};
 
 impl ShardCore {
     /// Entries changed between `have` and now, if remembered and few.
@@ -110,5 +110,31 @@ impl ShardCore {
                 self.parked.push(p);
             }
         }
+    }
+
+    /// Refuse every parked reply that `pick` selects with `code` and
+    /// `message`; the others stay parked, in their order. Returns how many
+    /// were refused.
+    pub(super) fn refuse_parked(
+        &mut self,
+        pick: impl Fn(&Parked) -> bool,
+        code: ErrorCode,
+        message: impl Into<String>,
+        out: &mut Vec<Action>,
+    ) -> u64 {
+        let response = refusal(code, message);
+        let before = self.parked.len();
+        self.parked.retain(|p| {
+            if pick(p) {
+                out.push(Action::Reply {
+                    to: p.reply,
+                    response: response.clone(),
+                });
+                false
+            } else {
+                true
+            }
+        });
+        (before - self.parked.len()) as u64
     }
 }

@@ -7,7 +7,7 @@ use ps_net::protocol::{ErrorCode, WireGrad};
 use ps_shared::config::SyncMode;
 use ps_shared::sparse::topk_exact;
 
-use crate::optimizer::{check_update, fused_update_timed, lazy_update, UpdatePlan};
+use crate::optimizer::{check_update, fused_update_timed, lazy_update};
 
 use super::{refusal, Action, ConnId, ReplyId, ShardCore, Wait};
 
@@ -192,18 +192,12 @@ impl ShardCore {
         if let Err(message) = self.apply(scale, out) {
             // The pushes of this step are refused; the version stays.
             let step = self.version;
-            let mut kept = Vec::with_capacity(self.parked.len());
-            for p in std::mem::take(&mut self.parked) {
-                if matches!(p.wait, Wait::Applied { step: s } if s == step) {
-                    out.push(Action::Reply {
-                        to: p.reply,
-                        response: refusal(ErrorCode::Internal, message.clone()),
-                    });
-                } else {
-                    kept.push(p);
-                }
-            }
-            self.parked = kept;
+            self.refuse_parked(
+                |p| matches!(p.wait, Wait::Applied { step: s } if s == step),
+                ErrorCode::Internal,
+                message,
+                out,
+            );
             return false;
         }
         true
@@ -225,11 +219,7 @@ impl ShardCore {
     /// changed, the pushes are dropped and the version stays.
     fn apply(&mut self, scale: f32, out: &mut Vec<Action>) -> Result<(), String> {
         let sparse = !self.all_touched && !self.moves_untouched;
-        let plan = UpdatePlan {
-            segments: &self.setup.segments,
-            decay: &self.setup.decay,
-            step: self.version,
-        };
+        let plan = self.setup.plan(self.version);
         {
             if let Err(e) = check_update(
                 &self.params,
@@ -259,11 +249,7 @@ impl ShardCore {
                 self.select_global_topk(scale)
             } else {
                 self.touched.sort_unstable();
-                let plan = UpdatePlan {
-                    segments: &self.setup.segments,
-                    decay: &self.setup.decay,
-                    step: self.version,
-                };
+                let plan = self.setup.plan(self.version);
                 // Checked above: the lengths fit.
                 let _ = lazy_update(
                     &mut self.params,
@@ -294,11 +280,7 @@ impl ShardCore {
             self.residual_idx.clear();
             // Checked above: the update runs (an `Err` here would have
             // written nothing).
-            let plan = UpdatePlan {
-                segments: &self.setup.segments,
-                decay: &self.setup.decay,
-                step: self.version,
-            };
+            let plan = self.setup.plan(self.version);
             if let Ok(cpu) = fused_update_timed(
                 &mut self.params,
                 &self.agg,
@@ -373,11 +355,7 @@ impl ShardCore {
             }
             chosen
         };
-        let plan = UpdatePlan {
-            segments: &self.setup.segments,
-            decay: &self.setup.decay,
-            step: self.version,
-        };
+        let plan = self.setup.plan(self.version);
         // The residual is in mean units already; the lengths were checked.
         let _ = lazy_update(
             &mut self.params,

@@ -5,6 +5,7 @@
 //! Every batch is compared byte for byte with a direct read of the same
 //! indices; nothing here looks at wall-clock times.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -1181,20 +1182,36 @@ fn a_resumed_worker_fetches_only_from_the_resume_step() {
 #[test]
 fn gets_in_flight_at_a_stop_are_counted() {
     let (raw, prefix) = per_sample_bucket("st", 512, 16);
-    // A slow first byte keeps many GETs in flight at once.
-    let sim = Arc::new(SimStore::new(
-        raw,
-        SimSettings {
-            first_byte: Duration::from_millis(20),
-            ..SimSettings::instant()
-        },
-    ));
+    let sim = Arc::new(SimStore::new(raw, SimSettings::instant()));
     let mut cfg = ps_tests::test_config(CompressionKind::None, 1.0, 2);
     cfg.cluster.workers = 1;
     cfg.training.max_steps = 2;
     cfg.loader.lookahead_batches = 0;
     cfg.loader.lookahead_samples = 512;
+    // No request deadline ends a hung GET during the run.
+    cfg.loader.request_timeout_s = 600.0;
     cfg.validate().expect("valid config");
+    // Every training sample the two steps do not need never answers: the
+    // lookahead has asked for those GETs when the run stops, whatever the
+    // machine's speed, so they are in flight at the stop.
+    let plan = EpochSampler::new(512, 1, 0, cfg.data.seed)
+        .expect("sampler")
+        .with_partition(cfg.data.partition)
+        .plan(cfg.data.batch_size, cfg.training.epochs);
+    let needed: HashSet<usize> = plan.batches_from(0)[..2]
+        .iter()
+        .flat_map(|b| b.samples.iter().copied())
+        .collect();
+    let hung = (0..512).filter(|i| !needed.contains(i)).count();
+    for sample in (0..512).filter(|i| !needed.contains(i)) {
+        sim.hang_next(
+            &prefix
+                .clone()
+                .join("train")
+                .join(format!("{sample:08}.bin")),
+            u32::MAX,
+        );
+    }
     let reports = ps_tests::run_cluster(cfg, sim.clone(), prefix).expect("cluster run");
     let r = &reports[0];
     assert_eq!(r.steps, 2);
@@ -1203,7 +1220,7 @@ fn gets_in_flight_at_a_stop_are_counted() {
     let in_epochs: u64 = r.epochs.iter().map(|e| e.bucket_get_attempts).sum();
     assert!(
         in_epochs < gets,
-        "the stop cut GETs short ({in_epochs} in the epochs, {gets} sent)"
+        "the stop cut GETs short ({in_epochs} in the epochs, {gets} sent, {hung} samples never answer)"
     );
 }
 

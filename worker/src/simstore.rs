@@ -156,6 +156,7 @@ pub struct SimStats {
 struct Faults {
     fail: HashMap<Path, u32>,
     truncate: HashMap<Path, u32>,
+    hang: HashMap<Path, u32>,
     rng: u64,
     /// Every GET fails until then (on tokio's clock).
     down_until: Option<tokio::time::Instant>,
@@ -267,6 +268,13 @@ impl SimStore {
         self.lock_faults().down_until = Some(tokio::time::Instant::now() + duration);
     }
 
+    /// The next `times` GETs of `location` never answer (only the reader's
+    /// own deadline, or dropping the request, ends them).
+    pub fn hang_next(&self, location: &Path, times: u32) {
+        let mut f = self.lock_faults();
+        *f.hang.entry(location.clone()).or_default() += times;
+    }
+
     /// Every GET issued during the next `duration` never answers, as when
     /// the bucket's packets are dropped rather than refused: only the
     /// reader's own deadline ends such a request. On tokio's clock.
@@ -300,6 +308,9 @@ impl SimStore {
             }
             _ => false,
         };
+        if take(&mut f.hang) {
+            return Fault::Hang;
+        }
         if take(&mut f.fail) {
             return Fault::Fail;
         }
@@ -661,6 +672,30 @@ mod tests {
         // Missing objects stay NotFound.
         let err = sim.get(&Path::from("nope")).await.unwrap_err();
         assert!(matches!(err, object_store::Error::NotFound { .. }), "{err}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_object_never_answers_until_its_count_is_spent() {
+        let sim = store_with(&[("x", 10), ("y", 10)], SimSettings::instant()).await;
+        let x = Path::from("x");
+        sim.hang_next(&x, 2);
+        for _ in 0..2 {
+            let waited = tokio::time::timeout(Duration::from_secs(3600), sim.get(&x)).await;
+            assert!(waited.is_err(), "a hung GET answered");
+        }
+        // Other objects, and the third GET of x, answer at once.
+        assert_eq!(
+            sim.get(&Path::from("y"))
+                .await
+                .unwrap()
+                .bytes()
+                .await
+                .unwrap()
+                .len(),
+            10
+        );
+        assert_eq!(sim.get(&x).await.unwrap().bytes().await.unwrap().len(), 10);
+        assert_eq!(sim.stats().gets, 4);
     }
 
     #[tokio::test]

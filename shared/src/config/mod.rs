@@ -309,6 +309,15 @@ impl ClusterConfig {
                 ),
             ));
         }
+        if s.backup_workers > 0 && s.backup_workers as usize >= self.nodes() {
+            return Err(invalid(
+                "server.backup_workers",
+                format!(
+                    "must be below the barrier's size ({} = cluster.workers / cluster.workers_per_node): a step needs at least one push",
+                    self.nodes()
+                ),
+            ));
+        }
         let shards = c.servers.len() * c.shards_per_server;
         let num_params = self.model.num_params();
         if shards > num_params {

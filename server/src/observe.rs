@@ -151,7 +151,8 @@ impl ShardSeries {
         self.pushes.increment(d(before.pushes, after.pushes));
         self.updates.increment(d(before.updates, after.updates));
         self.refused.increment(d(before.refused, after.refused));
-        self.late.increment(d(before.late_pushes, after.late_pushes));
+        self.late
+            .increment(d(before.late_pushes, after.late_pushes));
         self.anomalies
             .increment(d(before.anomalies, after.anomalies));
         self.clipped.increment(d(before.clipped, after.clipped));

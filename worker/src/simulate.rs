@@ -262,8 +262,8 @@ mod tests {
     #[test]
     fn a_slow_worker_stretches_each_steps_compute() {
         use std::time::Duration;
-        let sim = Simulation::from_toml_str("[compute]\nslowdown = 3.0\ndelay_ms = 5.0\n", "t")
-            .unwrap();
+        let sim =
+            Simulation::from_toml_str("[compute]\nslowdown = 3.0\ndelay_ms = 5.0\n", "t").unwrap();
         assert!(!sim.is_none());
         // (10 ms + 5 ms) x 3 = 45 ms: 35 ms more than measured.
         let extra = sim.compute.extra(Duration::from_millis(10));
@@ -272,7 +272,9 @@ mod tests {
         let extra = fixed.compute.extra(Duration::from_millis(7));
         assert!((extra.as_secs_f64() - 0.020).abs() < 1e-9, "{extra:?}");
         assert_eq!(
-            Simulation::default().compute.extra(Duration::from_millis(7)),
+            Simulation::default()
+                .compute
+                .extra(Duration::from_millis(7)),
             Duration::ZERO
         );
     }

@@ -227,11 +227,7 @@ impl ShardCore {
             // or every live rank has a push in this update (the others
             // left: a late push is not left waiting for pushes that will
             // never come).
-            let on_time = self
-                .live
-                .keys()
-                .filter(|w| self.pushed.contains(w))
-                .count();
+            let on_time = self.live.keys().filter(|w| self.pushed.contains(w)).count();
             let need = self
                 .live
                 .len()

@@ -22,8 +22,15 @@ fn slow_rank_2(rank: u32) -> Simulation {
     }
 }
 
-#[test]
-fn a_slow_worker_with_one_backup_trains_and_every_push_counts_once() {
+/// Trains the synthetic set 4 epochs on 3 workers, rank 2 the straggler,
+/// with one backup worker and `shards` shards; checks what holds whatever
+/// the timing and returns the reports and the shards' status.
+fn train_with_a_straggler(
+    shards: usize,
+) -> (
+    Vec<ps_worker::run::WorkerReport>,
+    Vec<ps_server::actor::ShardStatus>,
+) {
     ps_tests::log_from_env();
     let spec = SyntheticSpec {
         train: 4096,
@@ -33,45 +40,37 @@ fn a_slow_worker_with_one_backup_trains_and_every_push_counts_once() {
     let (store, prefix) = synthetic_bucket_blocking(&spec);
     let mut cfg = test_config(CompressionKind::None, 1.0, 4);
     cfg.cluster.workers = 3;
-    // One shard: a worker's step is one push, so the server's push count
-    // is the workers' trained steps.
-    cfg.cluster.shards_per_server = 1;
+    cfg.cluster.shards_per_server = shards;
     cfg.server.backup_workers = 1;
     cfg.validate().expect("valid config");
-    let (reports, shards) =
+    let (reports, status) =
         run_cluster_per_rank(cfg, &slow_rank_2, store, prefix, None).expect("cluster run");
-    let trained = |r: &ps_worker::run::WorkerReport| r.epochs.iter().map(|e| e.steps).sum::<u64>();
     for r in &reports {
         println!(
-            "worker {}: steps {} trained {} accuracy {:.2}%",
+            "{shards} shard(s): worker {}: steps {} trained {} accuracy {:.2}%",
             r.rank,
             r.steps,
             trained(r),
             100.0 * r.final_accuracy
         );
     }
-    let [shard] = &shards[..] else {
-        panic!("one shard, got {}", shards.len())
-    };
-    println!("shard: {:?}", shard.stats);
-    // Every batch a worker trained was pushed and counted exactly once:
-    // on time, or folded late into the next update; none was refused.
+    assert_eq!(status.len(), shards);
     let all: u64 = reports.iter().map(trained).sum();
-    assert_eq!(shard.stats.pushes, all);
-    assert_eq!(shard.stats.fenced, 0);
-    assert_eq!(shard.stats.refused, 0);
-    // The straggler was late at least once (it is 3x slower).
-    assert!(shard.stats.late_pushes > 0, "{:?}", shard.stats);
+    for shard in &status {
+        println!("shard {}: {:?}", shard.shard, shard.stats);
+        // Every batch a worker trained was pushed to every shard and
+        // counted there exactly once: on time, or folded late into the
+        // next update; none was refused.
+        assert_eq!(shard.stats.pushes, all, "shard {}", shard.shard);
+        assert_eq!(shard.stats.fenced, 0, "shard {}", shard.shard);
+        assert_eq!(shard.stats.refused, 0, "shard {}", shard.shard);
+        // The straggler was late at least once (it is 3x slower).
+        assert!(shard.stats.late_pushes > 0, "{:?}", shard.stats);
+    }
     // The straggler trained fewer batches than the fast workers (it
     // skipped the steps the cluster made without it), none twice.
     let steps = reports[0].steps.min(reports[1].steps);
     assert!(trained(&reports[2]) < steps);
-    // The last update went to someone: the shard's version is the last
-    // step a worker was told to continue at.
-    assert_eq!(
-        shard.version,
-        reports.iter().map(|r| r.steps).max().unwrap_or(0)
-    );
     for r in &reports {
         assert!(
             r.final_accuracy > ACCURACY_BAR,
@@ -80,4 +79,27 @@ fn a_slow_worker_with_one_backup_trains_and_every_push_counts_once() {
             r.final_accuracy
         );
     }
+    (reports, status)
+}
+
+fn trained(r: &ps_worker::run::WorkerReport) -> u64 {
+    r.epochs.iter().map(|e| e.steps).sum()
+}
+
+#[test]
+fn a_slow_worker_with_one_backup_trains_and_every_push_counts_once() {
+    let (reports, status) = train_with_a_straggler(1);
+    // One shard: the last update went to someone, so the shard's version
+    // is the last step a worker was told to continue at.
+    assert_eq!(
+        status[0].version,
+        reports.iter().map(|r| r.steps).max().unwrap_or(0)
+    );
+}
+
+#[test]
+fn with_two_shards_each_counts_or_folds_every_push() {
+    // A push may be on time on one shard and late on the other: the worker
+    // sends both the same step, and neither drops its part.
+    train_with_a_straggler(2);
 }

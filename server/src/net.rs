@@ -683,6 +683,7 @@ pub async fn start(
             staleness: s.staleness,
             global_topk: cfg.compression.kind == CompressionKind::Topk
                 && cfg.compression.global_topk,
+            backup: s.backup_workers,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);

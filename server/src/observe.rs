@@ -39,6 +39,10 @@ fn describe() {
             "Pushes a shard refused (bad indices, fenced, over the norm bound, ...)."
         );
         describe_counter!(
+            "stratus_server_late_pushes_total",
+            "Late pushes (for a step applied without them, server.backup_workers) folded into the next update; also in pushes_total."
+        );
+        describe_counter!(
             "stratus_server_anomalies_total",
             "Pushes far above the recent median norm (server.grad_anomaly_factor)."
         );
@@ -107,6 +111,7 @@ pub struct ShardSeries {
     updates: Counter,
     entries: Counter,
     refused: Counter,
+    late: Counter,
     anomalies: Counter,
     clipped: Counter,
     timeouts: Counter,
@@ -127,6 +132,7 @@ impl ShardSeries {
             updates: counter!("stratus_server_updates_total", "shard" => s.clone()),
             entries: counter!("stratus_server_entries_applied_total", "shard" => s.clone()),
             refused: counter!("stratus_server_refused_pushes_total", "shard" => s.clone()),
+            late: counter!("stratus_server_late_pushes_total", "shard" => s.clone()),
             anomalies: counter!("stratus_server_anomalies_total", "shard" => s.clone()),
             clipped: counter!("stratus_server_clipped_pushes_total", "shard" => s.clone()),
             timeouts: counter!("stratus_server_barrier_timeouts_total", "shard" => s.clone()),
@@ -145,6 +151,8 @@ impl ShardSeries {
         self.pushes.increment(d(before.pushes, after.pushes));
         self.updates.increment(d(before.updates, after.updates));
         self.refused.increment(d(before.refused, after.refused));
+        self.late
+            .increment(d(before.late_pushes, after.late_pushes));
         self.anomalies
             .increment(d(before.anomalies, after.anomalies));
         self.clipped.increment(d(before.clipped, after.clipped));

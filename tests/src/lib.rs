@@ -361,8 +361,20 @@ pub fn run_cluster_detailed(
 /// [`run_cluster_detailed`] with every rank's model from `model` (a model a
 /// program brings through `ps_worker::api`; `None`: from `[model]`).
 pub fn run_cluster_with_model(
-    mut cfg: ClusterConfig,
+    cfg: ClusterConfig,
     sim: &Simulation,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    model: Option<ModelFactory>,
+) -> anyhow::Result<(Vec<WorkerReport>, Vec<ps_server::actor::ShardStatus>)> {
+    run_cluster_per_rank(cfg, &|_| sim.clone(), store, prefix, model)
+}
+
+/// [`run_cluster_with_model`] with each rank's own simulation (`sim(rank)`):
+/// e.g. one slow worker among fast ones.
+pub fn run_cluster_per_rank(
+    mut cfg: ClusterConfig,
+    sim: &dyn Fn(u32) -> Simulation,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
     model: Option<ModelFactory>,
@@ -382,7 +394,7 @@ pub fn run_cluster_with_model(
             &cfg,
             |rank| WorkerOptions {
                 epoch_lines: true,
-                simulation: sim.clone(),
+                simulation: sim(rank),
                 ..pki.options(rank)
             },
             &store,

@@ -61,6 +61,7 @@ fn config(
             latency_ms,
         },
         bucket: None,
+        compute: Default::default(),
     };
     sim.validate().expect("valid simulated link");
     (cfg, sim)

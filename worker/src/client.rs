@@ -96,6 +96,12 @@ pub struct ClientSettings {
     /// shard's step is its own clock of this worker's pushes) pushes each
     /// shard the step it expects.
     pub one_step: bool,
+    /// Backup workers (`server.backup_workers` > 0, with `one_step`): a
+    /// shard that expects a later step still gets this step's push, which it
+    /// folds into its next update as a late push (or fences, when too old),
+    /// instead of being asked for its parameters with its part of the
+    /// gradient dropped.
+    pub late_pushes: bool,
 }
 
 /// Requests per shard and exchange, the first included.
@@ -119,6 +125,7 @@ impl ClientSettings {
                 .saturating_add(request_timeout)
                 .saturating_add(request_timeout),
             one_step: true,
+            late_pushes: false,
         }
     }
 
@@ -529,7 +536,11 @@ impl ClientCore {
                 continue;
             }
             match kind {
-                Kind::Step if !self.s.one_step || self.next_steps[shard] == common => {
+                Kind::Step
+                    if !self.s.one_step
+                        || self.s.late_pushes
+                        || self.next_steps[shard] == common =>
+                {
                     self.send_push(shard, now, out)
                 }
                 Kind::Step => {
@@ -590,10 +601,17 @@ impl ClientCore {
         }
         let token = self.token();
         self.set_phase(shard, Phase::Pushing(token));
+        let mut step = self.next_steps[shard];
+        if self.s.one_step && self.s.late_pushes {
+            // The step this exchange pushes, to a shard ahead of it too.
+            if let Some(x) = &self.exchange {
+                step = step.min(x.pushed_step[shard]);
+            }
+        }
         out.push(Action::Send {
             token,
             shard,
-            step: self.next_steps[shard],
+            step,
             have_version: self.versions[shard],
             at,
         });
@@ -1155,6 +1173,53 @@ mod tests {
         assert_eq!((d.pushed_step, d.next_step, d.updates.len()), (30, 31, 2));
         c.handle(Event::Applied, t0);
         // From here on both shards get the same step.
+        let acts = c.handle(Event::StepRequested, t0);
+        assert_eq!(pushes(&acts), vec![(0, 31), (1, 31)], "{acts:?}");
+    }
+
+    #[test]
+    fn with_backup_workers_a_shard_ahead_gets_the_push_as_a_late_one() {
+        // Shard 1 applied step 30 without this worker (it was late there):
+        // with backup workers it still gets step 30's push, to fold.
+        let t0 = Instant::now();
+        let backups = ClientCore::new(ClientSettings {
+            late_pushes: true,
+            ..ClientSettings::new(vec![0, 0], Duration::from_secs(10), Duration::from_secs(20))
+        });
+        let mut c = joined_at(backups, &[30, 31], t0);
+        let acts = c.handle(Event::StepRequested, t0);
+        assert_eq!(pushes(&acts), vec![(0, 30), (1, 30)], "{acts:?}");
+        let tokens: Vec<Token> = acts
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { token, .. } => Some(*token),
+                _ => None,
+            })
+            .collect();
+        assert!(c
+            .handle(
+                Event::Reply {
+                    token: tokens[1],
+                    shard: 1,
+                    params: params(32, 32),
+                },
+                t0,
+            )
+            .is_empty());
+        let acts = c.handle(
+            Event::Reply {
+                token: tokens[0],
+                shard: 0,
+                params: params(31, 31),
+            },
+            t0,
+        );
+        let [Action::Deliver(d)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((d.pushed_step, d.next_step, d.fenced), (30, 31, 0));
+        c.handle(Event::Applied, t0);
+        // Step 31 next, to both shards (shard 1 folds it in turn).
         let acts = c.handle(Event::StepRequested, t0);
         assert_eq!(pushes(&acts), vec![(0, 31), (1, 31)], "{acts:?}");
     }

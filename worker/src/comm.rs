@@ -306,6 +306,7 @@ impl Comm {
         }
         let settings = ClientSettings {
             one_step: cfg.server.mode == ps_shared::config::SyncMode::Bsp,
+            late_pushes: cfg.server.backup_workers > 0,
             ..ClientSettings::new(
                 route.clone(),
                 dialer.connect_timeout,
@@ -680,7 +681,15 @@ impl Comm {
                 .collect(),
         };
         let d = self.drive(Event::StepRequested, &per_shard).await?;
-        if d.next_step > d.pushed_step + 1 {
+        if d.next_step > d.pushed_step + 1 && d.fenced == 0 {
+            // Backup workers: this push was late and joined a later update.
+            tracing::debug!(
+                rank = self.rank,
+                pushed = d.pushed_step,
+                cluster = d.next_step,
+                "late push folded into the cluster's next update; continuing at its step"
+            );
+        } else if d.next_step > d.pushed_step + 1 {
             tracing::warn!(
                 rank = self.rank,
                 pushed = d.pushed_step,

@@ -81,12 +81,12 @@ pub struct TrainArgs {
     /// cuda needs a build with `--features cuda`.
     #[arg(long, env = "STRATUS_DEVICE")]
     pub device: Option<String>,
-    /// Simulate a slow link and/or bucket (tests, benchmarks): a TOML file
-    /// with a [link] section (bandwidth_mbit, latency_ms) and/or a [bucket]
-    /// section (first_byte_ms, per_connection_mb_per_s,
-    /// aggregate_gbit_per_s, transient_error_rate, seed); see
-    /// configs/simulate-slow-bucket.toml. With --node the link is the
-    /// node's one connection per server.
+    /// Simulate a slow link, bucket and/or worker (tests, benchmarks): a
+    /// TOML file with a [link] section (bandwidth_mbit, latency_ms), a
+    /// [bucket] section (first_byte_ms, per_connection_mb_per_s,
+    /// aggregate_gbit_per_s, transient_error_rate, seed) and/or a [compute]
+    /// section (slowdown, delay_ms); see configs/simulate-slow-bucket.toml.
+    /// With --node the link is the node's one connection per server.
     #[arg(long, value_name = "FILE")]
     pub simulate: Option<PathBuf>,
 }

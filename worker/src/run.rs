@@ -1064,10 +1064,11 @@ async fn train(
         let out = match precomputed.take() {
             Some(out) => out,
             None => {
-                let out = trainer
+                let mut out = trainer
                     .send(ComputeStep(batch))
                     .instrument(span.clone())
                     .await??;
+                slow_compute(&opts.simulation, &mut out).await;
                 acc.compute += out.compute + out.compress;
                 out
             }
@@ -1087,7 +1088,8 @@ async fn train(
             data_wait += t_wait.elapsed();
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {
-                    let ahead = trainer.send(ComputeStep(next_batch.clone())).await??;
+                    let mut ahead = trainer.send(ComputeStep(next_batch.clone())).await??;
+                    slow_compute(&opts.simulation, &mut ahead).await;
                     acc.compute += ahead.compute + ahead.compress;
                     precomputed = Some(ahead);
                 }
@@ -1190,12 +1192,23 @@ async fn train(
             // (it was paused or cut off past server.worker_timeout_secs):
             // it now holds the cluster's parameters, and trains the
             // cluster's step and samples from here, up to the same end.
-            tracing::warn!(
-                rank,
-                from = step,
-                to = traffic.next_step,
-                "rejoined the cluster at its step"
-            );
+            if cfg.server.backup_workers > 0 {
+                // A straggler's late push (server.backup_workers): the
+                // steps in between were made without it.
+                tracing::debug!(
+                    rank,
+                    from = step,
+                    to = traffic.next_step,
+                    "skipped to the cluster's step"
+                );
+            } else {
+                tracing::warn!(
+                    rank,
+                    from = step,
+                    to = traffic.next_step,
+                    "rejoined the cluster at its step"
+                );
+            }
             step = traffic.next_step;
             loader = restart(step)?;
             lookahead = None;
@@ -1421,6 +1434,16 @@ fn short_secs(s: f64) -> String {
 }
 
 /// Whether a run at `step` has trained `training.max_steps` (0 = no cap).
+/// A simulated slow worker (`[compute]` of the simulation): wait out the
+/// stretch of this step's compute, counted as compute time.
+async fn slow_compute(sim: &Simulation, out: &mut crate::trainer::StepOutput) {
+    let extra = sim.compute.extra(out.compute + out.compress);
+    if !extra.is_zero() {
+        tokio::time::sleep(extra).await;
+        out.compute += extra;
+    }
+}
+
 fn max_steps_reached(max_steps: u64, step: u64) -> bool {
     max_steps > 0 && step >= max_steps
 }

@@ -1,6 +1,7 @@
 //! Test and benchmark simulators, kept out of the cluster config: a
-//! simulated network link between a worker and the servers (`[link]`) and a
-//! simulated slow bucket in front of `data.url` (`[bucket]`).
+//! simulated network link between a worker and the servers (`[link]`), a
+//! simulated slow bucket in front of `data.url` (`[bucket]`) and a
+//! simulated slow worker (`[compute]`).
 //!
 //! A worker gets a [`Simulation`] at run time (`ps-worker train --simulate
 //! FILE`, or `WorkerOptions::simulation` in tests and benchmarks); the
@@ -19,6 +20,12 @@
 //! // No `[bucket]` section: the bucket is not simulated.
 //! assert!(Simulation::from_toml_str("[link]\n", "x.toml").unwrap().bucket.is_none());
 //! assert!(Simulation::default().is_none());
+//! // A worker 3x slower than the others: each step's compute takes 3x its
+//! // measured time (plus `delay_ms`, also multiplied).
+//! let slow = Simulation::from_toml_str("[compute]\nslowdown = 3.0\n", "slow.toml").unwrap();
+//! let measured = std::time::Duration::from_millis(10);
+//! let extra = slow.compute.extra(measured).as_secs_f64();
+//! assert!((extra - 0.020).abs() < 1e-9, "{extra}");
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -36,6 +43,58 @@ pub struct Simulation {
     /// A slow bucket in front of `data.url`; `None` (no `[bucket]` section)
     /// reads the bucket as it is.
     pub bucket: Option<SimBucketSection>,
+    /// A slow worker: each step's compute is stretched (as it is by default).
+    pub compute: SimComputeSection,
+}
+
+/// A simulated slow worker: the `[compute]` section of a simulation file.
+///
+/// A step's compute (gradient and compression) is made to last
+/// `(measured + delay_ms) × slowdown`: the worker waits out the difference
+/// after computing, and counts it as compute time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimComputeSection {
+    /// Factor on each step's compute time, >= 1 (1 = as measured).
+    pub slowdown: f64,
+    /// Fixed compute time added to every step before the factor, in
+    /// milliseconds (0 = none).
+    pub delay_ms: f64,
+}
+
+impl Default for SimComputeSection {
+    fn default() -> Self {
+        Self {
+            slowdown: 1.0,
+            delay_ms: 0.0,
+        }
+    }
+}
+
+impl SimComputeSection {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.slowdown.is_finite() && (1.0..=1000.0).contains(&self.slowdown)) {
+            return Err("compute.slowdown must be in [1, 1000]".into());
+        }
+        if !(self.delay_ms.is_finite() && (0.0..=600_000.0).contains(&self.delay_ms)) {
+            return Err("compute.delay_ms must be in [0, 600000]".into());
+        }
+        Ok(())
+    }
+
+    /// Whether compute runs as measured.
+    pub fn is_none(&self) -> bool {
+        self.slowdown == 1.0 && self.delay_ms == 0.0
+    }
+
+    /// How long to wait after a step whose compute took `measured`.
+    pub fn extra(&self, measured: std::time::Duration) -> std::time::Duration {
+        if self.is_none() {
+            return std::time::Duration::ZERO;
+        }
+        let stretched = (measured.as_secs_f64() + self.delay_ms / 1000.0) * self.slowdown;
+        std::time::Duration::from_secs_f64((stretched - measured.as_secs_f64()).max(0.0))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,12 +140,12 @@ impl Simulation {
         if let Some(b) = &self.bucket {
             b.validate()?;
         }
-        Ok(())
+        self.compute.validate()
     }
 
     /// Whether this simulates nothing.
     pub fn is_none(&self) -> bool {
-        self.link.is_unlimited() && self.bucket.is_none()
+        self.link.is_unlimited() && self.bucket.is_none() && self.compute.is_none()
     }
 }
 
@@ -164,6 +223,11 @@ mod tests {
         let sim = Simulation::load(&path).expect("configs/simulate-slow-bucket.toml");
         assert!(sim.bucket.is_some());
         assert!(!sim.is_none());
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/simulate-slow-worker.toml");
+        let slow = Simulation::load(&path).expect("configs/simulate-slow-worker.toml");
+        assert_eq!(slow.compute.slowdown, 3.0);
+        assert!(slow.bucket.is_none() && slow.link.is_unlimited());
     }
 
     #[test]
@@ -179,6 +243,8 @@ mod tests {
             ("[bucket]\nenabled = true\n", "enabled"),
             ("[bucket]\nget_cost_per_1000 = 0.1\n", "get_cost_per_1000"),
             ("[bucket_sim]\nfirst_byte_ms = 1.0\n", "bucket_sim"),
+            ("[compute]\nslowdown = 0.5\n", "compute.slowdown"),
+            ("[compute]\ndelay_ms = -1.0\n", "compute.delay_ms"),
         ] {
             let e = Simulation::from_toml_str(text, "sim/slow.toml")
                 .unwrap_err()
@@ -192,6 +258,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("/nonexistent/sim.toml"), "{e}");
+    }
+
+    #[test]
+    fn a_slow_worker_stretches_each_steps_compute() {
+        use std::time::Duration;
+        let sim =
+            Simulation::from_toml_str("[compute]\nslowdown = 3.0\ndelay_ms = 5.0\n", "t").unwrap();
+        assert!(!sim.is_none());
+        // (10 ms + 5 ms) x 3 = 45 ms: 35 ms more than measured.
+        let extra = sim.compute.extra(Duration::from_millis(10));
+        assert!((extra.as_secs_f64() - 0.035).abs() < 1e-9, "{extra:?}");
+        let fixed = Simulation::from_toml_str("[compute]\ndelay_ms = 20.0\n", "t").unwrap();
+        let extra = fixed.compute.extra(Duration::from_millis(7));
+        assert!((extra.as_secs_f64() - 0.020).abs() < 1e-9, "{extra:?}");
+        assert_eq!(
+            Simulation::default()
+                .compute
+                .extra(Duration::from_millis(7)),
+            Duration::ZERO
+        );
     }
 
     #[test]

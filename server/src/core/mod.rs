@@ -40,7 +40,7 @@
 //! use ps_net::protocol::{Response, WireGrad, WireValues};
 //!
 //! let rule = OptimizerSection { lr: 0.5, ..OptimizerSection::default() };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new() };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new(), backup: 0 };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -114,6 +114,12 @@ pub struct ShardSetup {
     /// Per segment: whether weight decay applies (`optimizer.no_decay`);
     /// empty = every segment.
     pub decay: Vec<bool>,
+    /// BSP only (`server.backup_workers`): the update of a step is applied
+    /// once all but this many live ranks pushed it. A push for a step
+    /// applied without it (a late push) is folded into the update under way
+    /// when it is at most [`MAX_FOLD_LAG`] steps old; an older one is fenced.
+    /// 0 = every live rank, and no push is ever folded.
+    pub backup: u32,
 }
 
 impl ShardSetup {
@@ -127,6 +133,12 @@ impl ShardSetup {
         }
     }
 }
+
+/// Backup workers: the oldest late push folded into the update under way,
+/// in steps behind the shard's version. An older push is refused as
+/// `Fenced` (its gradient is too stale; the worker takes the cluster's
+/// parameters and step).
+pub const MAX_FOLD_LAG: u64 = 8;
 
 /// Policy knobs of a shard core.
 #[derive(Debug, Clone)]
@@ -293,6 +305,9 @@ pub struct CoreStats {
     pub duplicate_pushes: u64,
     /// Pushes refused as `Fenced`: for a step applied without their rank.
     pub fenced: u64,
+    /// Backup workers: late pushes (for a step applied without them) folded
+    /// into the next update. Each is also counted in `pushes`.
+    pub late_pushes: u64,
     /// CPU time of the dense updates' parallel work, summed over the rayon
     /// pool threads that ran it (the thread that feeds the core only waits
     /// for that work, so its own CPU time leaves it out).
@@ -341,6 +356,9 @@ pub struct ShardCore {
     /// but not connected yet).
     live: BTreeMap<u32, Option<ConnId>>,
     pushed: BTreeSet<u32>,
+    /// Ranks whose late push is folded into the update under way (backup
+    /// workers).
+    folded: BTreeSet<u32>,
     /// Next step per rank (ASP/SSP); kept for ranks that left.
     clocks: BTreeMap<u32, u64>,
     /// The last step whose push from each rank was counted: a push for an
@@ -410,6 +428,7 @@ impl ShardCore {
             version: 0,
             live: (0..setup.workers).map(|r| (r, None)).collect(),
             pushed: BTreeSet::new(),
+            folded: BTreeSet::new(),
             clocks: (0..setup.workers).map(|w| (w, 0)).collect(),
             counted: BTreeMap::new(),
             changes: VecDeque::new(),

@@ -9,7 +9,7 @@ use ps_shared::sparse::topk_exact;
 
 use crate::optimizer::{check_update, fused_update_timed, lazy_update};
 
-use super::{refusal, Action, ConnId, ReplyId, ShardCore, Wait};
+use super::{refusal, Action, ConnId, ReplyId, ShardCore, Wait, MAX_FOLD_LAG};
 
 /// Changed-index sets kept for sparse replies (one per recent version).
 const CHANGE_HISTORY: usize = 64;
@@ -84,6 +84,30 @@ impl ShardCore {
             );
         }
         if step < expected {
+            if self.foldable(rank, step, expected) {
+                // Backup workers: the step was applied without this rank
+                // (it was late). Its gradient joins the update under way,
+                // counted once; the reply waits for that update.
+                self.accumulate(grad);
+                self.folded.insert(rank);
+                self.stats.late_pushes += 1;
+                self.counted.insert(rank, step);
+                self.park(
+                    reply,
+                    conn,
+                    rank,
+                    have_version,
+                    Wait::Applied { step: expected },
+                    now,
+                    out,
+                );
+                // The other live ranks may all have left already.
+                if self.maybe_apply_bsp(out) {
+                    self.maybe_checkpoint(out);
+                }
+                self.release(out);
+                return;
+            }
             if self.counted.get(&rank) != Some(&step) {
                 // Applied without this rank: it was declared dead for that
                 // step (or never pushed it). Its gradient is stale; it must
@@ -156,6 +180,17 @@ impl ShardCore {
         }
     }
 
+    /// Backup workers: whether a push for `step`, older than the `expected`
+    /// one, is a late push to fold into the update under way: BSP with
+    /// backups, this rank's push for that step not counted yet (nor a
+    /// later one), and at most [`MAX_FOLD_LAG`] steps old.
+    fn foldable(&self, rank: u32, step: u64, expected: u64) -> bool {
+        self.setup.mode == SyncMode::Bsp
+            && self.setup.backup > 0
+            && expected - step <= MAX_FOLD_LAG
+            && self.counted.get(&rank).is_none_or(|&c| c < step)
+    }
+
     fn accumulate(&mut self, grad: WireGrad) {
         self.stats.pushes += 1;
         self.agg_peak += std::mem::take(&mut self.checked_norm);
@@ -182,13 +217,34 @@ impl ShardCore {
 
     /// BSP: apply once every live rank pushed.
     pub(super) fn maybe_apply_bsp(&mut self, out: &mut Vec<Action>) -> bool {
-        if self.setup.mode != SyncMode::Bsp
-            || self.pushed.is_empty()
-            || !self.live.keys().all(|w| self.pushed.contains(w))
-        {
+        if self.setup.mode != SyncMode::Bsp {
             return false;
         }
-        let scale = 1.0 / self.pushed.len() as f32;
+        let complete = if self.setup.backup == 0 {
+            !self.pushed.is_empty() && self.live.keys().all(|w| self.pushed.contains(w))
+        } else {
+            // All but `backup` live ranks (at least one) pushed this step,
+            // or every live rank has a push in this update (the others
+            // left: a late push is not left waiting for pushes that will
+            // never come).
+            let on_time = self.live.keys().filter(|w| self.pushed.contains(w)).count();
+            let need = self
+                .live
+                .len()
+                .saturating_sub(self.setup.backup as usize)
+                .max(1);
+            (!self.pushed.is_empty() && on_time >= need)
+                || (!self.folded.is_empty()
+                    && self
+                        .live
+                        .keys()
+                        .all(|w| self.pushed.contains(w) || self.folded.contains(w)))
+        };
+        if !complete {
+            return false;
+        }
+        // The mean over every push in the update, folded late ones included.
+        let scale = 1.0 / (self.pushed.len() + self.folded.len()) as f32;
         if let Err(message) = self.apply(scale, out) {
             // The pushes of this step are refused; the version stays.
             let step = self.version;
@@ -211,6 +267,7 @@ impl ShardCore {
         self.all_touched = false;
         self.push_max = 0;
         self.pushed.clear();
+        self.folded.clear();
         self.agg_peak = 0.0;
     }
 
@@ -303,6 +360,7 @@ impl ShardCore {
         }
         self.all_touched = false;
         self.pushed.clear();
+        self.folded.clear();
         self.agg_peak = 0.0;
         self.version += 1;
         self.stats.updates += 1;

@@ -309,6 +309,15 @@ impl ClusterConfig {
                 ),
             ));
         }
+        if s.backup_workers > 0 && s.backup_workers as usize >= self.nodes() {
+            return Err(invalid(
+                "server.backup_workers",
+                format!(
+                    "must be below the barrier's size ({} = cluster.workers / cluster.workers_per_node): a step needs at least one push",
+                    self.nodes()
+                ),
+            ));
+        }
         let shards = c.servers.len() * c.shards_per_server;
         let num_params = self.model.num_params();
         if shards > num_params {
@@ -487,6 +496,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("training.compute_threads"), "{err}");
+    }
+
+    #[test]
+    fn backup_workers_below_the_barrier_are_valid_in_bsp() {
+        let cfg =
+            ClusterConfig::from_toml_str("[cluster]\nworkers = 3\n[server]\nbackup_workers = 2\n")
+                .unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.server.backup_workers, 2);
+        assert_eq!(ClusterConfig::default().server.backup_workers, 0);
     }
 
     #[test]
@@ -695,6 +714,19 @@ mod tests {
             (
                 "[cluster]\nworkers_per_node = 0\n",
                 "cluster.workers_per_node",
+            ),
+            // Backup workers: bsp only, and below the barrier's size.
+            (
+                "[cluster]\nworkers = 3\n[server]\nmode = \"asp\"\nbackup_workers = 1\n",
+                "server.backup_workers",
+            ),
+            (
+                "[cluster]\nworkers = 3\n[server]\nbackup_workers = 3\n",
+                "server.backup_workers",
+            ),
+            (
+                "[cluster]\nworkers = 4\nworkers_per_node = 2\n[server]\nbackup_workers = 2\n",
+                "server.backup_workers",
             ),
             ("[cluster]\ntoken = \"short\"\n", "cluster.token"),
             ("[data]\nbatch_size = 0\n", "data.batch_size"),

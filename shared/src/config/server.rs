@@ -37,6 +37,11 @@ pub struct ServerSection {
     pub mode: SyncMode,
     /// SSP bound: how many steps the fastest worker may run ahead of the slowest.
     pub staleness: u64,
+    /// BSP only: backup workers. A step is applied once all but this many
+    /// live workers pushed it; a push that arrives after its step was
+    /// applied is folded into the next update (docs/failures.md). 0 = wait
+    /// for every live worker. Must be below the barrier's size.
+    pub backup_workers: u32,
     /// A worker silent for this long (no request, no heartbeat) is dropped from
     /// the barrier; it may rejoin later.
     pub worker_timeout_secs: f64,
@@ -112,6 +117,7 @@ impl Default for ServerSection {
         Self {
             mode: SyncMode::Bsp,
             staleness: 2,
+            backup_workers: 0,
             worker_timeout_secs: 10.0,
             heartbeat_secs: 1.0,
             max_requests_per_sec: 2000,
@@ -197,6 +203,7 @@ impl ServerSection {
             1..=65_536,
         )?;
         check_range("server.staleness", self.staleness, 0..=1_000_000)?;
+        check_range("server.backup_workers", self.backup_workers, 0..=65_535)?;
         check_range(
             "server.checkpoint_every",
             self.checkpoint_every,
@@ -229,6 +236,12 @@ impl ServerSection {
             return Err(invalid(
                 "server.worker_timeout_secs",
                 "must be at least twice server.heartbeat_secs",
+            ));
+        }
+        if self.backup_workers > 0 && self.mode != SyncMode::Bsp {
+            return Err(invalid(
+                "server.backup_workers",
+                "applies to server.mode = \"bsp\" only (asp and ssp never wait for a slow worker)",
             ));
         }
         if self.mode == SyncMode::Ssp && self.staleness > 1_000_000 {

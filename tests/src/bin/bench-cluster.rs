@@ -340,6 +340,7 @@ fn run() -> anyhow::Result<()> {
             latency_ms: args.latency_ms,
         },
         bucket: None,
+        compute: Default::default(),
     };
     sim.validate()
         .map_err(anyhow::Error::msg)

@@ -6,6 +6,7 @@ use ps_shared::sparse::SparseGrad;
 
 use super::*;
 
+mod backup;
 mod checkpoints;
 mod guard;
 mod membership;
@@ -30,6 +31,7 @@ fn setup(workers: u32, momentum: f32, mode: SyncMode) -> ShardSetup {
         staleness: 0,
         global_topk: false,
         decay: Vec::new(),
+        backup: 0,
     }
 }
 

@@ -1,0 +1,192 @@
+//! `bench-straggler`: backup workers against one slow worker, measured in
+//! one run.
+//!
+//! Three in-process clusters of 3 workers (1 server process, 1 shard) train
+//! the same model on the same synthetic set. Every worker's step computes for
+//! `--delay-ms` more than measured (a `Simulation`'s `[compute]`), standing
+//! for a model whose compute dominates the step:
+//!
+//! * `fast`: no slow worker, `server.backup_workers = 0` (the reference);
+//! * `slow, backup 0`: rank 2 computes `--slowdown` times as long (3x by
+//!   default), and every step waits for it;
+//! * `slow, backup 1`: the same straggler, with one backup worker: a step is
+//!   applied after 2 of the 3 pushes and a late push joins the next update.
+//!
+//! For each it prints the mean BSP step time of the fast ranks (0 and 1:
+//! training wall time over the cluster steps they made), its ratio to the
+//! `fast` run's, the final test accuracy, the late pushes the server folded
+//! and the batches the straggler trained. The targets (with backup 1, a step
+//! at most 1.2x the fast run's, and an accuracy within 0.5 point of it) are
+//! printed as PASS/MISS; the exit status only says whether every run
+//! completed.
+//!
+//! ```sh
+//! cargo run --release -p ps-tests --bin bench-straggler -- --help
+//! ```
+
+use anyhow::{bail, Context};
+use clap::Parser;
+
+use ps_dataset::SyntheticSpec;
+use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_tests::{run_cluster_per_rank, synthetic_bucket, test_config};
+use ps_worker::run::WorkerReport;
+use ps_worker::simulate::{SimComputeSection, Simulation};
+
+/// Largest ratio of the backup-1 step time to the fast run's.
+const TARGET_STEP_RATIO: f64 = 1.2;
+/// Largest accuracy gap to the fast run, in percentage points.
+const TARGET_ACCURACY_POINTS: f64 = 0.5;
+
+/// Backup workers against one slow worker of three.
+#[derive(Parser, Debug)]
+#[command(name = "bench-straggler", long_about = None)]
+struct Args {
+    /// Compute time added to every worker's step, in milliseconds.
+    #[arg(long, default_value_t = 30.0)]
+    delay_ms: f64,
+    /// How many times slower rank 2 computes.
+    #[arg(long, default_value_t = 3.0)]
+    slowdown: f64,
+    /// Epochs of each run.
+    #[arg(long, default_value_t = 4)]
+    epochs: u64,
+    /// Training samples of the synthetic set.
+    #[arg(long, default_value_t = 12288)]
+    train: usize,
+    /// Test samples of the synthetic set.
+    #[arg(long, default_value_t = 8192)]
+    test: usize,
+}
+
+struct Run {
+    name: &'static str,
+    step_s: f64,
+    accuracy: f32,
+    late_pushes: u64,
+    fenced: u64,
+    updates: u64,
+    straggler_trained: u64,
+    fast_trained: u64,
+}
+
+fn trained(r: &WorkerReport) -> u64 {
+    r.epochs.iter().map(|e| e.steps).sum()
+}
+
+fn config(args: &Args, backup: u32) -> anyhow::Result<ClusterConfig> {
+    let mut cfg = test_config(CompressionKind::None, 1.0, args.epochs);
+    cfg.cluster.workers = 3;
+    cfg.cluster.shards_per_server = 1;
+    cfg.server.backup_workers = backup;
+    cfg.validate().context("bench config")?;
+    Ok(cfg)
+}
+
+fn run(
+    args: &Args,
+    spec: &SyntheticSpec,
+    name: &'static str,
+    slow: bool,
+    backup: u32,
+) -> anyhow::Result<Run> {
+    let (store, prefix) = tokio::runtime::Builder::new_current_thread()
+        .build()?
+        .block_on(synthetic_bucket(spec));
+    let cfg = config(args, backup)?;
+    let delay_ms = args.delay_ms;
+    let slowdown = args.slowdown;
+    let sim = move |rank: u32| Simulation {
+        compute: SimComputeSection {
+            delay_ms,
+            slowdown: if slow && rank == 2 { slowdown } else { 1.0 },
+        },
+        ..Simulation::default()
+    };
+    let (reports, shards) = run_cluster_per_rank(cfg, &sim, store, prefix, None)
+        .with_context(|| format!("run {name}"))?;
+    let fast = &reports[..2];
+    let step_s = fast
+        .iter()
+        .map(|r| r.train_s / r.steps.saturating_sub(r.start_step).max(1) as f64)
+        .sum::<f64>()
+        / fast.len() as f64;
+    let stats = shards.iter().map(|s| s.stats).fold((0, 0, 0), |a, s| {
+        (a.0 + s.late_pushes, a.1 + s.fenced, a.2 + s.updates)
+    });
+    Ok(Run {
+        name,
+        step_s,
+        accuracy: reports[0].final_accuracy,
+        late_pushes: stats.0,
+        fenced: stats.1,
+        updates: stats.2,
+        straggler_trained: trained(&reports[2]),
+        fast_trained: fast.iter().map(trained).sum::<u64>() / 2,
+    })
+}
+
+fn pass(ok: bool) -> &'static str {
+    if ok {
+        "PASS"
+    } else {
+        "MISS"
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if !(args.slowdown >= 1.0 && args.delay_ms >= 0.0 && args.epochs >= 1) {
+        bail!("--slowdown must be >= 1, --delay-ms >= 0 and --epochs >= 1");
+    }
+    let spec = SyntheticSpec {
+        train: args.train,
+        test: args.test,
+        ..SyntheticSpec::default()
+    };
+    println!(
+        "bench-straggler: 3 workers, 1 server, 1 shard; synthetic {} train / {} test, {} epochs; \
+         every step computes +{} ms, rank 2 {}x as long in the slow runs",
+        args.train, args.test, args.epochs, args.delay_ms, args.slowdown
+    );
+    let runs = [
+        run(&args, &spec, "fast, backup 0", false, 0)?,
+        run(&args, &spec, "slow, backup 0", true, 0)?,
+        run(&args, &spec, "slow, backup 1", true, 1)?,
+    ];
+    let base = &runs[0];
+    println!(
+        "{:<16} {:>10} {:>8} {:>9} {:>8} {:>7} {:>8} {:>16}",
+        "run", "step (ms)", "x fast", "accuracy", "updates", "late", "fenced", "rank 2 trained"
+    );
+    for r in &runs {
+        println!(
+            "{:<16} {:>10.1} {:>8.2} {:>8.2}% {:>8} {:>7} {:>8} {:>9} of {:>4}",
+            r.name,
+            1e3 * r.step_s,
+            r.step_s / base.step_s,
+            100.0 * r.accuracy,
+            r.updates,
+            r.late_pushes,
+            r.fenced,
+            r.straggler_trained,
+            r.fast_trained
+        );
+    }
+    let backup = &runs[2];
+    let ratio = backup.step_s / base.step_s;
+    let gap = 100.0 * (f64::from(backup.accuracy) - f64::from(base.accuracy));
+    println!(
+        "target: backup 1 step time <= {TARGET_STEP_RATIO}x the fast run's: {ratio:.2}x {}",
+        pass(ratio <= TARGET_STEP_RATIO)
+    );
+    println!(
+        "target: backup 1 accuracy within {TARGET_ACCURACY_POINTS} point of the fast run's: {gap:+.2} points {}",
+        pass(gap.abs() <= TARGET_ACCURACY_POINTS)
+    );
+    println!(
+        "(without backups the straggler sets the pace: {:.2}x)",
+        runs[1].step_s / base.step_s
+    );
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! Backup workers (`server.backup_workers`) with a simulated slow worker: a
+//! cluster of 3 workers, one of them 3x slower, trains with backup 1 to the
+//! accuracy of the fast cluster, and every push is counted exactly once.
+
+use ps_dataset::SyntheticSpec;
+use ps_shared::config::CompressionKind;
+use ps_tests::{run_cluster_per_rank, synthetic_bucket_blocking, test_config};
+use ps_worker::simulate::{SimComputeSection, Simulation};
+
+/// Test accuracy the run must exceed (chance is 10%), as in `cluster.rs`.
+const ACCURACY_BAR: f32 = 0.90;
+
+/// Rank 2 is the straggler: every rank's step computes for 20 ms more than
+/// measured, rank 2's three times as long.
+fn slow_rank_2(rank: u32) -> Simulation {
+    Simulation {
+        compute: SimComputeSection {
+            delay_ms: 20.0,
+            slowdown: if rank == 2 { 3.0 } else { 1.0 },
+        },
+        ..Simulation::default()
+    }
+}
+
+/// Trains the synthetic set 4 epochs on 3 workers, rank 2 the straggler,
+/// with one backup worker and `shards` shards; checks what holds whatever
+/// the timing and returns the reports and the shards' status.
+fn train_with_a_straggler(
+    shards: usize,
+) -> (
+    Vec<ps_worker::run::WorkerReport>,
+    Vec<ps_server::actor::ShardStatus>,
+) {
+    ps_tests::log_from_env();
+    let spec = SyntheticSpec {
+        train: 4096,
+        test: 1024,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let mut cfg = test_config(CompressionKind::None, 1.0, 4);
+    cfg.cluster.workers = 3;
+    cfg.cluster.shards_per_server = shards;
+    cfg.server.backup_workers = 1;
+    cfg.validate().expect("valid config");
+    let (reports, status) =
+        run_cluster_per_rank(cfg, &slow_rank_2, store, prefix, None).expect("cluster run");
+    for r in &reports {
+        println!(
+            "{shards} shard(s): worker {}: steps {} trained {} accuracy {:.2}%",
+            r.rank,
+            r.steps,
+            trained(r),
+            100.0 * r.final_accuracy
+        );
+    }
+    assert_eq!(status.len(), shards);
+    let all: u64 = reports.iter().map(trained).sum();
+    for shard in &status {
+        println!("shard {}: {:?}", shard.shard, shard.stats);
+        // Every batch a worker trained was pushed to every shard and
+        // counted there exactly once: on time, or folded late into the
+        // next update; none was refused.
+        assert_eq!(shard.stats.pushes, all, "shard {}", shard.shard);
+        assert_eq!(shard.stats.fenced, 0, "shard {}", shard.shard);
+        assert_eq!(shard.stats.refused, 0, "shard {}", shard.shard);
+        // The straggler was late at least once (it is 3x slower).
+        assert!(shard.stats.late_pushes > 0, "{:?}", shard.stats);
+    }
+    // The straggler trained fewer batches than the fast workers (it
+    // skipped the steps the cluster made without it), none twice.
+    let steps = reports[0].steps.min(reports[1].steps);
+    assert!(trained(&reports[2]) < steps);
+    for r in &reports {
+        assert!(
+            r.final_accuracy > ACCURACY_BAR,
+            "worker {} reached only {:.3}",
+            r.rank,
+            r.final_accuracy
+        );
+    }
+    (reports, status)
+}
+
+fn trained(r: &ps_worker::run::WorkerReport) -> u64 {
+    r.epochs.iter().map(|e| e.steps).sum()
+}
+
+#[test]
+fn a_slow_worker_with_one_backup_trains_and_every_push_counts_once() {
+    let (reports, status) = train_with_a_straggler(1);
+    // One shard: the last update went to someone, so the shard's version
+    // is the last step a worker was told to continue at.
+    assert_eq!(
+        status[0].version,
+        reports.iter().map(|r| r.steps).max().unwrap_or(0)
+    );
+}
+
+#[test]
+fn with_two_shards_each_counts_or_folds_every_push() {
+    // A push may be on time on one shard and late on the other: the worker
+    // sends both the same step, and neither drops its part.
+    train_with_a_straggler(2);
+}

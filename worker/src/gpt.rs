@@ -729,20 +729,38 @@ mod tests {
         let mut missing = named(&source);
         missing.remove("h.1.mlp.c_fc.bias").unwrap();
         let e = err(&mut model, &safetensors_bytes(&missing));
-        assert!(e.contains("init.safetensors") && e.contains("`h.1.mlp.c_fc.bias`"), "{e}");
+        assert!(
+            e.contains("init.safetensors") && e.contains("`h.1.mlp.c_fc.bias`"),
+            "{e}"
+        );
 
         let mut extra = named(&source);
-        extra.insert("lm_head.weight".into(), Tensor::zeros((11, 8), DType::F32, &Device::Cpu).unwrap());
+        extra.insert(
+            "lm_head.weight".into(),
+            Tensor::zeros((11, 8), DType::F32, &Device::Cpu).unwrap(),
+        );
         let e = err(&mut model, &safetensors_bytes(&extra));
-        assert!(e.contains("`lm_head.weight`") && e.contains("not one of the model's"), "{e}");
+        assert!(
+            e.contains("`lm_head.weight`") && e.contains("not one of the model's"),
+            "{e}"
+        );
 
         let mut shape = named(&source);
-        shape.insert("wpe.weight".into(), Tensor::zeros((7, 8), DType::F32, &Device::Cpu).unwrap());
+        shape.insert(
+            "wpe.weight".into(),
+            Tensor::zeros((7, 8), DType::F32, &Device::Cpu).unwrap(),
+        );
         let e = err(&mut model, &safetensors_bytes(&shape));
-        assert!(e.contains("`wpe.weight`") && e.contains("[7, 8]") && e.contains("[6, 8]"), "{e}");
+        assert!(
+            e.contains("`wpe.weight`") && e.contains("[7, 8]") && e.contains("[6, 8]"),
+            "{e}"
+        );
 
         let e = err(&mut model, b"not a safetensors file at all");
-        assert!(e.contains("init.safetensors") && e.contains("not a safetensors file"), "{e}");
+        assert!(
+            e.contains("init.safetensors") && e.contains("not a safetensors file"),
+            "{e}"
+        );
 
         // A refused file leaves the weights as they were.
         assert_eq!(model.flat_params().unwrap(), fresh);
@@ -757,8 +775,14 @@ mod tests {
         assert!(loss.is_finite() && loss > 0.0);
         for chunk in [1, 3, 4, 10, 0, 64] {
             let (l, a) = model.evaluate_chunked(&data, chunk).unwrap();
-            assert!((l - loss).abs() <= 1e-6 * loss, "chunk {chunk}: loss {l} vs {loss}");
-            assert!((a - acc).abs() <= 1e-6, "chunk {chunk}: accuracy {a} vs {acc}");
+            assert!(
+                (l - loss).abs() <= 1e-6 * loss,
+                "chunk {chunk}: loss {l} vs {loss}"
+            );
+            assert!(
+                (a - acc).abs() <= 1e-6,
+                "chunk {chunk}: accuracy {a} vs {acc}"
+            );
         }
         // Chunks that differ by one sample still weigh every sample once:
         // the mean of unequal chunks is not the mean of their means.
@@ -774,6 +798,9 @@ mod tests {
             dim: data.dim,
         });
         let naive = (first.unwrap().0 + last.unwrap().0) / 2.0;
-        assert!((l3 - naive).abs() > 1e-6, "the test batch is too uniform to tell");
+        assert!(
+            (l3 - naive).abs() > 1e-6,
+            "the test batch is too uniform to tell"
+        );
     }
 }

@@ -917,7 +917,9 @@ async fn read_init_weights(url: &str) -> Result<Vec<u8>, ModelError> {
         source_name: url.to_string(),
         message,
     };
-    let local = url.strip_prefix("file://").or((!url.contains("://")).then_some(url));
+    let local = url
+        .strip_prefix("file://")
+        .or((!url.contains("://")).then_some(url));
     if let Some(path) = local {
         return std::fs::read(path).map_err(|e| err(format!("cannot read it: {e}")));
     }
@@ -925,8 +927,7 @@ async fn read_init_weights(url: &str) -> Result<Vec<u8>, ModelError> {
         .rsplit_once('/')
         .filter(|(_, name)| !name.is_empty())
         .ok_or_else(|| err("names no object".into()))?;
-    let (store, prefix) =
-        ps_shared::bucket::open_bucket(dir).map_err(|e| err(e.to_string()))?;
+    let (store, prefix) = ps_shared::bucket::open_bucket(dir).map_err(|e| err(e.to_string()))?;
     let object = prefix.join(name);
     let got = object_store::ObjectStoreExt::get(store.as_ref(), &object)
         .await

@@ -79,7 +79,11 @@ impl TrainingSection {
         )?;
         check_range("training.max_steps", self.max_steps, 0..=1 << 48)?;
         check_range("training.compute_threads", self.compute_threads, 0..=1024)?;
-        check_range("training.eval_batch_size", self.eval_batch_size, 0..=1 << 24)
+        check_range(
+            "training.eval_batch_size",
+            self.eval_batch_size,
+            0..=1 << 24,
+        )
     }
 
     /// Counts in range, a known device and a target accuracy in [0, 1].
@@ -133,7 +137,10 @@ mod tests {
         assert!(t.validate().is_ok());
         t.init_weights = "runs/init.pt".into();
         let e = t.validate().unwrap_err().to_string();
-        assert!(e.contains("training.init_weights") && e.contains("init.pt"), "{e}");
+        assert!(
+            e.contains("training.init_weights") && e.contains("init.pt"),
+            "{e}"
+        );
         t.init_weights = " runs/init.safetensors".into();
         assert!(t.validate().is_err());
     }

@@ -271,3 +271,105 @@ fn a_tiny_gpt_learns_generated_text_on_two_workers() {
     assert_eq!(x.test_accuracy.to_bits(), y.test_accuracy.to_bits());
     assert_eq!(a.final_accuracy.to_bits(), b.final_accuracy.to_bits());
 }
+
+/// `training.init_weights`: every worker loads the safetensors file, so the
+/// parameters the cluster serves are the file's. With a learning rate far
+/// below float resolution (1e-30: every AdamW step and decay rounds away)
+/// the parameters the workers pull stay the first ones, and both ranks'
+/// evaluation equals, bit for bit, that of the file's weights evaluated
+/// here in the same chunks; the seeded weights evaluate differently.
+#[test]
+fn the_cluster_starts_from_the_initial_weights_file() {
+    use ps_dataset::Split;
+    use ps_worker::model::Model;
+
+    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime to write the dataset")
+        .block_on(text_bucket(200, Layout::Shards));
+    let test = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime to read the test split")
+        .block_on(async {
+            let reader = open(raw.clone(), &prefix).await;
+            reader.fetch_all(Split::Test).await.expect("the test split")
+        });
+    let mut cfg = tiny_gpt_config(1, 100);
+    cfg.optimizer.lr = 1e-30;
+    cfg.optimizer.schedule = Default::default();
+    cfg.training.max_steps = 3;
+    cfg.training.eval_batch_size = 7;
+
+    // Weights unlike any seed's: every entry nonzero and well above 1e-20.
+    let device = candle_core::Device::Cpu;
+    let mut file_model = Model::new(&cfg.model, device.clone(), 99).expect("the model");
+    let flat: Vec<f32> = (0..file_model.num_params())
+        .map(|i| 0.05 + 0.2 * ((i as f32) * 0.37).sin().abs())
+        .collect();
+    file_model.set_flat(&flat).expect("set the weights");
+    let tensors: std::collections::HashMap<String, candle_core::Tensor> = file_model
+        .tensors()
+        .iter()
+        .map(|t| {
+            let v = flat[file_model.range_of(&t.name).unwrap()].to_vec();
+            let tensor = candle_core::Tensor::from_vec(v, t.shape.as_slice(), &device).unwrap();
+            (t.name.clone(), tensor)
+        })
+        .collect();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("init.safetensors");
+    candle_core::safetensors::save(&tensors, &path).expect("write the weights");
+    cfg.training.init_weights = path.to_str().expect("a UTF-8 path").to_string();
+    cfg.validate().expect("a valid config");
+
+    let want = file_model.evaluate_chunked(&test, 7).expect("evaluate");
+    let seeded = Model::new(&cfg.model, device, cfg.training.init_seed)
+        .expect("the model")
+        .evaluate_chunked(&test, 7)
+        .expect("evaluate");
+    assert_ne!(want.0, seeded.0, "the file's weights are the seed's");
+
+    let reports = run_cluster(cfg, raw, prefix).expect("the GPT trains");
+    assert_eq!(reports.len(), 2);
+    for r in &reports {
+        assert_eq!(r.steps, 3);
+        let last = r.epochs.last().expect("an epoch");
+        assert_eq!(
+            (last.test_loss.to_bits(), last.test_accuracy.to_bits()),
+            (want.0.to_bits(), want.1.to_bits()),
+            "rank {}: test loss {} vs the file's {} (seeded {})",
+            r.rank,
+            last.test_loss,
+            want.0,
+            seeded.0
+        );
+    }
+}
+
+/// A file that does not fit the model stops the worker with an error that
+/// names the file and the tensor.
+#[test]
+fn initial_weights_of_another_model_are_refused_by_name() {
+    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime to write the dataset")
+        .block_on(text_bucket(200, Layout::Shards));
+    let mut cfg = tiny_gpt_config(1, 100);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("other.safetensors");
+    let device = candle_core::Device::Cpu;
+    let tensors = std::collections::HashMap::from([(
+        "wte.weight".to_string(),
+        candle_core::Tensor::zeros((256, 16), candle_core::DType::F32, &device).unwrap(),
+    )]);
+    candle_core::safetensors::save(&tensors, &path).expect("write the weights");
+    cfg.training.init_weights = path.to_str().expect("a UTF-8 path").to_string();
+    let err = run_cluster(cfg, raw, prefix).expect_err("the weights do not fit");
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("other.safetensors")
+            && text.contains("`wte.weight`")
+            && text.contains("[256, 16]"),
+        "{text}"
+    );
+}

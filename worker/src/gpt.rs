@@ -668,4 +668,139 @@ mod tests {
             }
         });
     }
+
+    /// The model's tensors, by name, as candle tensors.
+    fn named(model: &Model) -> std::collections::HashMap<String, Tensor> {
+        let flat = model.flat_params().unwrap();
+        model
+            .tensors()
+            .iter()
+            .map(|t| {
+                let v = flat[model.range_of(&t.name).unwrap()].to_vec();
+                let tensor = Tensor::from_vec(v, t.shape.as_slice(), &Device::Cpu).unwrap();
+                (t.name.clone(), tensor)
+            })
+            .collect()
+    }
+
+    fn safetensors_bytes(tensors: &std::collections::HashMap<String, Tensor>) -> Vec<u8> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        candle_core::safetensors::save(tensors, &path).unwrap();
+        std::fs::read(path).unwrap()
+    }
+
+    #[test]
+    fn initial_weights_load_by_name_and_shape() {
+        let source = random_model(11, 6, 8, 2, 2);
+        let mut model = Model::new(&source.spec().clone(), Device::Cpu, 1).unwrap();
+        assert_ne!(model.flat_params().unwrap(), source.flat_params().unwrap());
+        let tensors = named(&source);
+        model
+            .load_safetensors(&safetensors_bytes(&tensors), "w.safetensors")
+            .unwrap();
+        assert_eq!(model.flat_params().unwrap(), source.flat_params().unwrap());
+
+        // f64 tensors (torch's double) are converted.
+        let doubled: std::collections::HashMap<_, _> = tensors
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_dtype(DType::F64).unwrap()))
+            .collect();
+        let mut other = Model::new(&source.spec().clone(), Device::Cpu, 2).unwrap();
+        other
+            .load_safetensors(&safetensors_bytes(&doubled), "w.safetensors")
+            .unwrap();
+        assert_eq!(other.flat_params().unwrap(), source.flat_params().unwrap());
+    }
+
+    #[test]
+    fn initial_weights_that_do_not_fit_are_refused_by_tensor() {
+        let source = random_model(11, 6, 8, 2, 2);
+        let before = source.flat_params().unwrap();
+        let mut model = Model::new(&source.spec().clone(), Device::Cpu, 1).unwrap();
+        let fresh = model.flat_params().unwrap();
+        let err = |model: &mut Model, bytes: &[u8]| {
+            model
+                .load_safetensors(bytes, "init.safetensors")
+                .unwrap_err()
+                .to_string()
+        };
+
+        let mut missing = named(&source);
+        missing.remove("h.1.mlp.c_fc.bias").unwrap();
+        let e = err(&mut model, &safetensors_bytes(&missing));
+        assert!(
+            e.contains("init.safetensors") && e.contains("`h.1.mlp.c_fc.bias`"),
+            "{e}"
+        );
+
+        let mut extra = named(&source);
+        extra.insert(
+            "lm_head.weight".into(),
+            Tensor::zeros((11, 8), DType::F32, &Device::Cpu).unwrap(),
+        );
+        let e = err(&mut model, &safetensors_bytes(&extra));
+        assert!(
+            e.contains("`lm_head.weight`") && e.contains("not one of the model's"),
+            "{e}"
+        );
+
+        let mut shape = named(&source);
+        shape.insert(
+            "wpe.weight".into(),
+            Tensor::zeros((7, 8), DType::F32, &Device::Cpu).unwrap(),
+        );
+        let e = err(&mut model, &safetensors_bytes(&shape));
+        assert!(
+            e.contains("`wpe.weight`") && e.contains("[7, 8]") && e.contains("[6, 8]"),
+            "{e}"
+        );
+
+        let e = err(&mut model, b"not a safetensors file at all");
+        assert!(
+            e.contains("init.safetensors") && e.contains("not a safetensors file"),
+            "{e}"
+        );
+
+        // A refused file leaves the weights as they were.
+        assert_eq!(model.flat_params().unwrap(), fresh);
+        assert_eq!(source.flat_params().unwrap(), before);
+    }
+
+    #[test]
+    fn chunked_evaluation_equals_one_pass() {
+        let model = random_model(11, 6, 8, 2, 2);
+        let data = random_batch(&model.spec().gpt, 10, 5);
+        let (loss, acc) = model.evaluate(&data).unwrap();
+        assert!(loss.is_finite() && loss > 0.0);
+        for chunk in [1, 3, 4, 10, 0, 64] {
+            let (l, a) = model.evaluate_chunked(&data, chunk).unwrap();
+            assert!(
+                (l - loss).abs() <= 1e-6 * loss,
+                "chunk {chunk}: loss {l} vs {loss}"
+            );
+            assert!(
+                (a - acc).abs() <= 1e-6,
+                "chunk {chunk}: accuracy {a} vs {acc}"
+            );
+        }
+        // Chunks that differ by one sample still weigh every sample once:
+        // the mean of unequal chunks is not the mean of their means.
+        let (l3, _) = model.evaluate_chunked(&data, 3).unwrap();
+        let first = model.evaluate(&Batch {
+            features: data.features[..9 * data.dim].to_vec(),
+            labels: data.labels[..9].to_vec(),
+            dim: data.dim,
+        });
+        let last = model.evaluate(&Batch {
+            features: data.features[9 * data.dim..].to_vec(),
+            labels: data.labels[9..].to_vec(),
+            dim: data.dim,
+        });
+        let naive = (first.unwrap().0 + last.unwrap().0) / 2.0;
+        assert!(
+            (l3 - naive).abs() > 1e-6,
+            "the test batch is too uniform to tell"
+        );
+    }
 }

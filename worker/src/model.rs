@@ -109,6 +109,14 @@ pub enum ModelError {
     /// servers (a custom model and its `model.tensors`).
     #[error("the model does not match [model]: {0}")]
     Layout(String),
+    /// Initial weights (`training.init_weights`) that do not fit the model:
+    /// a tensor missing, extra, of another shape, or a file that does not
+    /// parse; the message names the file and the tensor.
+    #[error("initial weights {source_name}: {message}")]
+    InitWeights {
+        source_name: String,
+        message: String,
+    },
     /// `kind = "custom"` asked of the built-in models.
     #[error("model.kind = \"custom\" is a model a program brings through ps_worker::api; `ps-worker train` builds only the built-in kinds")]
     CustomKind,
@@ -703,6 +711,60 @@ impl Model {
         Ok(flat)
     }
 
+    /// Replaces every parameter with the tensor of the same name in the
+    /// safetensors file `bytes` (read from `source`, which errors name).
+    /// The file must hold exactly the model's tensors, each of the model's
+    /// shape; any float dtype is converted to f32.
+    pub fn load_safetensors(&mut self, bytes: &[u8], source: &str) -> Result<(), ModelError> {
+        let err = |message: String| ModelError::InitWeights {
+            source_name: source.to_string(),
+            message,
+        };
+        let tensors = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)
+            .map_err(|e| err(format!("not a safetensors file: {e}")))?;
+        let mut flat = vec![0.0f32; self.num_params()];
+        for (t, range) in self.tensors.iter().zip(&self.ranges) {
+            let Some(v) = tensors.get(&t.name) else {
+                return Err(err(format!(
+                    "has no tensor `{}` (shape {:?}) of the model",
+                    t.name, t.shape
+                )));
+            };
+            if v.dims() != t.shape.as_slice() {
+                return Err(err(format!(
+                    "tensor `{}` has shape {:?}, the model's is {:?}",
+                    t.name,
+                    v.dims(),
+                    t.shape
+                )));
+            }
+            let values = v
+                .to_dtype(DType::F32)
+                .and_then(|v| v.flatten_all()?.to_vec1::<f32>())
+                .map_err(|e| err(format!("tensor `{}`: {e}", t.name)))?;
+            if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+                return Err(err(format!(
+                    "tensor `{}` holds {} at entry {i}",
+                    t.name, values[i]
+                )));
+            }
+            flat[range.clone()].copy_from_slice(&values);
+        }
+        let mut extra: Vec<&String> = tensors
+            .keys()
+            .filter(|k| !self.tensors.iter().any(|t| &t.name == *k))
+            .collect();
+        if !extra.is_empty() {
+            extra.sort();
+            return Err(err(format!(
+                "tensor `{}` is not one of the model's ({} extra in all)",
+                extra[0],
+                extra.len()
+            )));
+        }
+        self.set_flat(&flat)
+    }
+
     /// Replace every parameter.
     pub fn set_flat(&mut self, values: &[f32]) -> Result<(), ModelError> {
         if values.len() != self.num_params() {
@@ -1138,6 +1200,35 @@ impl Model {
         }
         self.step += 1;
         Ok(loss.to_dtype(DType::F32)?.to_vec1::<f32>()?[0])
+    }
+
+    /// [`Model::evaluate`] on `batch` in chunks of at most `chunk` samples
+    /// (0 = one pass), so a large test split never becomes one huge batch
+    /// of activations. Every sample weighs the same in the mean loss and
+    /// accuracy (for text each sample has `seq_len` target tokens), so the
+    /// chunks' results, weighted by their sample counts and summed in f64,
+    /// give the one-pass result up to float rounding.
+    pub fn evaluate_chunked(&self, batch: &Batch, chunk: usize) -> Result<(f32, f32), ModelError> {
+        let n = batch.len();
+        if chunk == 0 || n <= chunk {
+            return self.evaluate(batch);
+        }
+        let (mut loss, mut correct) = (0.0f64, 0.0f64);
+        let mut start = 0;
+        while start < n {
+            let end = (start + chunk).min(n);
+            let part = Batch {
+                features: batch.features[start * batch.dim..end * batch.dim].to_vec(),
+                labels: batch.labels[start..end].to_vec(),
+                dim: batch.dim,
+            };
+            let (l, a) = self.evaluate(&part)?;
+            let w = (end - start) as f64;
+            loss += f64::from(l) * w;
+            correct += f64::from(a) * w;
+            start = end;
+        }
+        Ok(((loss / n as f64) as f32, (correct / n as f64) as f32))
     }
 
     /// Mean loss and accuracy on a batch (no gradients).

@@ -95,6 +95,7 @@ impl WorkerError {
             WorkerError::Mismatch(_) | WorkerError::Sampler(_) => Some(ExitCode::Config),
             WorkerError::Model(
                 ModelError::Layout(_)
+                | ModelError::InitWeights { .. }
                 | ModelError::CustomKind
                 | ModelError::Config(_)
                 | ModelError::Device(_),
@@ -795,6 +796,18 @@ async fn run_rank(
     // The servers lay out the shards from `[model]`: a model brought
     // through the library must have exactly that layout.
     model.check_layout(&cfg.model)?;
+    // Every worker loads the same initial weights, so whichever offer the
+    // servers take first, the cluster starts from the file.
+    let mut model = model;
+    let init = &cfg.training.init_weights;
+    if !init.is_empty() {
+        let reading = read_init_weights(init);
+        let Some(bytes) = until_stop(&opts.stop, reading).await else {
+            return Err(stop_during_wait(None, rank, 0, "the initial weights").await);
+        };
+        model.load_safetensors(&bytes?, init)?;
+        tracing::info!(rank, file = %init, "initial weights loaded");
+    }
     let num_params = model.num_params();
     // Ranks of a node hand their dense gradient to the node, which
     // compresses the node's mean.
@@ -897,6 +910,35 @@ async fn run_rank(
     result
 }
 
+/// The bytes of `training.init_weights`: a local path (or `file://` URL),
+/// or an object in a bucket (`s3://bucket/dir/init.safetensors`, ...).
+async fn read_init_weights(url: &str) -> Result<Vec<u8>, ModelError> {
+    let err = |message: String| ModelError::InitWeights {
+        source_name: url.to_string(),
+        message,
+    };
+    let local = url
+        .strip_prefix("file://")
+        .or((!url.contains("://")).then_some(url));
+    if let Some(path) = local {
+        return std::fs::read(path).map_err(|e| err(format!("cannot read it: {e}")));
+    }
+    let (dir, name) = url
+        .rsplit_once('/')
+        .filter(|(_, name)| !name.is_empty())
+        .ok_or_else(|| err("names no object".into()))?;
+    let (store, prefix) = ps_shared::bucket::open_bucket(dir).map_err(|e| err(e.to_string()))?;
+    let object = prefix.join(name);
+    let got = object_store::ObjectStoreExt::get(store.as_ref(), &object)
+        .await
+        .map_err(|e| err(format!("cannot read it: {e}")))?;
+    let bytes = got
+        .bytes()
+        .await
+        .map_err(|e| err(format!("cannot read it: {e}")))?;
+    Ok(bytes.to_vec())
+}
+
 /// Builds a loader that begins at the given global step.
 type LoaderAt = Box<dyn Fn(u64) -> Result<Loader, WorkerError>>;
 
@@ -984,6 +1026,7 @@ async fn train(
         },
         text,
     );
+    evals.chunk = eval_chunk(cfg);
     let max_steps = cfg.training.max_steps;
     let mut stopping = max_steps_reached(max_steps, step).then_some(StopReason::MaxSteps);
     // Overlap (asp/ssp with training.overlap): the next batch, taken from
@@ -1268,7 +1311,7 @@ async fn train(
     // A worker that joined a finished run trained no epoch: evaluate anyway.
     let final_accuracy = match reports.last() {
         Some(r) => r.test_accuracy,
-        None => evaluate(trainer, &test).await?.1,
+        None => evaluate(trainer, &test, evals.chunk).await?.1,
     };
     let steps = (step - start_step).max(1) as f64;
     let sum = |f: fn(&EpochReport) -> f64| reports.iter().map(f).sum::<f64>();
@@ -1343,17 +1386,28 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// `(test_loss, test_accuracy)` of the model on `test`; both NaN for an
-/// empty test split (reported as "no test split", never as 0%; NaN is
-/// `null` in the JSON).
+/// `(test_loss, test_accuracy)` of the model on `test`, evaluated in
+/// chunks of `chunk` samples; both NaN for an empty test split (reported
+/// as "no test split", never as 0%; NaN is `null` in the JSON).
 async fn evaluate(
     trainer: &Addr<TrainerActor>,
     test: &Arc<ps_dataset::Batch>,
+    chunk: usize,
 ) -> Result<(f32, f32), WorkerError> {
     if test.is_empty() {
         return Ok((f32::NAN, f32::NAN));
     }
-    Ok(trainer.send(Evaluate(test.clone())).await??)
+    let batch = test.clone();
+    Ok(trainer.send(Evaluate { batch, chunk }).await??)
+}
+
+/// Test samples per evaluation pass: `training.eval_batch_size`, or the
+/// training batch size when that is 0.
+fn eval_chunk(cfg: &ClusterConfig) -> usize {
+    match cfg.training.eval_batch_size {
+        0 => cfg.data.batch_size,
+        n => n,
+    }
 }
 
 /// An accuracy for people: `88.40%`, or `no test split` when there was
@@ -1516,6 +1570,8 @@ struct Evals {
     keep: usize,
     /// The dataset is text: evaluations report the perplexity too.
     text: bool,
+    /// Test samples per evaluation pass (0 = the whole split at once).
+    chunk: usize,
 }
 
 impl Evals {
@@ -1533,6 +1589,7 @@ impl Evals {
             pulled: 0,
             recent: VecDeque::new(),
             keep,
+            chunk: 0,
         }
     }
 
@@ -1569,7 +1626,7 @@ impl Evals {
             let batches = self.recent.iter().cloned().collect();
             trainer.send(CalibrateBn(batches)).await??;
         }
-        let (test_loss, test_accuracy) = evaluate(trainer, test).await?;
+        let (test_loss, test_accuracy) = evaluate(trainer, test, self.chunk).await?;
         self.spent += t0.elapsed();
         self.points.push(EvalPoint {
             step,

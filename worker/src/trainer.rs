@@ -139,15 +139,19 @@ impl Handler<GetParams> for TrainerActor {
     }
 }
 
-/// Loss and accuracy on a held-out batch.
+/// Loss and accuracy on a held-out batch, evaluated `chunk` samples at a
+/// time (0 = in one pass).
 #[derive(Message)]
 #[rtype(result = "Result<(f32, f32), TrainerError>")]
-pub struct Evaluate(pub Arc<Batch>);
+pub struct Evaluate {
+    pub batch: Arc<Batch>,
+    pub chunk: usize,
+}
 
 impl Handler<Evaluate> for TrainerActor {
     type Result = Result<(f32, f32), TrainerError>;
     fn handle(&mut self, msg: Evaluate, _: &mut Context<Self>) -> Self::Result {
-        Ok(self.model.evaluate(&msg.0)?)
+        Ok(self.model.evaluate_chunked(&msg.batch, msg.chunk)?)
     }
 }
 

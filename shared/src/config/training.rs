@@ -37,6 +37,15 @@ pub struct TrainingSection {
     /// CPUs divided among the worker processes when every server is on
     /// loopback (the whole cluster on one machine), else every CPU.
     pub compute_threads: usize,
+    /// Initial weights: a `.safetensors` file (a path, or a bucket URL such
+    /// as `s3://bucket/gpt/init.safetensors`) whose tensors are the model's,
+    /// matched by name and shape; every worker loads it, so the cluster
+    /// starts from these weights instead of `init_seed`'s. Empty = none.
+    pub init_weights: String,
+    /// Test windows per evaluation pass: the test split is evaluated in
+    /// chunks of this many samples (0 = `data.batch_size`), the loss and
+    /// accuracy summed over the chunks.
+    pub eval_batch_size: usize,
 }
 
 impl Default for TrainingSection {
@@ -52,6 +61,8 @@ impl Default for TrainingSection {
             max_steps: 0,
             overlap: false,
             compute_threads: 0,
+            init_weights: String::new(),
+            eval_batch_size: 0,
         }
     }
 }
@@ -67,7 +78,12 @@ impl TrainingSection {
             0..=1 << 40,
         )?;
         check_range("training.max_steps", self.max_steps, 0..=1 << 48)?;
-        check_range("training.compute_threads", self.compute_threads, 0..=1024)
+        check_range("training.compute_threads", self.compute_threads, 0..=1024)?;
+        check_range(
+            "training.eval_batch_size",
+            self.eval_batch_size,
+            0..=1 << 24,
+        )
     }
 
     /// Counts in range, a known device and a target accuracy in [0, 1].
@@ -90,6 +106,52 @@ impl TrainingSection {
                 format!("must be in [0, 1], got {}", self.target_accuracy),
             ));
         }
+        let init = self.init_weights.trim();
+        if init != self.init_weights {
+            return Err(invalid(
+                "training.init_weights",
+                format!("`{}` has leading or trailing spaces", self.init_weights),
+            ));
+        }
+        if !init.is_empty() && !init.ends_with(".safetensors") {
+            return Err(invalid(
+                "training.init_weights",
+                format!("`{init}` is not a .safetensors file"),
+            ));
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_weights_must_name_a_safetensors_file() {
+        let mut t = TrainingSection::default();
+        assert!(t.validate().is_ok());
+        t.init_weights = "runs/init.safetensors".into();
+        assert!(t.validate().is_ok());
+        t.init_weights = "s3://bucket/gpt/init.safetensors".into();
+        assert!(t.validate().is_ok());
+        t.init_weights = "runs/init.pt".into();
+        let e = t.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("training.init_weights") && e.contains("init.pt"),
+            "{e}"
+        );
+        t.init_weights = " runs/init.safetensors".into();
+        assert!(t.validate().is_err());
+    }
+
+    #[test]
+    fn eval_batch_size_is_bounded() {
+        let t = TrainingSection {
+            eval_batch_size: 1 << 25,
+            ..Default::default()
+        };
+        let e = t.validate().unwrap_err().to_string();
+        assert!(e.contains("training.eval_batch_size"), "{e}");
     }
 }

@@ -487,16 +487,17 @@ async fn read_payload(
     let mut received = 0;
     while received < len {
         let read = recv.read_chunk(len - received, true);
-        let chunk = match stall {
-            Some(stall) => tokio::time::timeout(stall, read).await.map_err(|_| {
-                TransportError::Stalled {
-                    stall,
-                    received,
-                    expected: len,
-                }
-            })?,
-            None => read.await,
-        };
+        let chunk =
+            match stall {
+                Some(stall) => tokio::time::timeout(stall, read).await.map_err(|_| {
+                    TransportError::Stalled {
+                        stall,
+                        received,
+                        expected: len,
+                    }
+                })?,
+                None => read.await,
+            };
         let chunk = chunk
             .map_err(|e| TransportError::Read(e.to_string()))?
             .ok_or_else(|| {

@@ -47,9 +47,8 @@ use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
 use ps_net::protocol::{
-    close, decode_request, encode_response_frame, request_vector_bytes, Copied, ErrorCode,
-    Request, Response, ShardRange,
-    MAX_HELLO_BYTES,
+    close, decode_request, encode_response_frame, request_vector_bytes, Copied, ErrorCode, Request,
+    Response, ShardRange, MAX_HELLO_BYTES,
 };
 use ps_net::transport::{
     self, read_frame, read_frame_budgeted, write_encoded, EndpointLimits, FrameBudget,

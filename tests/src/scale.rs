@@ -32,8 +32,8 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use ps_net::protocol::{
-    decode_request, decode_response, encode_request, EncodedFrame, ParamUpdate, Request,
-    Response, WireGrad, WireValues, FRAME_HEADER_BYTES,
+    decode_request, decode_response, encode_request, EncodedFrame, ParamUpdate, Request, Response,
+    WireGrad, WireValues, FRAME_HEADER_BYTES,
 };
 use ps_server::actor::{
     Deliver, GetCounters, MemberNews, ShardActor, ShardCounters, ShardRequest, Shutdown,

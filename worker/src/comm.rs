@@ -559,8 +559,8 @@ impl Comm {
                 params.len()
             ))
         })?;
-        let frame = encode_offer(shard as u32, version, next_step, values)
-            .map_err(TransportError::from)?;
+        let frame =
+            encode_offer(shard as u32, version, next_step, values).map_err(TransportError::from)?;
         Ok(self.encoded(frame))
     }
 

@@ -327,8 +327,9 @@ mod tests {
         assert_eq!(v["loss"], 0.75);
         assert_eq!(v["exchange_s"], 0.004);
         assert_eq!(v["bytes_pulled"], 3400);
+        assert_eq!(v["bytes_copied"], 5600);
         let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 13, "{keys:?}");
+        assert_eq!(keys.len(), 14, "{keys:?}");
     }
 
     #[test]

@@ -107,6 +107,9 @@ impl Costs {
     }
 }
 
+/// Reads one stage's time.
+type Stage = fn(&Costs) -> Duration;
+
 fn timed<R>(spent: &mut Duration, f: impl FnOnce() -> R) -> R {
     let t0 = thread_cpu_time();
     let r = f();
@@ -270,7 +273,7 @@ fn main() {
         "{:<14} {:>10} {:>10} {:>10}",
         "stage", "before", "after", "after/before"
     );
-    let stages: [(&str, fn(&Costs) -> Duration); 7] = [
+    let stages: [(&str, Stage); 7] = [
         ("push encode", |c| c.push_encode),
         ("push receive", |c| c.push_receive),
         ("push decode", |c| c.push_decode),

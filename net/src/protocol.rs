@@ -16,7 +16,7 @@
 //! ```
 
 use rkyv::rancor;
-use rkyv::util::AlignedVec;
+pub use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 use ps_shared::sparse::{values_from_f16, values_to_f16, SparseGrad};
@@ -390,7 +390,79 @@ pub enum ProtocolError {
     Encode(String),
 }
 
-fn encode<T>(msg: &T) -> Result<Vec<u8>, ProtocolError>
+/// Bytes of messages copied by one side of an exchange, by stage, so that
+/// the cost of the data path is counted, not guessed: `encoded`, the
+/// archives written (each vector copied once, straight from the caller's
+/// buffer, once per step and shard however many times the frame is sent);
+/// `read`, the payloads copied from the transport into the aligned buffers
+/// they are validated in; `decoded`, the vectors copied out of the
+/// archives into the messages handed on (values and indices).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Copied {
+    pub encoded: u64,
+    pub read: u64,
+    pub decoded: u64,
+}
+
+impl Copied {
+    /// Every byte copied.
+    pub fn total(&self) -> u64 {
+        self.encoded + self.read + self.decoded
+    }
+
+    pub fn add(&mut self, other: Copied) {
+        self.encoded += other.encoded;
+        self.read += other.read;
+        self.decoded += other.decoded;
+    }
+}
+
+/// An encoded message: the length prefix and the rkyv archive, the archive
+/// in its own 16-byte aligned buffer shared by reference count. The archive
+/// is written once, straight from the message's values; sending it again (a
+/// retry, or one reply to several workers) shares the same bytes.
+#[derive(Clone, Debug)]
+pub struct EncodedFrame {
+    header: [u8; FRAME_HEADER_BYTES],
+    payload: bytes::Bytes,
+}
+
+impl EncodedFrame {
+    /// The length prefix.
+    pub fn header(&self) -> [u8; FRAME_HEADER_BYTES] {
+        self.header
+    }
+
+    /// The archive (the bytes after the length prefix).
+    pub fn payload(&self) -> &bytes::Bytes {
+        &self.payload
+    }
+
+    /// Bytes of the whole frame on the wire.
+    pub fn len(&self) -> usize {
+        FRAME_HEADER_BYTES + self.payload.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The whole frame in one new buffer (a copy: for tests and tools).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut frame = Vec::with_capacity(self.len());
+        frame.extend_from_slice(&self.header);
+        frame.extend_from_slice(&self.payload);
+        frame
+    }
+}
+
+/// Bytes the archive of a message takes besides its vectors' contents
+/// (fields, enum tags, the root, alignment padding); with the vectors'
+/// bytes it sizes the encoding buffer so that it is never grown (a grown
+/// buffer is one more copy of everything written so far).
+const ARCHIVE_OVERHEAD: usize = 256;
+
+fn encode_with<T>(msg: &T, vectors: usize) -> Result<EncodedFrame, ProtocolError>
 where
     T: for<'a> Serialize<
         rkyv::api::high::HighSerializer<
@@ -400,45 +472,329 @@ where
         >,
     >,
 {
-    let payload =
-        rkyv::to_bytes::<rancor::Error>(msg).map_err(|e| ProtocolError::Encode(e.to_string()))?;
+    let buf = AlignedVec::with_capacity(vectors + ARCHIVE_OVERHEAD);
+    let payload = rkyv::api::high::to_bytes_in::<_, rancor::Error>(msg, buf)
+        .map_err(|e| ProtocolError::Encode(e.to_string()))?;
     let len = u32::try_from(payload.len()).map_err(|_| {
         ProtocolError::Encode(format!("{} bytes do not fit a frame", payload.len()))
     })?;
-    let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
-    frame.extend_from_slice(&len.to_le_bytes());
-    frame.extend_from_slice(&payload);
-    Ok(frame)
+    Ok(EncodedFrame {
+        header: len.to_le_bytes(),
+        payload: bytes::Bytes::from_owner(payload),
+    })
 }
 
-/// Copy into a 16-byte aligned buffer: rkyv validation needs aligned input and
-/// network buffers carry no alignment guarantee.
+fn values_bytes(v: &WireValues) -> usize {
+    match v {
+        WireValues::F32(v) => 4 * v.len(),
+        WireValues::F16(v) => 2 * v.len(),
+    }
+}
+
+fn grad_bytes(g: &WireGrad) -> usize {
+    match g {
+        WireGrad::Dense(v) => values_bytes(v),
+        WireGrad::Sparse { indices, values } => encoded_indices_len(indices) + values_bytes(values),
+    }
+}
+
+fn update_bytes(u: &ParamUpdate) -> usize {
+    match u {
+        ParamUpdate::Dense(v) => 4 * v.len(),
+        ParamUpdate::Sparse { indices, values } => encoded_indices_len(indices) + 4 * values.len(),
+    }
+}
+
+/// Bytes of the vectors (values and encoded indices) a request carries:
+/// what encoding or decoding it copies, besides a few hundred bytes of
+/// fields.
+pub fn request_vector_bytes(req: &Request) -> usize {
+    match req {
+        Request::Hello { token, .. } => token.len(),
+        Request::Offer { values, .. } => 4 * values.len(),
+        Request::Step { grad, .. } => grad_bytes(grad),
+        Request::Abort { reason } => reason.len(),
+        Request::Bye { .. } | Request::Heartbeat => 0,
+    }
+}
+
+/// Bytes of the vectors a response carries (see [`request_vector_bytes`]).
+pub fn response_vector_bytes(resp: &Response) -> usize {
+    match resp {
+        Response::Welcome { shards, .. } => 24 * shards.len(),
+        Response::Params { update, .. } => update_bytes(update),
+        Response::Error { message, .. } => message.len(),
+        Response::ByeAck | Response::HeartbeatAck => 0,
+    }
+}
+
+/// Values borrowed from the caller, archived exactly as [`WireValues`].
+#[derive(Archive, Serialize)]
+enum ValuesRef<'a> {
+    F32(#[rkyv(with = SliceAsVec)] &'a [f32]),
+    F16(#[rkyv(with = SliceAsVec)] &'a [u16]),
+}
+
+/// A gradient borrowed from the caller, archived exactly as [`WireGrad`].
+#[derive(Archive, Serialize)]
+enum GradRef<'a> {
+    Dense(ValuesRef<'a>),
+    Sparse {
+        #[rkyv(with = DeltaVarintRef)]
+        indices: &'a [u32],
+        values: ValuesRef<'a>,
+    },
+}
+
+/// [`Request`] with its vectors borrowed: archived to the same bytes (the
+/// variants, their order and their fields' archived types are the same;
+/// a test compares the encodings), so a push or an offer is encoded
+/// straight from the caller's buffers without building an owned message.
+/// Only `Offer` and `Step` are ever built; the other variants hold the
+/// layout.
+#[derive(Archive, Serialize)]
+#[allow(dead_code)]
+enum RequestRef<'a> {
+    Hello {
+        protocol_version: u32,
+        token: String,
+        worker_rank: u32,
+        workers: u32,
+        workers_per_node: u32,
+        num_params: u64,
+        layout_hash: u64,
+    },
+    Offer {
+        shard: u32,
+        version: u64,
+        next_step: u64,
+        #[rkyv(with = SliceAsVec)]
+        values: &'a [f32],
+    },
+    Step {
+        shard: u32,
+        step: u64,
+        have_version: Option<u64>,
+        grad: GradRef<'a>,
+    },
+    Bye {
+        finished: bool,
+    },
+    Heartbeat,
+    Abort {
+        reason: String,
+    },
+}
+
+/// Archives a borrowed slice as an `ArchivedVec`, like an owned `Vec`.
+pub struct SliceAsVec;
+
+impl<'a, T: Archive> rkyv::with::ArchiveWith<&'a [T]> for SliceAsVec {
+    type Archived = rkyv::vec::ArchivedVec<T::Archived>;
+    type Resolver = rkyv::vec::VecResolver;
+
+    fn resolve_with(field: &&'a [T], resolver: Self::Resolver, out: rkyv::Place<Self::Archived>) {
+        rkyv::vec::ArchivedVec::resolve_from_len(field.len(), resolver, out);
+    }
+}
+
+impl<'a, T, S> rkyv::with::SerializeWith<&'a [T], S> for SliceAsVec
+where
+    T: Serialize<S>,
+    S: rancor::Fallible + rkyv::ser::Allocator + rkyv::ser::Writer + ?Sized,
+{
+    fn serialize_with(field: &&'a [T], serializer: &mut S) -> Result<Self::Resolver, S::Error> {
+        rkyv::vec::ArchivedVec::<T::Archived>::serialize_from_slice(field, serializer)
+    }
+}
+
+/// [`DeltaVarint`] for a borrowed index slice.
+pub struct DeltaVarintRef;
+
+impl<'a> rkyv::with::ArchiveWith<&'a [u32]> for DeltaVarintRef {
+    type Archived = rkyv::vec::ArchivedVec<u8>;
+    type Resolver = (rkyv::vec::VecResolver, usize);
+
+    fn resolve_with(
+        _: &&'a [u32],
+        (resolver, len): Self::Resolver,
+        out: rkyv::Place<Self::Archived>,
+    ) {
+        rkyv::vec::ArchivedVec::<u8>::resolve_from_len(len, resolver, out);
+    }
+}
+
+impl<'a, S> rkyv::with::SerializeWith<&'a [u32], S> for DeltaVarintRef
+where
+    S: rancor::Fallible + rkyv::ser::Allocator + rkyv::ser::Writer + ?Sized,
+{
+    fn serialize_with(field: &&'a [u32], serializer: &mut S) -> Result<Self::Resolver, S::Error> {
+        let bytes = encode_indices(field);
+        let resolver = rkyv::vec::ArchivedVec::<u8>::serialize_from_slice(&bytes, serializer)?;
+        Ok((resolver, bytes.len()))
+    }
+}
+
+/// Values of a push, borrowed.
+#[derive(Debug, Clone, Copy)]
+pub enum ValuesView<'a> {
+    F32(&'a [f32]),
+    /// f16 bits.
+    F16(&'a [u16]),
+}
+
+impl<'a> ValuesView<'a> {
+    fn as_ref(self) -> ValuesRef<'a> {
+        match self {
+            ValuesView::F32(v) => ValuesRef::F32(v),
+            ValuesView::F16(v) => ValuesRef::F16(v),
+        }
+    }
+
+    fn bytes(self) -> usize {
+        match self {
+            ValuesView::F32(v) => 4 * v.len(),
+            ValuesView::F16(v) => 2 * v.len(),
+        }
+    }
+}
+
+impl<'a> From<&'a WireValues> for ValuesView<'a> {
+    fn from(v: &'a WireValues) -> Self {
+        match v {
+            WireValues::F32(v) => ValuesView::F32(v),
+            WireValues::F16(v) => ValuesView::F16(v),
+        }
+    }
+}
+
+/// A shard's gradient, borrowed: the same archive as [`WireGrad`].
+#[derive(Debug, Clone, Copy)]
+pub enum GradView<'a> {
+    Dense(ValuesView<'a>),
+    Sparse {
+        indices: &'a [u32],
+        values: ValuesView<'a>,
+    },
+}
+
+impl<'a> From<&'a WireGrad> for GradView<'a> {
+    fn from(g: &'a WireGrad) -> Self {
+        match g {
+            WireGrad::Dense(v) => GradView::Dense(v.into()),
+            WireGrad::Sparse { indices, values } => GradView::Sparse {
+                indices,
+                values: values.into(),
+            },
+        }
+    }
+}
+
+/// The frame of `Request::Step` whose gradient is borrowed from the
+/// caller (a slice of the whole model's gradient, say): its values are
+/// copied once, into the archive.
+pub fn encode_step(
+    shard: u32,
+    step: u64,
+    have_version: Option<u64>,
+    grad: GradView<'_>,
+) -> Result<EncodedFrame, ProtocolError> {
+    let (grad, vectors) = match grad {
+        GradView::Dense(v) => (GradRef::Dense(v.as_ref()), v.bytes()),
+        GradView::Sparse { indices, values } => (
+            GradRef::Sparse {
+                indices,
+                values: values.as_ref(),
+            },
+            encoded_indices_len(indices) + values.bytes(),
+        ),
+    };
+    let req = RequestRef::Step {
+        shard,
+        step,
+        have_version,
+        grad,
+    };
+    encode_with(&req, vectors)
+}
+
+/// The frame of `Request::Offer` with the values borrowed from the caller.
+pub fn encode_offer(
+    shard: u32,
+    version: u64,
+    next_step: u64,
+    values: &[f32],
+) -> Result<EncodedFrame, ProtocolError> {
+    let req = RequestRef::Offer {
+        shard,
+        version,
+        next_step,
+        values,
+    };
+    encode_with(&req, 4 * values.len())
+}
+
+/// The frame of a request.
+pub fn encode_request_frame(req: &Request) -> Result<EncodedFrame, ProtocolError> {
+    encode_with(req, request_vector_bytes(req))
+}
+
+/// The frame of a response.
+pub fn encode_response_frame(resp: &Response) -> Result<EncodedFrame, ProtocolError> {
+    encode_with(resp, response_vector_bytes(resp))
+}
+
+/// A whole frame (length prefix + archive) for a request, in one buffer.
+pub fn encode_request(req: &Request) -> Result<Vec<u8>, ProtocolError> {
+    encode_request_frame(req).map(|f| f.to_vec())
+}
+
+/// A whole frame (length prefix + archive) for a response, in one buffer.
+pub fn encode_response(resp: &Response) -> Result<Vec<u8>, ProtocolError> {
+    encode_response_frame(resp).map(|f| f.to_vec())
+}
+
+/// Alignment rkyv's validation needs (that of [`AlignedVec`]).
+const ARCHIVE_ALIGN: usize = 16;
+
+/// Validate and decode an archive. Bytes already on a 16-byte boundary (a
+/// buffer [`crate::transport::read_frame`] filled, any [`AlignedVec`]) are
+/// validated in place; others are first copied into an aligned buffer.
+fn decode<T>(payload: &[u8]) -> Result<T, ProtocolError>
+where
+    T: Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rancor::Error>>,
+{
+    let copied;
+    let bytes = if (payload.as_ptr() as usize).is_multiple_of(ARCHIVE_ALIGN) {
+        payload
+    } else {
+        copied = aligned(payload);
+        &copied[..]
+    };
+    rkyv::from_bytes::<T, rancor::Error>(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))
+}
+
+/// Copy into a 16-byte aligned buffer: rkyv validation needs aligned input.
 fn aligned(payload: &[u8]) -> AlignedVec {
     let mut buf = AlignedVec::with_capacity(payload.len());
     buf.extend_from_slice(payload);
     buf
 }
 
-/// A whole frame (length prefix + archive) for a request.
-pub fn encode_request(req: &Request) -> Result<Vec<u8>, ProtocolError> {
-    encode(req)
-}
-
-/// A whole frame (length prefix + archive) for a response.
-pub fn encode_response(resp: &Response) -> Result<Vec<u8>, ProtocolError> {
-    encode(resp)
-}
-
-/// Validate and decode a request payload (the bytes after the length prefix).
+/// Validate and decode a request payload (the bytes after the length
+/// prefix). The archive is checked where it lies when it is aligned (see
+/// [`crate::transport::read_frame`]); decoding copies each vector once,
+/// into the message's own.
 pub fn decode_request(payload: &[u8]) -> Result<Request, ProtocolError> {
-    rkyv::from_bytes::<Request, rancor::Error>(&aligned(payload))
-        .map_err(|e| ProtocolError::Malformed(e.to_string()))
+    decode(payload)
 }
 
-/// Validate and decode a response payload (the bytes after the length prefix).
+/// Validate and decode a response payload (the bytes after the length
+/// prefix); see [`decode_request`].
 pub fn decode_response(payload: &[u8]) -> Result<Response, ProtocolError> {
-    rkyv::from_bytes::<Response, rancor::Error>(&aligned(payload))
-        .map_err(|e| ProtocolError::Malformed(e.to_string()))
+    decode(payload)
 }
 
 /// Parse the length prefix and check it against `limit`.
@@ -452,7 +808,7 @@ pub fn frame_len(header: [u8; FRAME_HEADER_BYTES], limit: usize) -> Result<usize
 
 /// Encoded size of a request frame (for byte accounting).
 pub fn request_wire_bytes(req: &Request) -> usize {
-    encode_request(req).map(|f| f.len()).unwrap_or(0)
+    encode_request_frame(req).map(|f| f.len()).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -617,6 +973,72 @@ mod tests {
             .expect("archived vector length");
         bad[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_request(&bad).is_err());
+    }
+
+    /// The borrowed encodings give the very bytes of the owned messages,
+    /// so either side may use either.
+    #[test]
+    fn borrowed_encodings_match_the_owned_ones() {
+        let values: Vec<f32> = (0..1001).map(|i| i as f32 * 0.25 - 7.0).collect();
+        let bits: Vec<u16> = (0..333).map(|i| i * 7).collect();
+        let indices: Vec<u32> = (0..333).map(|i| i * 31 + 2).collect();
+        let grads = [
+            WireGrad::Dense(WireValues::F32(values.clone())),
+            WireGrad::Dense(WireValues::F16(bits.clone())),
+            WireGrad::Sparse {
+                indices: indices.clone(),
+                values: WireValues::F32(values[..333].to_vec()),
+            },
+            WireGrad::Sparse {
+                indices: indices.clone(),
+                values: WireValues::F16(bits.clone()),
+            },
+            WireGrad::Dense(WireValues::F32(Vec::new())),
+        ];
+        for (i, grad) in grads.into_iter().enumerate() {
+            for have_version in [None, Some(41)] {
+                let borrowed = encode_step(3, 42, have_version, (&grad).into()).unwrap();
+                let owned = encode_request(&Request::Step {
+                    shard: 3,
+                    step: 42,
+                    have_version,
+                    grad: grad.clone(),
+                })
+                .unwrap();
+                assert_eq!(borrowed.to_vec(), owned, "gradient {i}");
+                assert_eq!(borrowed.len(), owned.len());
+            }
+        }
+        let offer = encode_offer(1, 5, 6, &values).unwrap();
+        let owned = encode_request(&Request::Offer {
+            shard: 1,
+            version: 5,
+            next_step: 6,
+            values: values.clone(),
+        })
+        .unwrap();
+        assert_eq!(offer.to_vec(), owned);
+    }
+
+    /// Encoding writes the archive once into a buffer of the right size:
+    /// the archive is a few hundred bytes more than the values at most,
+    /// and aligned payloads are validated where they lie.
+    #[test]
+    fn frames_are_sized_up_front_and_aligned_payloads_decode_in_place() {
+        let values = vec![0.5f32; 300_000];
+        let frame = encode_step(0, 1, Some(1), GradView::Dense(ValuesView::F32(&values))).unwrap();
+        assert!(frame.payload().len() >= 4 * values.len());
+        assert!(frame.payload().len() <= 4 * values.len() + ARCHIVE_OVERHEAD);
+        let payload = aligned(frame.payload());
+        assert!((payload.as_ptr() as usize).is_multiple_of(ARCHIVE_ALIGN));
+        let Request::Step { grad, .. } = decode_request(&payload).unwrap() else {
+            panic!("not a step");
+        };
+        assert_eq!(grad, WireGrad::Dense(WireValues::F32(values)));
+        // Unaligned bytes still decode (through a copy).
+        let mut shifted = aligned(&[0]);
+        shifted.extend_from_slice(&payload);
+        assert!(decode_request(&shifted[1..]).is_ok());
     }
 
     #[test]

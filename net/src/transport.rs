@@ -64,8 +64,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::pki::{self, CertPair, PkiError};
 use crate::protocol::{
-    decode_response, encode_request, frame_len, ProtocolError, Request, Response,
-    FRAME_HEADER_BYTES,
+    decode_response, encode_request_frame, frame_len, AlignedVec, EncodedFrame, ProtocolError,
+    Request, Response, FRAME_HEADER_BYTES,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -371,20 +371,21 @@ pub async fn resolve(host_port: &str) -> Result<SocketAddr, TransportError> {
         })
 }
 
-/// Initial payload buffer of [`read_frame`]; it grows as bytes arrive.
-const INITIAL_FRAME_BUFFER: usize = 64 << 10;
-
 /// Read one frame's payload, refusing frames larger than `limit`.
 ///
 /// Memory follows the bytes that actually arrive, not the length the header
 /// declares: a peer that announces a huge frame and sends little costs little.
-pub async fn read_frame(recv: &mut RecvStream, limit: usize) -> Result<Vec<u8>, TransportError> {
+/// The transport's chunks are kept as they arrive and copied once, at the
+/// end, into a 16-byte aligned buffer of the frame's length, where the
+/// protocol validates the archive in place (see
+/// [`crate::protocol::decode_response`]): one copy of the payload.
+pub async fn read_frame(recv: &mut RecvStream, limit: usize) -> Result<AlignedVec, TransportError> {
     let mut header = [0u8; FRAME_HEADER_BYTES];
     recv.read_exact(&mut header)
         .await
         .map_err(|e| TransportError::Read(format!("frame header: {e}")))?;
     let len = frame_len(header, limit)?;
-    read_payload(recv, len, None).await
+    read_payload(recv, len, None, false).await
 }
 
 /// Bytes of request frames one connection may hold at once while they are
@@ -423,7 +424,8 @@ impl FrameBudget {
 /// this is dropped.
 #[derive(Debug)]
 pub struct Frame {
-    pub payload: Vec<u8>,
+    /// 16-byte aligned: the archive is validated where it lies.
+    pub payload: AlignedVec,
     _reserved: Option<OwnedSemaphorePermit>,
 }
 
@@ -459,29 +461,38 @@ pub async fn read_frame_budgeted(
         .acquire_many_owned(wanted)
         .await
         .map_err(|_| TransportError::Read("the connection's frame budget is closed".into()))?;
-    let payload = read_payload(recv, len, Some(stall)).await?;
+    // The reservation already holds the frame's length: its buffer is
+    // allocated whole, and the payload read straight into it.
+    let payload = read_payload(recv, len, Some(stall), true).await?;
     Ok(Frame {
         payload,
         _reserved: Some(reserved),
     })
 }
 
-/// Read `len` payload bytes; memory grows with the bytes that arrive. With
-/// `stall`, each read must bring a byte within it.
+/// Read `len` payload bytes into an aligned buffer, copying each byte once.
+/// With `whole`, the buffer is allocated at its full length first and the
+/// chunks copied in as they arrive; without, the chunks (the transport's
+/// own buffers) are held until the last one and then copied, so memory
+/// follows the bytes that arrive. With `stall`, each read must bring a byte
+/// within it.
 async fn read_payload(
     recv: &mut RecvStream,
     len: usize,
     stall: Option<Duration>,
-) -> Result<Vec<u8>, TransportError> {
-    let mut payload = Vec::with_capacity(len.min(INITIAL_FRAME_BUFFER));
-    while payload.len() < len {
-        let read = recv.read_chunk(len - payload.len(), true);
+    whole: bool,
+) -> Result<AlignedVec, TransportError> {
+    let mut payload = AlignedVec::with_capacity(if whole { len } else { 0 });
+    let mut chunks: Vec<bytes::Bytes> = Vec::new();
+    let mut received = 0;
+    while received < len {
+        let read = recv.read_chunk(len - received, true);
         let chunk =
             match stall {
                 Some(stall) => tokio::time::timeout(stall, read).await.map_err(|_| {
                     TransportError::Stalled {
                         stall,
-                        received: payload.len(),
+                        received,
                         expected: len,
                     }
                 })?,
@@ -491,17 +502,21 @@ async fn read_payload(
             .map_err(|e| TransportError::Read(e.to_string()))?
             .ok_or_else(|| {
                 TransportError::Read(format!(
-                    "stream ended after {} of {len} frame bytes",
-                    payload.len()
+                    "stream ended after {received} of {len} frame bytes"
                 ))
             })?;
-        let need = payload.len() + chunk.bytes.len();
-        if need > payload.capacity() {
-            // Double, but never past the declared length.
-            let target = need.max(payload.capacity() * 2).min(len);
-            payload.reserve_exact(target - payload.len());
+        received += chunk.bytes.len();
+        if whole {
+            payload.extend_from_slice(&chunk.bytes);
+        } else {
+            chunks.push(chunk.bytes);
         }
-        payload.extend_from_slice(&chunk.bytes);
+    }
+    if !whole {
+        payload.reserve_exact(len);
+        for chunk in chunks {
+            payload.extend_from_slice(&chunk);
+        }
     }
     Ok(payload)
 }
@@ -513,6 +528,19 @@ pub async fn write_frame(send: &mut SendStream, frame: &[u8]) -> Result<(), Tran
     Ok(())
 }
 
+/// Write an encoded frame and close the sending side. The archive is
+/// handed to the transport by reference, not copied: the same frame can be
+/// written again (a retry) or to several streams.
+pub async fn write_encoded(
+    send: &mut SendStream,
+    frame: &EncodedFrame,
+) -> Result<(), TransportError> {
+    send.write_all(&frame.header()).await?;
+    send.write_chunk(frame.payload().clone()).await?;
+    let _ = send.finish();
+    Ok(())
+}
+
 /// One request/response exchange on a fresh stream. Returns the response and
 /// the bytes sent (frame size) for accounting.
 pub async fn call(
@@ -520,10 +548,24 @@ pub async fn call(
     req: &Request,
     limit: usize,
 ) -> Result<(Response, usize), TransportError> {
-    let frame = encode_request(req)?;
-    call_raw(conn, &frame, limit)
+    let frame = encode_request_frame(req)?;
+    call_frame(conn, &frame, limit)
         .await
-        .map(|r| (r, frame.len()))
+        .map(|(r, _)| (r, frame.len()))
+}
+
+/// Send an encoded request and read the response. Returns it with the
+/// bytes of its payload, which were copied once from the transport into
+/// the aligned buffer it was validated in.
+pub async fn call_frame(
+    conn: &Connection,
+    frame: &EncodedFrame,
+    limit: usize,
+) -> Result<(Response, usize), TransportError> {
+    let (mut send, mut recv) = conn.open_bi().await?;
+    write_encoded(&mut send, frame).await?;
+    let payload = read_frame(&mut recv, limit).await?;
+    Ok((decode_response(&payload)?, payload.len()))
 }
 
 /// Send pre-encoded bytes (possibly malformed, for tests) and read the response.
@@ -691,7 +733,7 @@ mod tests {
 
     /// Send raw bytes on a new stream from the client, read one frame on the
     /// server.
-    async fn send_and_read(bytes: Vec<u8>, limit: usize) -> Result<Vec<u8>, TransportError> {
+    async fn send_and_read(bytes: Vec<u8>, limit: usize) -> Result<AlignedVec, TransportError> {
         let (_cluster, _ep, client, server) = connected().await;
         let writer = async {
             let (mut send, _recv) = client.open_bi().await.unwrap();
@@ -735,7 +777,8 @@ mod tests {
         let mut bytes = (payload.len() as u32).to_le_bytes().to_vec();
         bytes.extend_from_slice(&payload);
         let read = send_and_read(bytes, 4 << 20).await.unwrap();
-        assert_eq!(read, payload);
+        assert_eq!(&read[..], &payload[..]);
+        assert!((read.as_ptr() as usize).is_multiple_of(16));
     }
 
     #[tokio::test]

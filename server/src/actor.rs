@@ -16,7 +16,7 @@ use actix::prelude::*;
 use object_store::{path::Path as ObjectPath, ObjectStore};
 use tokio::sync::{oneshot, watch};
 
-use ps_net::protocol::{encode_response, ErrorCode, Response, WireGrad};
+use ps_net::protocol::{encode_response_frame, EncodedFrame, ErrorCode, Response, WireGrad};
 
 use crate::checkpoint::{save, ShardCheckpoint};
 use crate::core::{
@@ -59,6 +59,8 @@ pub struct ShardActor {
     give_up: Option<GiveUp>,
     /// The shard's Prometheus series.
     series: ShardSeries,
+    /// Bytes of the reply archives this shard encoded.
+    encoded: u64,
 }
 
 /// What a shard calls when its checkpoints keep failing: stops the server
@@ -90,6 +92,7 @@ impl ShardActor {
             final_checkpoint_failed: false,
             max_failures: u32::MAX,
             give_up: None,
+            encoded: 0,
         }
     }
 
@@ -136,6 +139,22 @@ impl ShardActor {
         let t0 = thread_cpu_time();
         let actions = self.core.handle(event, Instant::now());
         let replies = self.encode_replies(actions);
+        let encoded: u64 = {
+            let mut seen: Vec<*const u8> = Vec::new();
+            replies
+                .iter()
+                .filter_map(|(_, r)| r.as_ref())
+                .filter(|r| {
+                    let at = r.frame.payload().as_ptr();
+                    let new = !seen.contains(&at);
+                    seen.push(at);
+                    new
+                })
+                .map(|r| r.frame.payload().len() as u64)
+                .sum()
+        };
+        self.encoded += encoded;
+        self.series.encoded(encoded);
         self.cpu += thread_cpu_time().saturating_sub(t0);
         self.series.core_moved(&before, &self.core.stats());
         self.carry_out(replies, ctx);
@@ -267,11 +286,12 @@ pub enum ShardRequest {
 }
 
 /// A shard's answer to one request: the response and its encoded frame.
-/// Requests answered alike share both (one encoding per distinct reply).
+/// Requests answered alike share both (one encoding per distinct reply;
+/// every connection writes the same archive, by reference).
 #[derive(Debug, Clone)]
 pub struct Reply {
     pub response: Arc<Response>,
-    pub frame: Arc<Vec<u8>>,
+    pub frame: EncodedFrame,
 }
 
 impl Reply {
@@ -282,16 +302,13 @@ impl Reply {
 
     /// Encode `response` once for every request it answers.
     pub fn shared(response: Arc<Response>) -> Self {
-        let frame = encode_response(&response).unwrap_or_else(|e| {
+        let frame = encode_response_frame(&response).unwrap_or_else(|e| {
             // Only a message beyond the format's limits fails to encode:
             // the worker is told so rather than left waiting.
             let refusal = Response::error(ErrorCode::Internal, format!("cannot encode reply: {e}"));
-            encode_response(&refusal).unwrap_or_default()
+            encode_response_frame(&refusal).expect("a short refusal encodes")
         });
-        Self {
-            response,
-            frame: Arc::new(frame),
-        }
+        Self { response, frame }
     }
 }
 
@@ -448,6 +465,9 @@ pub struct ShardCounters {
     pub checkpoint_failures: u64,
     /// Whether the final checkpoint (after `Shutdown`) failed.
     pub final_checkpoint_failed: bool,
+    /// Bytes of the reply archives the shard encoded (each distinct reply
+    /// once, however many workers it answers).
+    pub encoded_bytes: u64,
 }
 
 #[derive(Message)]
@@ -465,6 +485,7 @@ impl Handler<GetCounters> for ShardActor {
             memory: self.core.memory(),
             checkpoint_failures: self.checkpoint_failures,
             final_checkpoint_failed: self.final_checkpoint_failed,
+            encoded_bytes: self.encoded,
         })
     }
 }

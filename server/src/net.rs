@@ -47,11 +47,12 @@ use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
 use ps_net::protocol::{
-    close, decode_request, encode_response, ErrorCode, Request, Response, ShardRange,
-    MAX_HELLO_BYTES,
+    close, decode_request, encode_response_frame, request_vector_bytes, Copied, ErrorCode, Request,
+    Response, ShardRange, MAX_HELLO_BYTES,
 };
 use ps_net::transport::{
-    self, read_frame, read_frame_budgeted, write_frame, EndpointLimits, FrameBudget, TransportError,
+    self, read_frame, read_frame_budgeted, write_encoded, EndpointLimits, FrameBudget,
+    TransportError,
 };
 use ps_shared::bucket::open_bucket;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
@@ -145,6 +146,8 @@ struct Ctx {
     /// and offer is refused with it, and the server exits once the last
     /// connection is gone.
     job_stopped: Mutex<Option<String>>,
+    /// Bytes of requests read and decoded (the shards count their replies).
+    copied: Mutex<Copied>,
 }
 
 impl Ctx {
@@ -339,6 +342,18 @@ impl RunningServer {
         }
         self.teardown().await;
         outcome
+    }
+
+    /// Bytes this server copied: requests read and decoded, and the reply
+    /// archives its shards encoded (each distinct reply once).
+    pub async fn copied(&self) -> Copied {
+        let mut all = *self.ctx.copied.lock().unwrap_or_else(|e| e.into_inner());
+        for addr in self.ctx.shards.values() {
+            if let Ok(c) = addr.send(GetCounters).await {
+                all.encoded += c.encoded_bytes;
+            }
+        }
+        all
     }
 
     /// The run is complete (every worker said goodbye): every shard writes
@@ -781,6 +796,7 @@ pub async fn start(
         next_conn: AtomicU64::new(1),
         outcome: outcome_tx,
         job_stopped: Mutex::new(None),
+        copied: Mutex::new(Copied::default()),
     });
     let tick_ctx = ctx.clone();
     io.spawn(async move {
@@ -825,9 +841,9 @@ pub async fn start(
 }
 
 async fn reply(send: &mut SendStream, resp: &Response) {
-    match encode_response(resp) {
+    match encode_response_frame(resp) {
         Ok(frame) => {
-            if let Err(e) = write_frame(send, &frame).await {
+            if let Err(e) = write_encoded(send, &frame).await {
                 tracing::debug!("cannot send reply: {e}");
             }
         }
@@ -1067,6 +1083,16 @@ async fn serve_stream(
         Ok(Ok(frame)) => match decode_request(&frame.payload) {
             Err(e) => refuse(ErrorCode::BadFrame, e.to_string()),
             Ok(req) => {
+                // The payload was read into an aligned buffer (one copy)
+                // and validated there; decoding copied its vectors once.
+                let read = frame.payload.len() as u64;
+                let decoded = request_vector_bytes(&req) as u64;
+                {
+                    let mut c = ctx.copied.lock().unwrap_or_else(|e| e.into_inner());
+                    c.read += read;
+                    c.decoded += decoded;
+                }
+                crate::observe::copied(ctx.index as usize, read, decoded);
                 // The request is decoded: the frame's bytes go back to the
                 // connection's budget.
                 drop(frame);
@@ -1103,7 +1129,7 @@ async fn serve_stream(
     }
     // The frame was encoded once by the shard for every worker it answers
     // alike.
-    if let Err(e) = write_frame(&mut send, &resp.frame).await {
+    if let Err(e) = write_encoded(&mut send, &resp.frame).await {
         tracing::debug!("cannot send reply: {e}");
     }
 }

@@ -98,6 +98,14 @@ fn describe() {
             "stratus_server_connections_open",
             "Connections open now (state = authenticated, pending)."
         );
+        describe_counter!(
+            "stratus_server_reply_encoded_bytes_total",
+            "Bytes of the reply archives a shard encoded (each distinct reply once)."
+        );
+        describe_counter!(
+            "stratus_server_copied_bytes_total",
+            "Request bytes copied (stage = read: from the transport into the aligned buffer; decoded: out of the archive into the request)."
+        );
         describe_gauge!(
             "stratus_server_members_live",
             "Worker ranks in the barrier now."
@@ -121,6 +129,7 @@ pub struct ShardSeries {
     checkpoint_failures: Counter,
     checkpoint_seconds: Gauge,
     checkpoint_histogram: Histogram,
+    encoded: Counter,
 }
 
 impl ShardSeries {
@@ -141,7 +150,8 @@ impl ShardSeries {
             checkpoint_writes: counter!("stratus_server_checkpoint_writes_total", "shard" => s.clone()),
             checkpoint_failures: counter!("stratus_server_checkpoint_failures_total", "shard" => s.clone()),
             checkpoint_seconds: gauge!("stratus_server_checkpoint_last_seconds", "shard" => s.clone()),
-            checkpoint_histogram: histogram!("stratus_server_checkpoint_seconds", "shard" => s),
+            checkpoint_histogram: histogram!("stratus_server_checkpoint_seconds", "shard" => s.clone()),
+            encoded: counter!("stratus_server_reply_encoded_bytes_total", "shard" => s),
         }
     }
 
@@ -163,6 +173,11 @@ impl ShardSeries {
     pub fn applied(&self, version: u64, entries: usize) {
         self.version.set(version as f64);
         self.entries.increment(entries as u64);
+    }
+
+    /// Bytes of reply archives encoded.
+    pub fn encoded(&self, bytes: u64) {
+        self.encoded.increment(bytes);
     }
 
     pub fn parked(&self, waiting: usize) {
@@ -190,6 +205,16 @@ pub fn request_done(server: usize, kind: &'static str, ok: bool, took: Duration)
     let outcome = if ok { "ok" } else { "error" };
     counter!("stratus_server_requests_total", "server" => s, "kind" => kind, "outcome" => outcome)
         .increment(1);
+}
+
+/// Bytes of a request server `server` read and decoded.
+pub fn copied(server: usize, read: u64, decoded: u64) {
+    describe();
+    let s = server.to_string();
+    counter!("stratus_server_copied_bytes_total", "server" => s.clone(), "stage" => "read")
+        .increment(read);
+    counter!("stratus_server_copied_bytes_total", "server" => s, "stage" => "decoded")
+        .increment(decoded);
 }
 
 /// A connection admitted (`true`) or refused.

@@ -373,12 +373,28 @@ pub fn run_cluster_with_model(
 /// [`run_cluster_with_model`] with each rank's own simulation (`sim(rank)`):
 /// e.g. one slow worker among fast ones.
 pub fn run_cluster_per_rank(
-    mut cfg: ClusterConfig,
+    cfg: ClusterConfig,
     sim: &dyn Fn(u32) -> Simulation,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
     model: Option<ModelFactory>,
 ) -> anyhow::Result<(Vec<WorkerReport>, Vec<ps_server::actor::ShardStatus>)> {
+    run_cluster_counted(cfg, sim, store, prefix, model).map(|(r, s, _)| (r, s))
+}
+
+/// [`run_cluster_per_rank`], also returning the bytes each server process
+/// copied (requests read and decoded, replies encoded).
+pub fn run_cluster_counted(
+    mut cfg: ClusterConfig,
+    sim: &dyn Fn(u32) -> Simulation,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    model: Option<ModelFactory>,
+) -> anyhow::Result<(
+    Vec<WorkerReport>,
+    Vec<ps_server::actor::ShardStatus>,
+    Vec<ps_net::protocol::Copied>,
+)> {
     let pki = TestPki::new(cfg.cluster.workers as u32);
     let system = actix::System::new();
     system.block_on(async move {
@@ -421,8 +437,10 @@ pub fn run_cluster_per_rank(
             }
         };
         let mut shards = Vec::new();
+        let mut copied = Vec::new();
         for server in &servers {
             shards.extend(server.status().await);
+            copied.push(server.copied().await);
         }
         // Every worker said goodbye, so the servers stop by themselves.
         for server in servers {
@@ -430,7 +448,7 @@ pub fn run_cluster_per_rank(
                 .await
                 .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))??;
         }
-        Ok((reports, shards))
+        Ok((reports, shards, copied))
     })
 }
 

@@ -32,8 +32,8 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 use ps_net::protocol::{
-    decode_request, decode_response, encode_request, ParamUpdate, Request, Response, WireGrad,
-    WireValues, FRAME_HEADER_BYTES,
+    decode_request, decode_response, encode_request, EncodedFrame, ParamUpdate, Request, Response,
+    WireGrad, WireValues, FRAME_HEADER_BYTES,
 };
 use ps_server::actor::{
     Deliver, GetCounters, MemberNews, ShardActor, ShardCounters, ShardRequest, Shutdown,
@@ -263,7 +263,7 @@ struct ServerIo {
 
 impl ServerIo {
     /// Handle one request frame from `rank` as a connection task does.
-    async fn exchange(&self, rank: u32, frame: Vec<u8>) -> anyhow::Result<Arc<Vec<u8>>> {
+    async fn exchange(&self, rank: u32, frame: Vec<u8>) -> anyhow::Result<EncodedFrame> {
         self.bytes_in
             .fetch_add(frame.len() as u64, Ordering::Relaxed);
         let request = decode_request(&frame[FRAME_HEADER_BYTES..])?;
@@ -369,7 +369,7 @@ async fn worker_step(
     {
         let reply = reply?;
         bytes.received += reply.len() as u64;
-        match decode_response(&reply[FRAME_HEADER_BYTES..])? {
+        match decode_response(reply.payload())? {
             Response::Params { version, .. } if version == step + 1 => {}
             other => bail!(
                 "worker {rank}, step {step}, server {s}: expected version {}, got {}",
@@ -508,7 +508,7 @@ async fn drive(
             values: vec![0.0; lens[s]],
         })?;
         let reply = server.exchange(0, frame).await?;
-        match decode_response(&reply[FRAME_HEADER_BYTES..])? {
+        match decode_response(reply.payload())? {
             Response::Params { version: 0, .. } => {}
             other => bail!("server {s} did not start: {}", describe(&other)),
         }

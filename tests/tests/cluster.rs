@@ -71,6 +71,81 @@ fn dense_and_topk_clusters_learn() {
     assert!(topk[0].bytes_pulled_per_step < dense[0].bytes_pulled_per_step);
 }
 
+/// A dense step copies each message about once per stage: the worker
+/// encodes its push once (straight from its gradient) and the server its
+/// reply once; each side copies a received payload once from the
+/// transport into the aligned buffer it is validated in, and decodes its
+/// vectors once. Counted bytes, not time.
+#[test]
+fn a_dense_step_copies_each_payload_about_once_per_stage() {
+    let (store, prefix) = synthetic_bucket_blocking(&SyntheticSpec {
+        train: 1024,
+        test: 256,
+        ..SyntheticSpec::default()
+    });
+    let cfg = test_config(CompressionKind::None, 1.0, 1);
+    let shards = cfg.total_shards() as f64;
+    let (reports, _, servers) = ps_tests::run_cluster_counted(
+        cfg,
+        &|_| ps_worker::simulate::Simulation::default(),
+        store,
+        prefix,
+        None,
+    )
+    .expect("cluster run");
+    // Fields, tags and the root of one message, per shard.
+    let slack = 256.0 * shards;
+    let mut pushed = 0.0;
+    let mut steps = 0.0;
+    for r in &reports {
+        let payload = 4.0 * r.num_params as f64;
+        println!(
+            "worker {}: per step pushed {:.0} B, pulled {:.0} B; copied: encoded {:.0} B, read {:.0} B, decoded {:.0} B ({:.2}x, {:.2}x, {:.2}x the dense payload)",
+            r.rank,
+            r.bytes_pushed_per_step,
+            r.bytes_pulled_per_step,
+            r.bytes_encoded_per_step,
+            r.bytes_read_per_step,
+            r.bytes_decoded_per_step,
+            r.bytes_encoded_per_step / payload,
+            r.bytes_read_per_step / payload,
+            r.bytes_decoded_per_step / payload,
+        );
+        // Pushes count their frames, replies their values.
+        assert!(r.bytes_pushed_per_step >= payload, "dense pushes");
+        assert_eq!(r.bytes_pulled_per_step, payload, "dense replies");
+        // The push direction, worker side: one encoding.
+        assert!(r.bytes_encoded_per_step >= payload);
+        assert!(r.bytes_encoded_per_step <= payload + slack);
+        // The reply direction, worker side: one read, one decode.
+        assert!(r.bytes_read_per_step >= payload);
+        assert!(r.bytes_read_per_step <= payload + slack);
+        assert!(r.bytes_decoded_per_step <= payload);
+        pushed += payload * r.steps as f64;
+        steps += r.steps as f64;
+    }
+    // The server, per push it received: one read, one decode; its replies
+    // encoded once per shard and step for every worker (BSP: one reply).
+    let server = servers[0];
+    let workers = reports.len() as f64;
+    let payload = 4.0 * reports[0].num_params as f64;
+    let per_worker_step = |b: u64| b as f64 / steps;
+    println!(
+        "server: per worker and step read {:.0} B, decoded {:.0} B; encoded {:.0} B per step",
+        per_worker_step(server.read),
+        per_worker_step(server.decoded),
+        server.encoded as f64 * workers / steps,
+    );
+    // Offers at the start add one dense payload per worker.
+    let offers = payload * workers;
+    assert!(server.read as f64 >= pushed);
+    assert!((server.read as f64) <= pushed + offers + slack * (steps + workers));
+    assert!((server.decoded as f64) <= pushed + offers);
+    // One encoding of each step's reply, shared by the workers.
+    let step_count = steps / workers;
+    assert!((server.encoded as f64) <= (step_count + workers) * (payload + slack));
+}
+
 #[test]
 fn two_server_processes_serve_their_shards() {
     let (store, prefix) = synthetic_bucket_blocking(&spec());

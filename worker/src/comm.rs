@@ -35,8 +35,9 @@ use quinn::Connection;
 
 use ps_net::pki::CertPair;
 use ps_net::protocol::{
-    close, encode_request, encoded_indices_len, ErrorCode, ParamUpdate, Request, Response,
-    ShardRange, WireGrad, WireValues, PROTOCOL_VERSION,
+    close, encode_offer, encode_step, encoded_indices_len, response_vector_bytes, Copied,
+    EncodedFrame, ErrorCode, GradView, ParamUpdate, Request, Response, ShardRange, ValuesView,
+    WireGrad, PROTOCOL_VERSION,
 };
 use ps_net::transport::{self, EndpointLimits, TransportError};
 use ps_shared::config::ClusterConfig;
@@ -131,6 +132,9 @@ pub struct Traffic {
     /// `t` it is `t + 1`, unless the worker was declared dead and the
     /// cluster went on without it: then the worker continues from here.
     pub next_step: u64,
+    /// Bytes this worker copied encoding its requests and receiving and
+    /// decoding the replies (every attempt of the exchange).
+    pub copied: Copied,
 }
 
 /// The worker's current flat parameters (what it offers a restarted server).
@@ -187,6 +191,8 @@ pub struct Comm {
     f16: bool,
     link: LinkLimiter,
     params: ParamSource,
+    /// Bytes copied since the last exchange's figures were taken.
+    copied: std::cell::Cell<Copied>,
 }
 
 /// Bytes an update takes on the wire (values, and delta-encoded indices).
@@ -213,7 +219,37 @@ async fn sleep_until(at: std::time::Instant) {
 struct Frame {
     step: u64,
     have_version: Option<u64>,
-    bytes: Rc<Vec<u8>>,
+    bytes: EncodedFrame,
+}
+
+/// A step's gradient, held whole and encoded per shard straight from it:
+/// the dense gradient is never split into copies, the shards' frames take
+/// their slices of it.
+enum Pushes {
+    /// No gradient (a join).
+    None,
+    /// The whole dense gradient; shard `i` is `map.ranges()[i]` of it.
+    Dense(Vec<f32>),
+    /// Each shard's dense values as f16 bits.
+    DenseF16(Vec<Vec<u16>>),
+    /// Each shard's sparse gradient (local indices).
+    Sparse(Vec<WireGrad>),
+}
+
+impl Pushes {
+    fn view<'a>(&'a self, map: &ShardMap, shard: usize) -> Option<GradView<'a>> {
+        match self {
+            Pushes::None => None,
+            Pushes::Dense(d) => map
+                .split_dense(d)
+                .get(shard)
+                .map(|v| GradView::Dense(ValuesView::F32(v))),
+            Pushes::DenseF16(parts) => parts
+                .get(shard)
+                .map(|v| GradView::Dense(ValuesView::F16(v))),
+            Pushes::Sparse(parts) => parts.get(shard).map(GradView::from),
+        }
+    }
 }
 
 impl Comm {
@@ -326,6 +362,7 @@ impl Comm {
             f16: cfg.compression.f16_values,
             link: LinkLimiter::new(link),
             params,
+            copied: std::cell::Cell::new(Copied::default()),
         })
     }
 
@@ -376,16 +413,23 @@ impl Comm {
         &self,
         token: Token,
         shard: ShardId,
-        frame: Rc<Vec<u8>>,
+        frame: EncodedFrame,
         at: std::time::Instant,
         what: &'static str,
     ) -> Event {
         sleep_until(at).await;
         let (server, conn) = self.conn_of(self.route[shard]);
         self.link.send(frame.len() as u64).await;
-        let call = transport::call_raw(&conn, &frame, self.dialer.max_frame);
+        let call = transport::call_frame(&conn, &frame, self.dialer.max_frame);
         let resp = match tokio::time::timeout(self.dialer.request_timeout, call).await {
-            Ok(Ok(resp)) => resp,
+            Ok(Ok((resp, read))) => {
+                self.count(Copied {
+                    read: read as u64,
+                    decoded: response_vector_bytes(&resp) as u64,
+                    ..Copied::default()
+                });
+                resp
+            }
             Ok(Err(e)) => {
                 return Event::ConnLost {
                     token,
@@ -486,6 +530,21 @@ impl Comm {
         }
     }
 
+    fn count(&self, c: Copied) {
+        let mut all = self.copied.get();
+        all.add(c);
+        self.copied.set(all);
+    }
+
+    /// An encoded request, counted.
+    fn encoded(&self, frame: EncodedFrame) -> EncodedFrame {
+        self.count(Copied {
+            encoded: frame.payload().len() as u64,
+            ..Copied::default()
+        });
+        frame
+    }
+
     /// The request frame of an offer of `shard` from `params`.
     fn offer_frame(
         &self,
@@ -493,7 +552,7 @@ impl Comm {
         version: u64,
         next_step: u64,
         params: &[f32],
-    ) -> Result<Rc<Vec<u8>>, CommError> {
+    ) -> Result<EncodedFrame, CommError> {
         let range = self.map.ranges()[shard].clone();
         let values = params.get(range.clone()).ok_or_else(|| {
             CommError::Layout(format!(
@@ -501,13 +560,9 @@ impl Comm {
                 params.len()
             ))
         })?;
-        let req = Request::Offer {
-            shard: shard as u32,
-            version,
-            next_step,
-            values: values.to_vec(),
-        };
-        Ok(Rc::new(encode_request(&req).map_err(TransportError::from)?))
+        let frame =
+            encode_offer(shard as u32, version, next_step, values).map_err(TransportError::from)?;
+        Ok(self.encoded(frame))
     }
 
     /// The error the core's reason to give up is to the caller.
@@ -536,7 +591,7 @@ impl Comm {
     /// Run one exchange (`start`: a join or a step whose per-shard
     /// gradients are `grads`) to its end: carry out the core's actions and
     /// feed their outcomes back.
-    async fn drive(&self, start: Event, grads: &[WireGrad]) -> Result<Delivery, CommError> {
+    async fn drive(&self, start: Event, grads: &Pushes) -> Result<Delivery, CommError> {
         let mut frames: Vec<Option<Frame>> = (0..self.route.len()).map(|_| None).collect();
         let mut params: Option<Rc<Vec<f32>>> = None;
         let mut inflight: FuturesUnordered<LocalBoxFuture<'_, Event>> = FuturesUnordered::new();
@@ -567,17 +622,12 @@ impl Comm {
                         let bytes = match reuse {
                             Some(b) => b,
                             None => {
-                                let grad = grads.get(shard).cloned().ok_or_else(|| {
+                                let grad = grads.view(&self.map, shard).ok_or_else(|| {
                                     CommError::Layout(format!("no gradient for shard {shard}"))
                                 })?;
-                                let req = Request::Step {
-                                    shard: shard as u32,
-                                    step,
-                                    have_version,
-                                    grad,
-                                };
-                                let bytes =
-                                    Rc::new(encode_request(&req).map_err(TransportError::from)?);
+                                let frame = encode_step(shard as u32, step, have_version, grad)
+                                    .map_err(TransportError::from)?;
+                                let bytes = self.encoded(frame);
                                 frames[shard] = Some(Frame {
                                     step,
                                     have_version,
@@ -642,6 +692,7 @@ impl Comm {
             live_workers: d.live_workers,
             density: None,
             next_step: d.next_step,
+            copied: self.copied.take(),
         };
         let updates = d
             .updates
@@ -657,7 +708,8 @@ impl Comm {
     /// Offer the initial (or current) parameters to every shard and return
     /// the parameters every worker starts from.
     pub async fn join(&self) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
-        let d = self.drive(Event::JoinRequested, &[]).await?;
+        self.copied.take();
+        let d = self.drive(Event::JoinRequested, &Pushes::None).await?;
         Ok(self.updates(d))
     }
 
@@ -666,21 +718,25 @@ impl Comm {
     /// restarted server (reconnect, offer, send the step again), and moves
     /// to the cluster's step when fenced ([`Traffic::next_step`]).
     pub async fn step(&self, grad: Outgoing) -> Result<(Vec<ShardUpdate>, Traffic), CommError> {
-        let per_shard: Vec<WireGrad> = match grad {
-            Outgoing::Sparse(g) => self
-                .map
-                .split(&g)
-                .into_iter()
-                .map(|g| WireGrad::from_sparse(g, self.f16))
-                .collect(),
-            Outgoing::Dense(d) => self
-                .map
-                .split_dense(&d)
-                .into_iter()
-                .map(|part| WireGrad::Dense(WireValues::encode(part.to_vec(), self.f16)))
-                .collect(),
+        let pushes = match grad {
+            Outgoing::Sparse(g) => Pushes::Sparse(
+                self.map
+                    .split(&g)
+                    .into_iter()
+                    .map(|g| WireGrad::from_sparse(g, self.f16))
+                    .collect(),
+            ),
+            Outgoing::Dense(d) if self.f16 => Pushes::DenseF16(
+                self.map
+                    .split_dense(&d)
+                    .into_iter()
+                    .map(ps_shared::sparse::values_to_f16)
+                    .collect(),
+            ),
+            Outgoing::Dense(d) => Pushes::Dense(d),
         };
-        let d = self.drive(Event::StepRequested, &per_shard).await?;
+        self.copied.take();
+        let d = self.drive(Event::StepRequested, &pushes).await?;
         if d.next_step > d.pushed_step + 1 && d.fenced == 0 {
             // Backup workers: this push was late and joined a later update.
             tracing::debug!(

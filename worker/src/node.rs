@@ -691,6 +691,7 @@ mod tests {
             live_workers: 4,
             density: Some(0.01),
             next_step: 7,
+            copied: Default::default(),
         };
         let replies = fan_out(Ok((updates, traffic)), 3);
         assert_eq!(replies.len(), 3);

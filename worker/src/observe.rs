@@ -42,6 +42,9 @@ pub struct StepFigures {
     pub samples: u64,
     pub bytes_pushed: u64,
     pub bytes_pulled: u64,
+    /// Bytes the step's exchange copied: requests encoded, replies read
+    /// from the transport and decoded (see `ps_net::protocol::Copied`).
+    pub bytes_copied: u64,
 }
 
 impl StepFigures {
@@ -96,6 +99,10 @@ fn describe() {
         describe_counter!(
             "stratus_worker_pulled_bytes_total",
             "Application bytes pulled from the servers."
+        );
+        describe_counter!(
+            "stratus_worker_copied_bytes_total",
+            "Bytes the exchanges copied: requests encoded, replies read and decoded."
         );
         describe_counter!(
             "stratus_worker_round_trips_total",
@@ -158,6 +165,7 @@ pub struct WorkerSeries {
     step: Gauge,
     pushed: Counter,
     pulled: Counter,
+    copied: Counter,
     round_trips: Counter,
     live_workers: Gauge,
     gets: Counter,
@@ -195,6 +203,7 @@ impl WorkerSeries {
             step: gauge!("stratus_worker_step", "rank" => r.clone()),
             pushed: counter!("stratus_worker_pushed_bytes_total", "rank" => r.clone()),
             pulled: counter!("stratus_worker_pulled_bytes_total", "rank" => r.clone()),
+            copied: counter!("stratus_worker_copied_bytes_total", "rank" => r.clone()),
             round_trips: counter!("stratus_worker_round_trips_total", "rank" => r.clone()),
             live_workers: gauge!("stratus_worker_live_workers", "rank" => r.clone()),
             gets: counter!("stratus_worker_bucket_gets_total", "rank" => r.clone()),
@@ -226,6 +235,7 @@ impl WorkerSeries {
         self.step.set(f.step as f64);
         self.pushed.increment(f.bytes_pushed);
         self.pulled.increment(f.bytes_pulled);
+        self.copied.increment(f.bytes_copied);
         self.round_trips.increment(round_trips);
         self.live_workers.set(f64::from(live_workers));
     }
@@ -305,6 +315,7 @@ mod tests {
             samples: 32,
             bytes_pushed: 1200,
             bytes_pulled: 3400,
+            bytes_copied: 5600,
         };
         let line = f.jsonl(7);
         assert!(!line.contains('\n'));
@@ -316,8 +327,9 @@ mod tests {
         assert_eq!(v["loss"], 0.75);
         assert_eq!(v["exchange_s"], 0.004);
         assert_eq!(v["bytes_pulled"], 3400);
+        assert_eq!(v["bytes_copied"], 5600);
         let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 13, "{keys:?}");
+        assert_eq!(keys.len(), 14, "{keys:?}");
     }
 
     #[test]

@@ -449,6 +449,11 @@ pub struct WorkerReport {
     pub final_accuracy: f32,
     pub bytes_pushed_per_step: f64,
     pub bytes_pulled_per_step: f64,
+    /// Bytes the exchanges copied per step, by stage: requests encoded,
+    /// replies read from the transport, replies' vectors decoded.
+    pub bytes_encoded_per_step: f64,
+    pub bytes_read_per_step: f64,
+    pub bytes_decoded_per_step: f64,
     pub data_wait_s: f64,
     pub compute_s: f64,
     pub comm_s: f64,
@@ -1197,6 +1202,7 @@ async fn train(
         acc.pulled += traffic.pulled;
         evals.pushed += traffic.pushed;
         evals.pulled += traffic.pulled;
+        evals.copied.add(traffic.copied);
         acc.density_sum += traffic.density.unwrap_or(out.density);
         step += 1;
         let figures = StepFigures {
@@ -1211,6 +1217,7 @@ async fn train(
             samples: pos.samples.len() as u64,
             bytes_pushed: traffic.pushed,
             bytes_pulled: traffic.pulled,
+            bytes_copied: traffic.copied.total(),
         };
         series.step(&figures, traffic.round_trips, traffic.live_workers);
         series.data_plane(&loader.stats().total(), loader.ready());
@@ -1323,6 +1330,9 @@ async fn train(
         final_accuracy,
         bytes_pushed_per_step: sum(|r| r.bytes_pushed as f64) / steps,
         bytes_pulled_per_step: sum(|r| r.bytes_pulled as f64) / steps,
+        bytes_encoded_per_step: evals.copied.encoded as f64 / steps,
+        bytes_read_per_step: evals.copied.read as f64 / steps,
+        bytes_decoded_per_step: evals.copied.decoded as f64 / steps,
         data_wait_s: sum(|r| r.data_wait_s),
         compute_s: sum(|r| r.compute_s),
         comm_s: sum(|r| r.comm_s),
@@ -1563,6 +1573,8 @@ struct Evals {
     spent: Duration,
     pushed: u64,
     pulled: u64,
+    /// Bytes the exchanges copied (see [`ps_net::protocol::Copied`]).
+    copied: ps_net::protocol::Copied,
     /// The last `keep` training batches (shared, not copied), on which a
     /// model with batch norm recomputes its running statistics before each
     /// evaluation; `keep` is 0 for models without batch norm.
@@ -1587,6 +1599,7 @@ impl Evals {
             spent: Duration::ZERO,
             pushed: 0,
             pulled: 0,
+            copied: Default::default(),
             recent: VecDeque::new(),
             keep,
             chunk: 0,

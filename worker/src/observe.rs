@@ -340,7 +340,7 @@ mod tests {
         assert_eq!(v["density"], 0.01);
         assert_eq!(v["train_s"], 1.25);
         let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 14, "{keys:?}");
+        assert_eq!(keys.len(), 16, "{keys:?}");
     }
 
     #[test]

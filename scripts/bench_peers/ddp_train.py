@@ -9,6 +9,12 @@ files (see stratus_dataset.py), and writes a JSON report shaped like the one of
     bytes_pushed_per_step, bytes_pulled_per_step, final_accuracy, stop_reason,
     evals: [{step, train_s, test_accuracy, test_loss, bytes_pushed, bytes_pulled}]
 
+plus, per step, `step_train_s`: the training clock (evaluation left out) at
+the end of each step, so the difference of two neighbours is a step's wall
+time, and `startup_steps`: the steps before the steady state (1 for dense
+DDP, whose first iteration builds its buckets; `--powersgd-start` for
+PowerSGD, whose hook all-reduces densely until then).
+
 What is measured, and how it lines up with Stratus:
 
 * The model is built like the Stratus worker's MLP: weights uniform in
@@ -232,6 +238,7 @@ def main():
         return int(raw * ring)
 
     evals = []
+    step_train_s = []
     step = 0
     epoch = 0
     data_s = fb_s = opt_s = 0.0
@@ -276,6 +283,7 @@ def main():
             fb_s += t2 - t1
             opt_s += t3 - t2
             step += 1
+            step_train_s.append(train_s_now())
             if args.eval_every > 0 and step % args.eval_every == 0:
                 do_eval()
             if stop_reason is None and args.max_steps > 0 and step >= args.max_steps:
@@ -311,6 +319,8 @@ def main():
         "final_accuracy": evals[-1]["test_accuracy"] if evals else None,
         "stop_reason": stop_reason,
         "evals": evals,
+        "step_train_s": step_train_s,
+        "startup_steps": args.powersgd_start if args.mode == "powersgd" else 1,
         "settings": {
             "lr": args.lr, "momentum": args.momentum, "batch": args.batch, "seed": args.seed,
             "hidden": hidden, "threads": args.threads, "torch": torch.__version__,
@@ -327,7 +337,13 @@ def main():
     # leaving together keeps gloo from tearing down a pair mid-operation,
     # which has aborted a rank after its report was written.
     dist.barrier()
-    dist.destroy_process_group()
+    # Past the barrier the run is over and its report written; gloo's
+    # teardown at interpreter exit has still aborted a rank now and then
+    # ("terminate called without an active exception"), which would mark a
+    # finished run as failed, so leave without running it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

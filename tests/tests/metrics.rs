@@ -188,7 +188,19 @@ fn scraped_series_move_during_a_run() {
         assert!(r["loss"].as_f64().is_some_and(f64::is_finite), "{r}");
         assert!(r["bytes_pushed"].as_u64().is_some_and(|b| b > 0), "{r}");
         assert!(r["exchange_s"].as_f64().is_some_and(|s| s > 0.0), "{r}");
+        // Top-k 5%: the push carried about 5% of the entries.
+        assert!(
+            r["density"].as_f64().is_some_and(|d| d > 0.0 && d < 0.1),
+            "{r}"
+        );
     }
+    // The training clock grows from record to record.
+    let clock: Vec<f64> = step_records
+        .iter()
+        .map(|r| r["train_s"].as_f64().expect("train_s"))
+        .collect();
+    assert!(clock[0] > 0.0, "{jsonl}");
+    assert!(clock.windows(2).all(|w| w[1] > w[0]), "{jsonl}");
     let epochs = jsonl
         .lines()
         .filter(|l| !l.contains("\"record\":\"step\""))

@@ -45,6 +45,13 @@ pub struct StepFigures {
     /// Bytes the step's exchange copied: requests encoded, replies read
     /// from the transport and decoded (see `ps_net::protocol::Copied`).
     pub bytes_copied: u64,
+    /// Fraction of the gradient's entries the step's push carried (1 when
+    /// dense; with a top-k warm-up, the density in force at this step).
+    pub density: f64,
+    /// The run's training clock when the step ended: seconds since its
+    /// first step, evaluation left out. The difference of two consecutive
+    /// records is the later step's wall time.
+    pub train_s: f64,
 }
 
 impl StepFigures {
@@ -316,6 +323,8 @@ mod tests {
             bytes_pushed: 1200,
             bytes_pulled: 3400,
             bytes_copied: 5600,
+            density: 0.01,
+            train_s: 1.25,
         };
         let line = f.jsonl(7);
         assert!(!line.contains('\n'));
@@ -328,8 +337,10 @@ mod tests {
         assert_eq!(v["exchange_s"], 0.004);
         assert_eq!(v["bytes_pulled"], 3400);
         assert_eq!(v["bytes_copied"], 5600);
+        assert_eq!(v["density"], 0.01);
+        assert_eq!(v["train_s"], 1.25);
         let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 14, "{keys:?}");
+        assert_eq!(keys.len(), 16, "{keys:?}");
     }
 
     #[test]

@@ -1203,7 +1203,8 @@ async fn train(
         evals.pushed += traffic.pushed;
         evals.pulled += traffic.pulled;
         evals.copied.add(traffic.copied);
-        acc.density_sum += traffic.density.unwrap_or(out.density);
+        let density = traffic.density.unwrap_or(out.density);
+        acc.density_sum += density;
         step += 1;
         let figures = StepFigures {
             step,
@@ -1218,6 +1219,8 @@ async fn train(
             bytes_pushed: traffic.pushed,
             bytes_pulled: traffic.pulled,
             bytes_copied: traffic.copied.total(),
+            density,
+            train_s: evals.train_s(),
         };
         series.step(&figures, traffic.round_trips, traffic.live_workers);
         series.data_plane(&loader.stats().total(), loader.ready());

@@ -431,27 +431,30 @@ fn metrics_addr_serves_the_documented_series_from_both_binaries() {
             "no {name} in\n{from_server}"
         );
     }
-    // The series move while the run goes on: after the second epoch line,
-    // a second scrape counts at least one more epoch of steps, samples,
-    // bytes, updates and pushes, and the shard's version has advanced.
+    // The series move while the run goes on: a second scrape, after the
+    // second epoch line, reads more than the first did, and at least two
+    // epochs' worth of steps, samples, updates, pushes and shard versions.
+    // (The run goes on between an epoch line and its scrape, so the first
+    // scrape may already count steps of the second epoch.)
     let epoch2 = worker.next_stdout_line();
     let again_worker = scrape(worker_addr);
     let again_server = scrape(server_addr);
-    let samples_per_epoch = (per_epoch as usize * cluster.cfg.data.batch_size) as f64;
+    let two_epochs_samples = 2.0 * (per_epoch as usize * cluster.cfg.data.batch_size) as f64;
+    let two_epochs = 2.0 * per_epoch;
     for (text, before, name, label, at_least) in [
         (
             &again_worker,
             &from_worker,
             "stratus_worker_steps_total",
             "rank=\"0\"",
-            per_epoch,
+            two_epochs,
         ),
         (
             &again_worker,
             &from_worker,
             "stratus_worker_samples_total",
             "",
-            samples_per_epoch,
+            two_epochs_samples,
         ),
         (
             &again_worker,
@@ -465,28 +468,28 @@ fn metrics_addr_serves_the_documented_series_from_both_binaries() {
             &from_server,
             "stratus_server_updates_total",
             "shard=\"0\"",
-            per_epoch,
+            two_epochs,
         ),
         (
             &again_server,
             &from_server,
             "stratus_server_pushes_total",
             "",
-            per_epoch,
+            two_epochs,
         ),
         (
             &again_server,
             &from_server,
             "stratus_server_shard_version",
             "shard=\"0\"",
-            per_epoch,
+            two_epochs,
         ),
     ] {
         let first = sample(before, name, label).unwrap_or_else(|| panic!("no {name}"));
         let second = sample(text, name, label).unwrap_or_else(|| panic!("no {name} in\n{text}"));
         assert!(
-            second - first >= at_least,
-            "{name}{{{label}}} went from {first} to {second} between `{epoch}` and `{epoch2}` (at least {at_least} expected)"
+            second > first && second >= at_least,
+            "{name}{{{label}}} went from {first} to {second} between `{epoch}` and `{epoch2}` (more, and at least {at_least}, expected)"
         );
     }
     let steps2 = sample(&again_worker, "stratus_worker_steps_total", "rank=\"0\"").unwrap_or(0.0);

@@ -6,7 +6,7 @@ use std::time::Instant;
 use ps_net::protocol::ErrorCode;
 use ps_shared::config::SyncMode;
 
-use super::{refusal, Action, ConnId, Parked, ReplyId, ShardCore, Wait};
+use super::{Action, ConnId, Parked, ReplyId, ShardCore, Wait};
 
 impl ShardCore {
     /// Ranks that may be in the barrier.
@@ -106,19 +106,12 @@ impl ShardCore {
         out: &mut Vec<Action>,
     ) {
         if self.parked_on(conn) >= self.settings.max_parked_per_conn {
-            self.stats.refused += 1;
-            out.push(Action::Reply {
-                to: reply,
-                response: refusal(
-                    ErrorCode::TooManyPending,
-                    format!(
-                        "more than {} requests waiting on shard {} from one connection",
-                        self.settings.max_parked_per_conn,
-                        self.id()
-                    ),
-                ),
-            });
-            return;
+            let message = format!(
+                "more than {} requests waiting on shard {} from one connection",
+                self.settings.max_parked_per_conn,
+                self.id()
+            );
+            return self.refuse(reply, ErrorCode::TooManyPending, message, out);
         }
         self.parked.push(Parked {
             reply,

@@ -9,7 +9,7 @@ use ps_shared::config::SyncMode;
 
 use crate::checkpoint::ShardCheckpoint;
 
-use super::{checksum, refusal, Action, ConnId, ReplyId, ShardCore, Wait};
+use super::{checksum, Action, ConnId, ReplyId, ShardCore, Wait};
 
 /// Where a starting shard took its parameters from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,28 +84,21 @@ impl ShardCore {
         out: &mut Vec<Action>,
     ) {
         if values.len() != self.len() {
-            self.stats.refused += 1;
-            out.push(Action::Reply {
-                to: reply,
-                response: refusal(
-                    ErrorCode::WrongLength,
-                    format!(
-                        "offer for shard {} has {} values, the shard has {}",
-                        self.id(),
-                        values.len(),
-                        self.len()
-                    ),
-                ),
-            });
-            return;
+            let message = format!(
+                "offer for shard {} has {} values, the shard has {}",
+                self.id(),
+                values.len(),
+                self.len()
+            );
+            return self.refuse(reply, ErrorCode::WrongLength, message, out);
         }
         if values.iter().any(|v| !v.is_finite()) {
-            self.stats.refused += 1;
-            out.push(Action::Reply {
-                to: reply,
-                response: refusal(ErrorCode::NonFinite, "offered values must be finite"),
-            });
-            return;
+            return self.refuse(
+                reply,
+                ErrorCode::NonFinite,
+                "offered values must be finite",
+                out,
+            );
         }
         let sum = checksum(&values);
         let Some(rec) = self.recovery.as_mut() else {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ps_net::protocol::{ErrorCode, ParamUpdate, Response};
 use ps_shared::config::SyncMode;
 
-use super::{checksum, refusal, Action, Parked, ShardCore, Wait};
+use super::{checksum, refusal, Action, Parked, ReplyId, ShardCore, Wait};
 
 impl ShardCore {
     /// Entries changed between `have` and now, if remembered and few.
@@ -110,6 +110,21 @@ impl ShardCore {
                 self.parked.push(p);
             }
         }
+    }
+
+    /// Answers request `reply` with an error and counts it as refused.
+    pub(super) fn refuse(
+        &mut self,
+        reply: ReplyId,
+        code: ErrorCode,
+        message: impl Into<String>,
+        out: &mut Vec<Action>,
+    ) {
+        self.stats.refused += 1;
+        out.push(Action::Reply {
+            to: reply,
+            response: refusal(code, message),
+        });
     }
 
     /// Refuse every parked reply that `pick` selects with `code` and

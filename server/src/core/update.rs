@@ -9,7 +9,7 @@ use ps_shared::sparse::topk_exact;
 
 use crate::optimizer::{check_update, fused_update_timed, lazy_update};
 
-use super::{refusal, Action, ConnId, ReplyId, ShardCore, Wait, MAX_FOLD_LAG};
+use super::{Action, ConnId, ReplyId, ShardCore, Wait, MAX_FOLD_LAG};
 
 /// Changed-index sets kept for sparse replies (one per recent version).
 const CHANGE_HISTORY: usize = 64;
@@ -35,30 +35,16 @@ impl ShardCore {
         now: Instant,
         out: &mut Vec<Action>,
     ) {
-        let refuse = |out: &mut Vec<Action>, code, message: String| {
-            out.push(Action::Reply {
-                to: reply,
-                response: refusal(code, message),
-            })
-        };
         if self.recovery.is_some() {
-            self.stats.refused += 1;
-            return refuse(
-                out,
-                ErrorCode::NotInitialized,
-                format!("shard {} is starting: offer your copy first", self.id()),
-            );
+            let message = format!("shard {} is starting: offer your copy first", self.id());
+            return self.refuse(reply, ErrorCode::NotInitialized, message, out);
         }
         if self.live.get(&rank) != Some(&Some(conn)) {
-            self.stats.refused += 1;
-            return refuse(
-                out,
-                ErrorCode::UnknownWorker,
-                format!(
-                    "worker {rank} is not in shard {}'s barrier on this connection",
-                    self.id()
-                ),
+            let message = format!(
+                "worker {rank} is not in shard {}'s barrier on this connection",
+                self.id()
             );
+            return self.refuse(reply, ErrorCode::UnknownWorker, message, out);
         }
         let grad = match self.check_push(grad) {
             Ok(g) => g,
@@ -73,15 +59,11 @@ impl ShardCore {
         };
         let expected = self.next_step(rank);
         if step > expected {
-            self.stats.refused += 1;
-            return refuse(
-                out,
-                ErrorCode::WrongStep,
-                format!(
-                    "push for step {step}, shard {} expects step {expected} from worker {rank}",
-                    self.id()
-                ),
+            let message = format!(
+                "push for step {step}, shard {} expects step {expected} from worker {rank}",
+                self.id()
             );
+            return self.refuse(reply, ErrorCode::WrongStep, message, out);
         }
         if step < expected {
             if self.foldable(rank, step, expected) {
@@ -112,16 +94,12 @@ impl ShardCore {
                 // Applied without this rank: it was declared dead for that
                 // step (or never pushed it). Its gradient is stale; it must
                 // take the cluster's parameters and step (an offer) instead.
-                self.stats.refused += 1;
                 self.stats.fenced += 1;
-                return refuse(
-                    out,
-                    ErrorCode::Fenced,
-                    format!(
-                        "push for step {step}, but shard {} applied it without worker {rank} and expects step {expected}: offer your copy and continue at step {expected}",
-                        self.id()
-                    ),
+                let message = format!(
+                    "push for step {step}, but shard {} applied it without worker {rank} and expects step {expected}: offer your copy and continue at step {expected}",
+                    self.id()
                 );
+                return self.refuse(reply, ErrorCode::Fenced, message, out);
             }
             // Already applied with this push (a retry after a lost reply):
             // answer with the current parameters.
@@ -160,8 +138,7 @@ impl ShardCore {
                 self.accumulate(grad);
                 let scale = 1.0 / self.live.len().max(1) as f32;
                 if let Err(message) = self.apply(scale, out) {
-                    self.stats.refused += 1;
-                    return refuse(out, ErrorCode::Internal, message);
+                    return self.refuse(reply, ErrorCode::Internal, message, out);
                 }
                 self.counted.insert(rank, step);
                 *self.clocks.entry(rank).or_insert(0) += 1;

@@ -698,14 +698,8 @@ mod tests {
     use proptest::prelude::*;
     use rand::Rng;
 
-    /// Top-k settings at `density` with DGC momentum correction off (the
-    /// section's default has it at 0.9); the rest as the section's default.
     fn topk_config(density: f64) -> CompressionSection {
-        CompressionSection {
-            density,
-            momentum_correction: 0.0,
-            ..CompressionSection::default()
-        }
+        CompressionSection::topk_for_tests(density)
     }
 
     fn gaussian(len: usize, seed: u64) -> Vec<f32> {

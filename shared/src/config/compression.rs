@@ -165,17 +165,26 @@ impl CompressionSection {
 }
 
 #[cfg(test)]
+impl CompressionSection {
+    /// Top-k settings at `density` with DGC momentum correction off (the
+    /// section's default has it at 0.9); the rest as the section's default.
+    /// For this crate's tests (config and sparse kernels).
+    pub(crate) fn topk_for_tests(density: f64) -> Self {
+        Self {
+            density,
+            momentum_correction: 0.0,
+            ..Self::default()
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::ClusterConfig;
 
-    /// Top-k settings at `density` with DGC momentum correction off.
     fn topk_config(density: f64) -> CompressionSection {
-        CompressionSection {
-            density,
-            momentum_correction: 0.0,
-            ..CompressionSection::default()
-        }
+        CompressionSection::topk_for_tests(density)
     }
 
     #[test]

@@ -19,10 +19,10 @@ use rkyv::rancor;
 pub use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
-use ps_shared::sparse::{values_from_f16, values_to_f16, SparseGrad};
+use ps_shared::sparse::{f16_to_f32, values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -242,6 +242,112 @@ pub enum ParamUpdate {
         indices: Vec<u32>,
         values: Vec<f32>,
     },
+    /// `compression.f16_replies`: the change of every entry of the shard
+    /// from version `base` (the version before the reply's), as f16 bits, to
+    /// be added to the worker's copy at `base`. The server rounds each change
+    /// on write, so the sum is bit for bit the server's own copy.
+    DenseDelta16 { base: u64, values: Vec<u16> },
+    /// As [`ParamUpdate::DenseDelta16`], for the entries that changed only.
+    SparseDelta16 {
+        base: u64,
+        #[rkyv(with = DeltaVarint)]
+        indices: Vec<u32>,
+        values: Vec<u16>,
+    },
+}
+
+/// Why an update could not be applied to a copy of a shard.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    #[error("update of {got} values for a shard of {want}")]
+    Length { got: usize, want: usize },
+    #[error("update index {index} outside a shard of {len}")]
+    Index { index: u32, len: usize },
+    #[error("update has {indices} indices but {values} values")]
+    Ragged { indices: usize, values: usize },
+}
+
+impl ParamUpdate {
+    /// The version a delta applies to; `None` for absolute values.
+    pub fn base(&self) -> Option<u64> {
+        match self {
+            ParamUpdate::Dense(_) | ParamUpdate::Sparse { .. } => None,
+            ParamUpdate::DenseDelta16 { base, .. } | ParamUpdate::SparseDelta16 { base, .. } => {
+                Some(*base)
+            }
+        }
+    }
+
+    /// Bytes of the update's vectors on the wire (indices as encoded).
+    pub fn wire_bytes(&self) -> usize {
+        match self {
+            ParamUpdate::Dense(v) => 4 * v.len(),
+            ParamUpdate::Sparse { indices, values } => {
+                encoded_indices_len(indices) + 4 * values.len()
+            }
+            ParamUpdate::DenseDelta16 { values, .. } => 2 * values.len() + 8,
+            ParamUpdate::SparseDelta16 {
+                indices, values, ..
+            } => encoded_indices_len(indices) + 2 * values.len() + 8,
+        }
+    }
+
+    /// Applies the update to `copy`, a whole shard (a delta to the copy at
+    /// its base). Checked whole before anything is written.
+    pub fn apply_to(&self, copy: &mut [f32]) -> Result<(), ApplyError> {
+        let check = |indices: &[u32], values: usize| {
+            if indices.len() != values {
+                return Err(ApplyError::Ragged {
+                    indices: indices.len(),
+                    values,
+                });
+            }
+            match indices.iter().find(|&&i| i as usize >= copy.len()) {
+                Some(&index) => Err(ApplyError::Index {
+                    index,
+                    len: copy.len(),
+                }),
+                None => Ok(()),
+            }
+        };
+        let whole = |got: usize| {
+            if got == copy.len() {
+                Ok(())
+            } else {
+                Err(ApplyError::Length {
+                    got,
+                    want: copy.len(),
+                })
+            }
+        };
+        match self {
+            ParamUpdate::Dense(values) => {
+                whole(values.len())?;
+                copy.copy_from_slice(values);
+            }
+            ParamUpdate::Sparse { indices, values } => {
+                check(indices, values.len())?;
+                for (&i, &v) in indices.iter().zip(values) {
+                    copy[i as usize] = v;
+                }
+            }
+            ParamUpdate::DenseDelta16 { values, .. } => {
+                whole(values.len())?;
+                for (c, &b) in copy.iter_mut().zip(values) {
+                    *c += f16_to_f32(b);
+                }
+            }
+            ParamUpdate::SparseDelta16 {
+                indices, values, ..
+            } => {
+                check(indices, values.len())?;
+                for (&i, &b) in indices.iter().zip(values) {
+                    copy[i as usize] += f16_to_f32(b);
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A worker's request. The rank is never a field: the server takes it from
@@ -498,13 +604,6 @@ fn grad_bytes(g: &WireGrad) -> usize {
     }
 }
 
-fn update_bytes(u: &ParamUpdate) -> usize {
-    match u {
-        ParamUpdate::Dense(v) => 4 * v.len(),
-        ParamUpdate::Sparse { indices, values } => encoded_indices_len(indices) + 4 * values.len(),
-    }
-}
-
 /// Bytes of the vectors (values and encoded indices) a request carries:
 /// what encoding or decoding it copies, besides a few hundred bytes of
 /// fields.
@@ -522,7 +621,7 @@ pub fn request_vector_bytes(req: &Request) -> usize {
 pub fn response_vector_bytes(resp: &Response) -> usize {
     match resp {
         Response::Welcome { shards, .. } => 24 * shards.len(),
-        Response::Params { update, .. } => update_bytes(update),
+        Response::Params { update, .. } => update.wire_bytes(),
         Response::Error { message, .. } => message.len(),
         Response::ByeAck | Response::HeartbeatAck => 0,
     }
@@ -814,6 +913,7 @@ pub fn request_wire_bytes(req: &Request) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ps_shared::sparse::f32_to_f16;
 
     fn round_trip_req(req: Request) {
         let frame = encode_request(&req).unwrap();
@@ -924,6 +1024,27 @@ mod tests {
                 next_step: 2,
                 live_workers: 1,
                 update: ParamUpdate::Dense(vec![0.0; 17]),
+            },
+            Response::Params {
+                shard: 1,
+                version: 4,
+                next_step: 4,
+                live_workers: 2,
+                update: ParamUpdate::DenseDelta16 {
+                    base: 3,
+                    values: vec![0x3c00, 0xbc00, 0],
+                },
+            },
+            Response::Params {
+                shard: 1,
+                version: 4,
+                next_step: 4,
+                live_workers: 2,
+                update: ParamUpdate::SparseDelta16 {
+                    base: 3,
+                    indices: vec![0, 7, 300],
+                    values: vec![0x3c00, 0xbc00, 0x3800],
+                },
             },
             Response::HeartbeatAck,
             Response::error(ErrorCode::WrongStep, "push for step 3, shard is at step 4"),
@@ -1088,6 +1209,75 @@ mod tests {
         };
         let frame = encode_response(&resp).unwrap();
         assert_eq!(decode_response(&frame[4..]).unwrap(), resp);
+    }
+
+    #[test]
+    fn updates_apply_to_a_copy_and_bad_ones_change_nothing() {
+        let one = f32_to_f16(1.0);
+        let half_bits = f32_to_f16(-0.5);
+        let mut copy = vec![1.0f32, 2.0, 3.0];
+        ParamUpdate::DenseDelta16 {
+            base: 0,
+            values: vec![one, half_bits, 0],
+        }
+        .apply_to(&mut copy)
+        .unwrap();
+        assert_eq!(copy, [2.0, 1.5, 3.0]);
+        ParamUpdate::SparseDelta16 {
+            base: 1,
+            indices: vec![2],
+            values: vec![one],
+        }
+        .apply_to(&mut copy)
+        .unwrap();
+        assert_eq!(copy, [2.0, 1.5, 4.0]);
+        ParamUpdate::Sparse {
+            indices: vec![0],
+            values: vec![9.0],
+        }
+        .apply_to(&mut copy)
+        .unwrap();
+        assert_eq!(copy, [9.0, 1.5, 4.0]);
+        for (bad, err) in [
+            (
+                ParamUpdate::DenseDelta16 {
+                    base: 0,
+                    values: vec![one; 2],
+                },
+                ApplyError::Length { got: 2, want: 3 },
+            ),
+            (
+                ParamUpdate::SparseDelta16 {
+                    base: 0,
+                    indices: vec![0, 3],
+                    values: vec![one; 2],
+                },
+                ApplyError::Index { index: 3, len: 3 },
+            ),
+            (
+                ParamUpdate::Sparse {
+                    indices: vec![0, 1],
+                    values: vec![1.0],
+                },
+                ApplyError::Ragged {
+                    indices: 2,
+                    values: 1,
+                },
+            ),
+        ] {
+            assert_eq!(bad.apply_to(&mut copy), Err(err));
+            assert_eq!(copy, [9.0, 1.5, 4.0]);
+        }
+        assert_eq!(
+            ParamUpdate::DenseDelta16 {
+                base: 0,
+                values: vec![0; 1000]
+            }
+            .wire_bytes()
+                * 2
+                - 16,
+            ParamUpdate::Dense(vec![0.0; 1000]).wire_bytes()
+        );
     }
 
     #[test]

@@ -685,6 +685,16 @@ pub fn values_to_f16(values: &[f32]) -> Vec<u16> {
         .collect()
 }
 
+/// One value as f16 bits ([`values_to_f16`]'s rounding).
+pub fn f32_to_f16(v: f32) -> u16 {
+    half::f16::from_f32(v).to_bits()
+}
+
+/// One f16 value from its bits.
+pub fn f16_to_f32(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
+}
+
 /// Decodes [`values_to_f16`] output.
 pub fn values_from_f16(bits: &[u16]) -> Vec<f32> {
     bits.iter()

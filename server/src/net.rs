@@ -699,6 +699,7 @@ pub async fn start(
             global_topk: cfg.compression.kind == CompressionKind::Topk
                 && cfg.compression.global_topk,
             backup: s.backup_workers,
+            f16_replies: cfg.compression.f16_replies,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);

@@ -43,6 +43,10 @@ fn describe() {
             "Late pushes (for a step applied without them, server.backup_workers) folded into the next update; also in pushes_total."
         );
         describe_counter!(
+            "stratus_server_rounded_updates_total",
+            "Updates whose change was rounded to f16 on write (compression.f16_replies)."
+        );
+        describe_counter!(
             "stratus_server_anomalies_total",
             "Pushes far above the recent median norm (server.grad_anomaly_factor)."
         );
@@ -120,6 +124,7 @@ pub struct ShardSeries {
     entries: Counter,
     refused: Counter,
     late: Counter,
+    rounded: Counter,
     anomalies: Counter,
     clipped: Counter,
     timeouts: Counter,
@@ -142,6 +147,7 @@ impl ShardSeries {
             entries: counter!("stratus_server_entries_applied_total", "shard" => s.clone()),
             refused: counter!("stratus_server_refused_pushes_total", "shard" => s.clone()),
             late: counter!("stratus_server_late_pushes_total", "shard" => s.clone()),
+            rounded: counter!("stratus_server_rounded_updates_total", "shard" => s.clone()),
             anomalies: counter!("stratus_server_anomalies_total", "shard" => s.clone()),
             clipped: counter!("stratus_server_clipped_pushes_total", "shard" => s.clone()),
             timeouts: counter!("stratus_server_barrier_timeouts_total", "shard" => s.clone()),
@@ -163,6 +169,8 @@ impl ShardSeries {
         self.refused.increment(d(before.refused, after.refused));
         self.late
             .increment(d(before.late_pushes, after.late_pushes));
+        self.rounded
+            .increment(d(before.rounded_updates, after.rounded_updates));
         self.anomalies
             .increment(d(before.anomalies, after.anomalies));
         self.clipped.increment(d(before.clipped, after.clipped));

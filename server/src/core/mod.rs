@@ -40,7 +40,7 @@
 //! use ps_net::protocol::{Response, WireGrad, WireValues};
 //!
 //! let rule = OptimizerSection { lr: 0.5, ..OptimizerSection::default() };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new(), backup: 0 };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new(), backup: 0, f16_replies: false };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -69,6 +69,7 @@ mod guard;
 mod membership;
 mod recovery;
 mod replies;
+mod rounding;
 #[cfg(test)]
 mod tests;
 mod update;
@@ -120,6 +121,10 @@ pub struct ShardSetup {
     /// when it is at most [`MAX_FOLD_LAG`] steps old; an older one is fenced.
     /// 0 = every live rank, and no push is ever folded.
     pub backup: u32,
+    /// `compression.f16_replies`: every update's change is rounded to f16
+    /// on write (the rest carried into the entry's next change), and a
+    /// worker one version behind gets the change as f16 bits.
+    pub f16_replies: bool,
 }
 
 impl ShardSetup {
@@ -308,6 +313,9 @@ pub struct CoreStats {
     /// Backup workers: late pushes (for a step applied without them) folded
     /// into the next update. Each is also counted in `pushes`.
     pub late_pushes: u64,
+    /// `f16_replies`: updates whose change was rounded to f16 (the others
+    /// had a change beyond f16's range and were written exactly).
+    pub rounded_updates: u64,
     /// CPU time of the dense updates' parallel work, summed over the rayon
     /// pool threads that ran it (the thread that feeds the core only waits
     /// for that work, so its own CPU time leaves it out).
@@ -324,7 +332,9 @@ pub struct ShardMemory {
     pub optimizer: usize,
     /// The aggregation buffer, its touched marks and the touched list.
     pub aggregation: usize,
-    /// The changed-index sets kept for sparse replies.
+    /// The changed-index sets kept for sparse replies, and with
+    /// `f16_replies` the workers' copy, the rounding carry and the last
+    /// change.
     pub history: usize,
 }
 
@@ -384,6 +394,9 @@ pub struct ShardCore {
     /// aggregation buffer can exceed it.
     checked_norm: f64,
     agg_peak: f64,
+    /// `ShardSetup::f16_replies`: the copy workers hold, the rounding carry
+    /// and the last change.
+    rounding: Option<rounding::Rounding>,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Arc<Response> {
@@ -443,6 +456,7 @@ impl ShardCore {
             recent_norms: NormWindow::default(),
             checked_norm: 0.0,
             agg_peak: 0.0,
+            rounding: setup.f16_replies.then(rounding::Rounding::default),
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -500,7 +514,8 @@ impl ShardCore {
                 .iter()
                 .flatten()
                 .map(|c| c.capacity() * size_of::<u32>())
-                .sum(),
+                .sum::<usize>()
+                + self.rounding.as_ref().map_or(0, rounding::Rounding::bytes),
         }
     }
 

@@ -167,6 +167,9 @@ impl ShardCore {
             return;
         };
         let report = self.decide(rec, start);
+        if let Some(r) = self.rounding.as_mut() {
+            r.sync(&self.params);
+        }
         tracing::info!(shard = self.id(), ?report, "shard starts");
         self.recovered = Some(report.clone());
         out.push(Action::Recovered(report));

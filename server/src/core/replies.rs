@@ -36,6 +36,14 @@ impl ShardCore {
     /// What a worker holding version `have` needs: a sparse delta when known
     /// and cheaper, else the whole shard.
     fn param_update(&self, have: Option<u64>) -> ParamUpdate {
+        if let Some(delta) = self
+            .rounding
+            .as_ref()
+            .filter(|_| have.is_some_and(|h| h + 1 == self.version))
+            .and_then(|r| r.delta_to(self.version))
+        {
+            return delta;
+        }
         match have.and_then(|h| self.changed_since(h)) {
             Some(changed) => ParamUpdate::Sparse {
                 values: changed.iter().map(|&i| self.params[i as usize]).collect(),

@@ -331,6 +331,12 @@ impl ShardCore {
             entries = self.len();
             self.changes.push_back(None);
         }
+        if let Some(r) = self.rounding.as_mut() {
+            let changed = self.changes.back().and_then(Option::as_deref);
+            if r.round(&mut self.params, changed, self.version + 1) {
+                self.stats.rounded_updates += 1;
+            }
+        }
         self.push_max = 0;
         if self.changes.len() > CHANGE_HISTORY {
             self.changes.pop_front();

@@ -47,6 +47,12 @@ pub struct CompressionSection {
     /// Send values as f16 on the wire (the transport's business; the
     /// compressor does not read it).
     pub f16_values: bool,
+    /// Pull replies carry each update's change as f16 (half the bytes of a
+    /// dense pull). The servers round every change on write and carry the
+    /// rounding error into the entry's next change, so every worker's copy
+    /// equals the server's bit for bit. Applies with any `kind`; a worker
+    /// more than one version behind still gets f32 values.
+    pub f16_replies: bool,
     /// Global top-k on the servers: each sparse update applies only the k
     /// largest entries of the workers' mean gradient (k = the largest push
     /// of that update) and keeps the rest in a server-side residual, saved
@@ -73,6 +79,7 @@ impl Default for CompressionSection {
             warmup_start_density: 0.25,
             clip_norm: 0.0,
             f16_values: false,
+            f16_replies: false,
             global_topk: false,
         }
     }

@@ -8,6 +8,7 @@ use super::*;
 
 mod backup;
 mod checkpoints;
+mod f16;
 mod guard;
 mod membership;
 mod recovery;
@@ -32,6 +33,7 @@ fn setup(workers: u32, momentum: f32, mode: SyncMode) -> ShardSetup {
         global_topk: false,
         decay: Vec::new(),
         backup: 0,
+        f16_replies: false,
     }
 }
 

@@ -389,6 +389,8 @@ fn describe(response: &Response) -> String {
             let kind = match update {
                 ParamUpdate::Dense(_) => "dense",
                 ParamUpdate::Sparse { .. } => "sparse",
+                ParamUpdate::DenseDelta16 { .. } => "dense f16 change",
+                ParamUpdate::SparseDelta16 { .. } => "sparse f16 change",
             };
             format!("{kind} params at version {version}")
         }
@@ -445,6 +447,7 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
             global_topk: case.global_topk,
             decay: Vec::new(),
             backup: 0,
+            f16_replies: false,
         };
         let core = ShardCore::new(setup, settings.clone(), None);
         let (version_tx, _) = watch::channel(0);

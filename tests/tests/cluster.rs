@@ -146,6 +146,41 @@ fn a_dense_step_copies_each_payload_about_once_per_stage() {
     assert!((server.encoded as f64) <= (step_count + workers) * (payload + slack));
 }
 
+/// `compression.f16_replies`: a dense pull carries each update's change in
+/// 2 bytes an entry instead of the values in 4, the servers round on write,
+/// and both workers still hold the same parameters.
+#[test]
+fn f16_replies_halve_dense_pulls_and_the_workers_stay_identical() {
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
+    let run = |f16: bool| {
+        let mut cfg = test_config(CompressionKind::None, 1.0, 6);
+        cfg.compression.f16_replies = f16;
+        run_cluster(cfg, store.clone(), prefix.clone()).expect("cluster run")
+    };
+    let exact = run(false);
+    let rounded = run(true);
+    summarize("dense f32 replies", &exact);
+    summarize("dense f16 replies", &rounded);
+    let ratio = rounded[0].bytes_pulled_per_step / exact[0].bytes_pulled_per_step;
+    println!(
+        "pulled per step f16 / f32 = {ratio:.3}; accuracy {:.2}% against {:.2}%",
+        100.0 * rounded[0].final_accuracy,
+        100.0 * exact[0].final_accuracy
+    );
+    // 2 bytes an entry and the base version per shard and step.
+    assert!((0.49..0.52).contains(&ratio), "{ratio}");
+    assert_eq!(rounded[0].steps, rounded[1].steps);
+    assert_eq!(
+        rounded[0].final_accuracy.to_bits(),
+        rounded[1].final_accuracy.to_bits(),
+        "both workers hold the server's rounded copy"
+    );
+    for r in &rounded {
+        assert!(r.final_accuracy > ACCURACY_BAR, "{:.3}", r.final_accuracy);
+    }
+    assert!((rounded[0].final_accuracy - exact[0].final_accuracy).abs() < 0.02);
+}
+
 #[test]
 fn two_server_processes_serve_their_shards() {
     let (store, prefix) = synthetic_bucket_blocking(&spec());

@@ -46,14 +46,14 @@ type Held = Rc<RefCell<Vec<f32>>>;
 fn apply(held: &Held, updates: Vec<ShardUpdate>) {
     let mut p = held.borrow_mut();
     for u in updates {
-        match u.update {
-            ParamUpdate::Dense(v) => p[u.offset..u.offset + v.len()].copy_from_slice(&v),
-            ParamUpdate::Sparse { indices, values } => {
-                for (i, v) in indices.into_iter().zip(values) {
-                    p[u.offset + i as usize] = v;
-                }
-            }
-        }
+        let end = match &u.update {
+            ParamUpdate::Dense(v) => u.offset + v.len(),
+            ParamUpdate::DenseDelta16 { values, .. } => u.offset + values.len(),
+            _ => p.len(),
+        };
+        u.update
+            .apply_to(&mut p[u.offset..end])
+            .expect("a shard's update fits its range");
     }
 }
 

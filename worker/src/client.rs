@@ -195,7 +195,9 @@ pub enum Event {
 /// What one exchange delivers to the trainer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delivery {
-    /// New values per shard (merged when a shard answered more than once).
+    /// New values per shard (merged when a shard answered more than once),
+    /// ascending by shard; a shard whose updates could not be merged has
+    /// several, to be applied in this order.
     pub updates: Vec<(ShardId, ParamUpdate)>,
     pub pushed_bytes: u64,
     pub pulled_bytes: u64,
@@ -304,6 +306,10 @@ struct Exchange {
     pushed_step: Vec<u64>,
     phase: Vec<Phase>,
     results: Vec<Option<Params>>,
+    /// Updates a shard sent earlier in the exchange that its later ones
+    /// could not be merged into (an f16 change on top of sparse values),
+    /// in order; delivered before the shard's result.
+    earlier: Vec<(ShardId, ParamUpdate)>,
     /// Requests sent per shard.
     attempts: Vec<u32>,
     /// Refusals that said "later", per shard (for the delay).
@@ -338,18 +344,19 @@ pub struct ClientCore {
     round_trips: u64,
 }
 
-/// `newer` applied on top of `older` (both for the same shard).
-pub fn merge_updates(older: ParamUpdate, newer: ParamUpdate) -> ParamUpdate {
+/// `newer` applied on top of `older` (both for the same shard), as one
+/// update when that can be done without the worker's copy; else both back,
+/// to be applied in order.
+pub fn merge_updates(
+    older: ParamUpdate,
+    newer: ParamUpdate,
+) -> Result<ParamUpdate, (ParamUpdate, ParamUpdate)> {
     match (older, newer) {
-        (_, dense @ ParamUpdate::Dense(_)) => dense,
-        (ParamUpdate::Dense(mut base), ParamUpdate::Sparse { indices, values }) => {
-            for (i, v) in indices.iter().zip(values) {
-                if let Some(slot) = base.get_mut(*i as usize) {
-                    *slot = v;
-                }
-            }
-            ParamUpdate::Dense(base)
-        }
+        (_, dense @ ParamUpdate::Dense(_)) => Ok(dense),
+        (ParamUpdate::Dense(mut base), newer) => match newer.apply_to(&mut base) {
+            Ok(()) => Ok(ParamUpdate::Dense(base)),
+            Err(_) => Err((ParamUpdate::Dense(base), newer)),
+        },
         (
             ParamUpdate::Sparse {
                 indices: ia,
@@ -363,8 +370,9 @@ pub fn merge_updates(older: ParamUpdate, newer: ParamUpdate) -> ParamUpdate {
             let mut merged: std::collections::BTreeMap<u32, f32> = ia.into_iter().zip(va).collect();
             merged.extend(ib.into_iter().zip(vb));
             let (indices, values) = merged.into_iter().unzip();
-            ParamUpdate::Sparse { indices, values }
+            Ok(ParamUpdate::Sparse { indices, values })
         }
+        pair => Err(pair),
     }
 }
 
@@ -523,6 +531,7 @@ impl ClientCore {
             pushed_step,
             phase: vec![Phase::Done; n],
             results: vec![None; n],
+            earlier: Vec::new(),
             attempts: vec![0; n],
             waits: vec![0; n],
             round_trips: 0,
@@ -647,17 +656,52 @@ impl ClientCore {
         let offered = matches!(x.phase[shard], Phase::Offering(_));
         let pushed = x.pushed_step[shard];
         let kind = x.kind;
+        if let Some(base) = params.update.base() {
+            if self.versions[shard] != Some(base) {
+                // A change from a version this worker will not hold (a
+                // server bug or a reordered reply): ask for the values.
+                let message = format!(
+                    "the change from version {base} for a worker holding {:?}",
+                    self.versions[shard]
+                );
+                x.last_error = format!("shard {shard}: {message}");
+                if offered || kind != Kind::Step {
+                    self.give_up(
+                        GiveUp::Refused {
+                            shard,
+                            what: "offer",
+                            code: ErrorCode::Internal,
+                            message: format!("answered with {message}"),
+                        },
+                        out,
+                    );
+                } else {
+                    self.versions[shard] = None;
+                    self.send_push(shard, now, out);
+                }
+                return;
+            }
+        }
         self.versions[shard] = Some(params.version);
         self.next_steps[shard] = params.next_step;
         let next_step = params.next_step;
         x.results[shard] = Some(match x.results[shard].take() {
             None => params,
-            Some(prev) => Params {
-                update: merge_updates(prev.update, params.update),
-                sent: prev.sent + params.sent,
-                received: prev.received + params.received,
-                ..params
-            },
+            Some(prev) => {
+                let update = match merge_updates(prev.update, params.update) {
+                    Ok(merged) => merged,
+                    Err((older, newer)) => {
+                        x.earlier.push((shard, older));
+                        newer
+                    }
+                };
+                Params {
+                    update,
+                    sent: prev.sent + params.sent,
+                    received: prev.received + params.received,
+                    ..params
+                }
+            }
         });
         if offered && kind == Kind::Step && next_step <= pushed {
             // The shard has not applied this step: push it (again).
@@ -874,11 +918,18 @@ impl ClientCore {
             next_step: self.start_step(),
             fenced: x.fenced,
         };
+        let mut earlier = x.earlier;
+        // By shard, each shard's in the order they came (a stable sort).
+        earlier.sort_by_key(|(s, _)| *s);
+        let mut earlier = earlier.into_iter().peekable();
         for (shard, r) in x.results.into_iter().enumerate() {
             let Some(r) = r else { continue };
             d.pushed_bytes += r.sent;
             d.pulled_bytes += r.received;
             d.live_workers = d.live_workers.min(r.live_workers);
+            while let Some(e) = earlier.next_if(|(s, _)| *s == shard) {
+                d.updates.push(e);
+            }
             d.updates.push((shard, r.update));
         }
         out.push(Action::Deliver(d));
@@ -1088,6 +1139,146 @@ mod tests {
         assert_eq!((d.pushed_step, d.next_step, d.updates.len()), (0, 1, 3));
         // 3 pushes, 2 offers, 1 push again.
         assert_eq!(d.round_trips, 6);
+    }
+
+    fn change16(base: u64, indices: Option<Vec<u32>>, values: Vec<f32>) -> ParamUpdate {
+        let values = ps_shared::sparse::values_to_f16(&values);
+        match indices {
+            None => ParamUpdate::DenseDelta16 { base, values },
+            Some(indices) => ParamUpdate::SparseDelta16 {
+                base,
+                indices,
+                values,
+            },
+        }
+    }
+
+    #[test]
+    fn f16_changes_merge_onto_whole_values_and_stay_apart_from_sparse_ones() {
+        let merged = merge_updates(
+            ParamUpdate::Dense(vec![1.0, 2.0]),
+            change16(3, None, vec![0.5, -1.0]),
+        );
+        assert_eq!(merged, Ok(ParamUpdate::Dense(vec![1.5, 1.0])));
+        let merged = merge_updates(
+            ParamUpdate::Dense(vec![1.0, 2.0]),
+            change16(3, Some(vec![1]), vec![0.25]),
+        );
+        assert_eq!(merged, Ok(ParamUpdate::Dense(vec![1.0, 2.25])));
+        // Values, then a change of entries they do not hold: both, in order.
+        let older = ParamUpdate::Sparse {
+            indices: vec![0],
+            values: vec![4.0],
+        };
+        let newer = change16(3, Some(vec![1]), vec![0.25]);
+        assert_eq!(
+            merge_updates(older.clone(), newer.clone()),
+            Err((older.clone(), newer.clone()))
+        );
+        assert_eq!(
+            merge_updates(newer, ParamUpdate::Dense(vec![0.0; 2])),
+            Ok(ParamUpdate::Dense(vec![0.0; 2]))
+        );
+    }
+
+    #[test]
+    fn an_offer_then_an_f16_change_are_delivered_in_order() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        c.handle(
+            Event::ConnLost {
+                token: s[0].0,
+                shard: 0,
+                error: "reset".into(),
+            },
+            t0,
+        );
+        let acts = c.handle(
+            Event::Reconnected {
+                link: 0,
+                redialed: true,
+            },
+            t0,
+        );
+        let offers = sends(&acts);
+        assert_eq!(offers.len(), 1, "{acts:?}");
+        // The shard had not applied step 0: push it again after the offer.
+        let acts = c.handle(
+            Event::Reply {
+                token: offers[0].0,
+                shard: 0,
+                params: params(0, 0),
+            },
+            t0,
+        );
+        let [Action::Send {
+            token,
+            have_version: Some(0),
+            ..
+        }] = acts[..]
+        else {
+            panic!("{acts:?}")
+        };
+        let change = change16(0, Some(vec![3]), vec![0.5]);
+        let acts = c.handle(
+            Event::Reply {
+                token,
+                shard: 0,
+                params: Params {
+                    update: change.clone(),
+                    ..params(1, 1)
+                },
+            },
+            t0,
+        );
+        let [Action::Deliver(d)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(d.updates, vec![(0, params(0, 0).update), (0, change)]);
+        assert_eq!(c.versions()[0], Some(1));
+    }
+
+    #[test]
+    fn a_change_from_a_version_not_held_is_asked_for_as_values() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        let acts = c.handle(
+            Event::Reply {
+                token: s[0].0,
+                shard: 0,
+                params: Params {
+                    update: change16(5, None, vec![0.5; 2]),
+                    ..params(6, 1)
+                },
+            },
+            t0,
+        );
+        let [Action::Send {
+            token,
+            step: 0,
+            have_version: None,
+            ..
+        }] = acts[..]
+        else {
+            panic!("{acts:?}")
+        };
+        let acts = c.handle(
+            Event::Reply {
+                token,
+                shard: 0,
+                params: Params {
+                    update: ParamUpdate::Dense(vec![0.5; 2]),
+                    ..params(1, 1)
+                },
+            },
+            t0,
+        );
+        let [Action::Deliver(d)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(d.updates, vec![(0, ParamUpdate::Dense(vec![0.5; 2]))]);
     }
 
     #[test]

@@ -35,9 +35,8 @@ use quinn::Connection;
 
 use ps_net::pki::CertPair;
 use ps_net::protocol::{
-    close, encode_offer, encode_step, encoded_indices_len, response_vector_bytes, Copied,
-    EncodedFrame, ErrorCode, GradView, ParamUpdate, Request, Response, ShardRange, ValuesView,
-    WireGrad, PROTOCOL_VERSION,
+    close, encode_offer, encode_step, response_vector_bytes, Copied, EncodedFrame, ErrorCode,
+    GradView, ParamUpdate, Request, Response, ShardRange, ValuesView, WireGrad, PROTOCOL_VERSION,
 };
 use ps_net::transport::{self, EndpointLimits, TransportError};
 use ps_shared::config::ClusterConfig;
@@ -197,12 +196,7 @@ pub struct Comm {
 
 /// Bytes an update takes on the wire (values, and delta-encoded indices).
 fn update_bytes(u: &ParamUpdate) -> u64 {
-    match u {
-        ParamUpdate::Dense(v) => 4 * v.len() as u64,
-        ParamUpdate::Sparse { indices, values } => {
-            (encoded_indices_len(indices) + 4 * values.len()) as u64
-        }
-    }
+    u.wire_bytes() as u64
 }
 
 /// The core's clock: tokio's, so a paused test clock drives it too.

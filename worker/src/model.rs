@@ -177,30 +177,50 @@ fn copy_to_slice(t: &Tensor, out: &mut [f32]) -> Result<(), ModelError> {
 
 /// What to write into one tensor, with indices relative to its first element.
 enum Write<'a> {
-    /// `values` from element `at` on.
-    Range { at: usize, values: &'a [f32] },
+    /// `values` from element `at` on (added to the elements when `add`).
+    Range {
+        at: usize,
+        values: &'a [f32],
+        add: bool,
+    },
     /// `values[i]` at element `offset + indices[i] - start`, where `start` is
-    /// the tensor's first flat index.
+    /// the tensor's first flat index (added to the element when `add`).
     Scatter {
         offset: usize,
         start: usize,
         indices: &'a [u32],
         values: &'a [f32],
+        add: bool,
     },
 }
 
 impl Write<'_> {
     fn apply(&self, data: &mut [f32]) {
         match self {
-            Write::Range { at, values } => data[*at..*at + values.len()].copy_from_slice(values),
+            Write::Range { at, values, add } => {
+                let dst = &mut data[*at..*at + values.len()];
+                if *add {
+                    for (d, &v) in dst.iter_mut().zip(*values) {
+                        *d += v;
+                    }
+                } else {
+                    dst.copy_from_slice(values);
+                }
+            }
             Write::Scatter {
                 offset,
                 start,
                 indices,
                 values,
+                add,
             } => {
                 for (&i, &v) in indices.iter().zip(*values) {
-                    data[offset + i as usize - start] = v;
+                    let d = &mut data[offset + i as usize - start];
+                    if *add {
+                        *d += v;
+                    } else {
+                        *d = v;
+                    }
                 }
             }
         }
@@ -793,6 +813,16 @@ impl Model {
 
     /// Overwrite a contiguous range of the flat parameters starting at `offset`.
     pub fn write_range(&mut self, offset: usize, values: &[f32]) -> Result<(), ModelError> {
+        self.range_op(offset, values, false)
+    }
+
+    /// Add `values` to a contiguous range of the flat parameters starting
+    /// at `offset` (an f16 reply's change).
+    pub fn add_range(&mut self, offset: usize, values: &[f32]) -> Result<(), ModelError> {
+        self.range_op(offset, values, true)
+    }
+
+    fn range_op(&mut self, offset: usize, values: &[f32], add: bool) -> Result<(), ModelError> {
         let end = offset
             .checked_add(values.len())
             .filter(|&e| e <= self.num_params())
@@ -806,6 +836,7 @@ impl Model {
                 let write = Write::Range {
                     at: lo - r.start,
                     values: &values[lo - offset..hi - offset],
+                    add,
                 };
                 self.write_tensor(t, &write)?;
             }
@@ -820,6 +851,27 @@ impl Model {
         offset: usize,
         indices: &[u32],
         values: &[f32],
+    ) -> Result<(), ModelError> {
+        self.sparse_op(offset, indices, values, false)
+    }
+
+    /// Add `values[i]` to the entries `offset + indices[i]` (an f16 sparse
+    /// reply's change).
+    pub fn add_sparse(
+        &mut self,
+        offset: usize,
+        indices: &[u32],
+        values: &[f32],
+    ) -> Result<(), ModelError> {
+        self.sparse_op(offset, indices, values, true)
+    }
+
+    fn sparse_op(
+        &mut self,
+        offset: usize,
+        indices: &[u32],
+        values: &[f32],
+        add: bool,
     ) -> Result<(), ModelError> {
         if indices.len() != values.len() {
             return Err(ModelError::Length {
@@ -850,6 +902,7 @@ impl Model {
                 start: r.start,
                 indices: &indices[start..end],
                 values: &values[start..end],
+                add,
             };
             self.write_tensor(t, &write)?;
             start = end;

@@ -11,7 +11,7 @@ use actix::prelude::*;
 
 use ps_dataset::Batch;
 use ps_net::protocol::ParamUpdate;
-use ps_shared::sparse::{Compressor, SparseError};
+use ps_shared::sparse::{values_from_f16, Compressor, SparseError};
 
 use crate::comm::{Outgoing, ShardUpdate};
 use crate::model::{Model, ModelError};
@@ -119,6 +119,14 @@ impl Handler<ApplyUpdates> for TrainerActor {
                 ParamUpdate::Sparse { indices, values } => {
                     self.model.write_sparse(u.offset, indices, values)?
                 }
+                ParamUpdate::DenseDelta16 { values, .. } => {
+                    self.model.add_range(u.offset, &values_from_f16(values))?
+                }
+                ParamUpdate::SparseDelta16 {
+                    indices, values, ..
+                } => self
+                    .model
+                    .add_sparse(u.offset, indices, &values_from_f16(values))?,
             }
         }
         Ok(())

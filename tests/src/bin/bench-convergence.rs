@@ -104,6 +104,10 @@ struct Args {
     /// Top-k values travel as f16 (`compression.f16_values`).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     f16_values: bool,
+    /// Pulls carry each update's change as f16, rounded on write by the
+    /// servers (`compression.f16_replies`), in every mode.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    f16_replies: bool,
     /// Server optimizer of every mode: sgd (dense with momentum 0.9, top-k
     /// with the DGC recipe above) or adam/adamw (`optimizer.kind`; top-k
     /// modes then use plain error feedback, no momentum correction: the
@@ -134,6 +138,7 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
     cfg.training.target_accuracy = args.target;
     cfg.training.max_steps = args.max_steps;
     cfg.optimizer.lr = args.lr;
+    cfg.compression.f16_replies = args.f16_replies;
     if kind == CompressionKind::Topk {
         cfg.optimizer.momentum = 0.0;
         cfg.compression.momentum_correction = 0.9;

@@ -699,6 +699,9 @@ pub async fn start(
             global_topk: cfg.compression.kind == CompressionKind::Topk
                 && cfg.compression.global_topk,
             backup: s.backup_workers,
+            // One shard sees the whole gradient and clips in one pass;
+            // several share their norms through the workers.
+            shared_norm: cfg.optimizer.clip_grad_norm > 0.0 && cfg.total_shards() > 1,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);
@@ -1098,7 +1101,7 @@ async fn serve_stream(
                 drop(frame);
                 let kind = request_kind(&req);
                 let span = match &req {
-                    Request::Step { shard, step, .. } => {
+                    Request::Step { shard, step, .. } | Request::NormTotal { shard, step, .. } => {
                         tracing::info_span!("request", kind, rank, conn, shard, step)
                     }
                     Request::Offer { shard, version, .. } => {
@@ -1140,6 +1143,7 @@ fn request_kind(req: &Request) -> &'static str {
         Request::Hello { .. } => "hello",
         Request::Offer { .. } => "offer",
         Request::Step { .. } => "step",
+        Request::NormTotal { .. } => "norm_total",
         Request::Bye { .. } => "bye",
         Request::Heartbeat => "heartbeat",
         Request::Abort { .. } => "abort",
@@ -1178,7 +1182,10 @@ async fn to_shard(ctx: &Ctx, conn: ConnId, rank: u32, shard: u32, request: Shard
 }
 
 async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
-    if matches!(req, Request::Offer { .. } | Request::Step { .. }) {
+    if matches!(
+        req,
+        Request::Offer { .. } | Request::Step { .. } | Request::NormTotal { .. }
+    ) {
         if let Some(message) = ctx.job_stop() {
             return Reply::new(Response::error(ErrorCode::JobStopped, message));
         }
@@ -1208,6 +1215,19 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
                 step,
                 have_version,
                 grad,
+            };
+            return to_shard(ctx, conn, rank, shard, request).await;
+        }
+        Request::NormTotal {
+            shard,
+            step,
+            have_version,
+            total_sum_sq,
+        } => {
+            let request = ShardRequest::NormTotal {
+                step,
+                have_version,
+                total: total_sum_sq,
             };
             return to_shard(ctx, conn, rank, shard, request).await;
         }

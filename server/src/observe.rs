@@ -51,6 +51,14 @@ fn describe() {
             "Pushes scaled down to the norm bound."
         );
         describe_counter!(
+            "stratus_server_norm_rounds_total",
+            "Updates applied with a global norm summed across shards (optimizer.clip_grad_norm with several shards): one per step."
+        );
+        describe_counter!(
+            "stratus_server_norm_clipped_total",
+            "Norm rounds whose global norm was above optimizer.clip_grad_norm (the update was scaled down)."
+        );
+        describe_counter!(
             "stratus_server_barrier_timeouts_total",
             "Barriers that timed out waiting for a worker."
         );
@@ -122,6 +130,8 @@ pub struct ShardSeries {
     late: Counter,
     anomalies: Counter,
     clipped: Counter,
+    norm_rounds: Counter,
+    norm_clipped: Counter,
     timeouts: Counter,
     version: Gauge,
     parked: Gauge,
@@ -144,6 +154,8 @@ impl ShardSeries {
             late: counter!("stratus_server_late_pushes_total", "shard" => s.clone()),
             anomalies: counter!("stratus_server_anomalies_total", "shard" => s.clone()),
             clipped: counter!("stratus_server_clipped_pushes_total", "shard" => s.clone()),
+            norm_rounds: counter!("stratus_server_norm_rounds_total", "shard" => s.clone()),
+            norm_clipped: counter!("stratus_server_norm_clipped_total", "shard" => s.clone()),
             timeouts: counter!("stratus_server_barrier_timeouts_total", "shard" => s.clone()),
             version: gauge!("stratus_server_shard_version", "shard" => s.clone()),
             parked: gauge!("stratus_server_parked_requests", "shard" => s.clone()),
@@ -166,6 +178,10 @@ impl ShardSeries {
         self.anomalies
             .increment(d(before.anomalies, after.anomalies));
         self.clipped.increment(d(before.clipped, after.clipped));
+        self.norm_rounds
+            .increment(d(before.norm_rounds, after.norm_rounds));
+        self.norm_clipped
+            .increment(d(before.norm_clipped, after.norm_clipped));
         self.timeouts.increment(d(before.timeouts, after.timeouts));
     }
 

@@ -445,6 +445,7 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
             global_topk: case.global_topk,
             decay: Vec::new(),
             backup: 0,
+            shared_norm: false,
         };
         let core = ShardCore::new(setup, settings.clone(), None);
         let (version_tx, _) = watch::channel(0);

@@ -10,6 +10,7 @@ mod backup;
 mod checkpoints;
 mod guard;
 mod membership;
+mod norm;
 mod recovery;
 mod replies;
 mod update;
@@ -32,6 +33,7 @@ fn setup(workers: u32, momentum: f32, mode: SyncMode) -> ShardSetup {
         global_topk: false,
         decay: Vec::new(),
         backup: 0,
+        shared_norm: false,
     }
 }
 

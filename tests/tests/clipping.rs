@@ -118,3 +118,83 @@ fn clipping_over_two_shards_with_two_workers_per_node_equals_one_shard() {
     assert!(out[1].iter().all(|s| s.stats.norm_clipped > 0));
     assert!(max_rel <= 1e-5, "max relative difference {max_rel:e}");
 }
+
+/// A server killed in the middle of a clipped run (2 shards, so every step
+/// has a norm round) restarts empty, rebuilds its shards from the workers'
+/// copies, and every planned step is applied once: the push and the norm
+/// exchange of the step under way are taken again, nothing hangs.
+#[test]
+fn a_server_killed_during_a_clipped_run_recovers_and_applies_every_step() {
+    use ps_tests::{start_loopback_server, TestPki};
+    use ps_worker::run::{run_worker, WorkerOptions};
+    use tokio::sync::watch;
+
+    const KILL_AT: u64 = 12;
+    let mut cfg = config(1, 2);
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 5.0;
+    cfg.server.connect_timeout_secs = 30;
+    cfg.server.recovery_window_secs = 5.0;
+    cfg.validate().expect("a valid config");
+    let spec = SyntheticSpec {
+        train: 2048,
+        test: 256,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let pki = TestPki::new(2);
+    let system = actix::System::new();
+    system.block_on(async move {
+        let first = start_loopback_server(&cfg, &pki).await;
+        let addr = first.local_addr();
+        let mut cfg = cfg;
+        cfg.cluster.servers = vec![addr.to_string()];
+        let (tx, mut steps) = watch::channel(0);
+        let watched = WorkerOptions {
+            steps_done: Some(tx),
+            ..pki.options(0)
+        };
+        let workers = futures::future::join(
+            run_worker(&cfg, watched, store.clone(), prefix.clone()),
+            run_worker(&cfg, pki.options(1), store.clone(), prefix.clone()),
+        );
+        let chaos = async {
+            let reached = steps.wait_for(|s| *s >= KILL_AT).await;
+            assert!(reached.is_ok(), "worker 0 never reached step {KILL_AT}");
+            let held: Vec<u64> = first.status().await.iter().map(|s| s.version).collect();
+            first.abort().await;
+            let second = ps_server::net::start(&cfg, 0, addr, &pki.server)
+                .await
+                .expect("restart on the same address");
+            (held, second)
+        };
+        let limit = std::time::Duration::from_secs(300);
+        let ((a, b), (held, second)) =
+            tokio::time::timeout(limit, futures::future::join(workers, chaos))
+                .await
+                .expect("run finished in time");
+        let (a, b) = (a.expect("worker 0"), b.expect("worker 1"));
+        let status = second.status().await;
+        second.wait().await.expect("server ends cleanly");
+        assert_eq!((a.steps, b.steps), (STEPS, STEPS));
+        assert!(a.recoveries > 0 && b.recoveries > 0, "both workers reconnected");
+        for s in &status {
+            assert_eq!(s.version, STEPS, "shard {}: every step applied once", s.shard);
+            let r = s.recovery.as_ref().expect("a recovery report");
+            assert_eq!(r.updates_lost, 0, "shard {}", s.shard);
+            // The second server ran the rounds of the steps after the
+            // version it recovered at.
+            assert_eq!(s.stats.norm_rounds, STEPS - r.version, "shard {}", s.shard);
+            assert!(s.stats.norm_clipped > 0, "shard {}", s.shard);
+        }
+        println!(
+            "clipped run through a server kill: killed holding versions {held:?}, recovered at {:?}, final versions {:?}",
+            status
+                .iter()
+                .map(|s| s.recovery.as_ref().map(|r| r.version))
+                .collect::<Vec<_>>(),
+            status.iter().map(|s| s.version).collect::<Vec<_>>()
+        );
+    });
+}

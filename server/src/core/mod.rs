@@ -355,7 +355,9 @@ pub struct CoreStats {
     pub failed_updates: u64,
     pub timeouts: u64,
     pub duplicate_pushes: u64,
-    /// Pushes refused as `Fenced`: for a step applied without their rank.
+    /// Pushes refused as `Fenced`: for a step applied without their rank;
+    /// with a norm round, also pushes that came after their step's shares
+    /// went out (answered with the share, their gradient dropped).
     pub fenced: u64,
     /// Backup workers: late pushes (for a step applied without them) folded
     /// into the next update. Each is also counted in `pushes`.

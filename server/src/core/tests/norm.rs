@@ -183,6 +183,43 @@ fn a_worker_that_leaves_before_pushing_completes_the_barrier_with_the_shares() {
 }
 
 #[test]
+fn a_push_after_the_shares_went_out_gets_the_share_and_is_not_counted() {
+    let (mut c, t0) = shared(2);
+    let (a, b) = grads();
+    c.handle(step(1, 0, 0, dense(a)), t0);
+    c.handle(
+        Event::Left {
+            rank: 1,
+            conn: Some(101),
+        },
+        t0,
+    );
+    // Rank 1 is back on a new connection and pushes the step whose
+    // barrier completed without it.
+    c.handle(Event::Joined { rank: 1, conn: 201 }, t0);
+    let acts = c.handle(
+        Event::Step {
+            reply: 2,
+            conn: 201,
+            rank: 1,
+            step: 0,
+            have_version: Some(0),
+            grad: dense(b),
+        },
+        t0,
+    );
+    let (_, sum_sq, _) = share_of(replies(&acts)[0].1).expect("a share");
+    assert!(
+        (sum_sq - 69.0).abs() < 1e-9,
+        "rank 0's push alone: {sum_sq}"
+    );
+    assert_eq!((c.stats().pushes, c.stats().fenced), (1, 1));
+    c.handle(total(3, 0, 0, Some(0.0)), t0);
+    // The update is rank 0's push alone.
+    assert_eq!(c.params()[..2], [-1.0, -2.0]);
+}
+
+#[test]
 fn an_empty_total_waits_for_another_workers_total() {
     let (mut c, t0) = shared(2);
     both_pushed(&mut c, t0);

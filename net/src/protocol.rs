@@ -937,6 +937,32 @@ mod tests {
         }
     }
 
+    /// The norm exchange of global-norm clipping adds small fixed-size
+    /// frames, whatever the shard's size.
+    #[test]
+    fn norm_exchange_frames_are_small() {
+        let total = encode_request(&Request::NormTotal {
+            shard: 3,
+            step: 12,
+            have_version: Some(12),
+            total_sum_sq: Some(2.5),
+        })
+        .unwrap();
+        let share = encode_response(&Response::NormShare {
+            shard: 3,
+            step: 12,
+            sum_sq: 0.5,
+            total_sum_sq: Some(2.5),
+        })
+        .unwrap();
+        println!(
+            "NormTotal frame {} bytes, NormShare frame {} bytes",
+            total.len(),
+            share.len()
+        );
+        assert!(total.len() <= 128 && share.len() <= 128);
+    }
+
     #[test]
     fn responses_round_trip() {
         for resp in [

@@ -198,3 +198,63 @@ fn a_server_killed_during_a_clipped_run_recovers_and_applies_every_step() {
         );
     });
 }
+
+/// A worker that crashes in a clipped 2-shard run leaves the barrier; the
+/// survivor's pushes complete it, its totals apply every later step, and
+/// no norm round is left waiting.
+#[test]
+fn a_worker_that_crashes_during_a_clipped_run_stalls_nothing() {
+    use ps_tests::{start_loopback_server, TestPki};
+    use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
+
+    const CRASH_AT: u64 = 10;
+    let mut cfg = config(1, 2);
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 5.0;
+    cfg.validate().expect("a valid config");
+    let spec = SyntheticSpec {
+        train: 2048,
+        test: 256,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let pki = TestPki::new(2);
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = start_loopback_server(&cfg, &pki).await;
+        let mut cfg = cfg;
+        cfg.cluster.servers = vec![server.local_addr().to_string()];
+        let crashing = WorkerOptions {
+            crash_after_steps: Some(CRASH_AT),
+            ..pki.options(1)
+        };
+        let limit = std::time::Duration::from_secs(300);
+        let (a, b) = tokio::time::timeout(
+            limit,
+            futures::future::join(
+                run_worker(&cfg, pki.options(0), store.clone(), prefix.clone()),
+                run_worker(&cfg, crashing, store.clone(), prefix.clone()),
+            ),
+        )
+        .await
+        .expect("run finished in time");
+        let a = a.expect("the survivor");
+        assert!(matches!(b, Err(WorkerError::Crashed(CRASH_AT))), "{b:?}");
+        let status = server.status().await;
+        // The crashed rank never said goodbye: the server would wait for it.
+        server.abort().await;
+        assert_eq!(a.steps, STEPS);
+        assert!(a.steps_short_of_workers > 0);
+        for s in &status {
+            assert_eq!(s.version, STEPS, "shard {}", s.shard);
+            assert_eq!(s.stats.norm_rounds, STEPS, "shard {}", s.shard);
+        }
+        println!(
+            "clipped run with a crash at step {CRASH_AT}: survivor ran {} steps ({} short of workers), final versions {:?}",
+            a.steps,
+            a.steps_short_of_workers,
+            status.iter().map(|s| s.version).collect::<Vec<_>>()
+        );
+    });
+}

@@ -398,6 +398,20 @@ pub enum Request {
     /// refuse every later step and offer with [`ErrorCode::JobStopped`],
     /// naming the rank and `reason`, so every rank ends with the message.
     Abort { reason: String },
+    /// Global-norm clipping across shards (`optimizer.clip_grad_norm` with
+    /// several shards): the squared L2 norm of the whole mean gradient of
+    /// `step`, the sum of every shard's [`Response::NormShare`]. The shard
+    /// applies its update of `step` scaled by `min(1, c / (norm + 1e-6))`
+    /// on the first total it gets; the reply is the parameters, as a
+    /// `Step`'s would be. `None`: this worker cannot sum the shares (a shard
+    /// applied the step without it); the reply waits for another worker's
+    /// total.
+    NormTotal {
+        shard: u32,
+        step: u64,
+        have_version: Option<u64>,
+        total_sum_sq: Option<f64>,
+    },
 }
 
 /// One contiguous shard a server owns.
@@ -474,6 +488,18 @@ pub enum Response {
     Error {
         code: ErrorCode,
         message: String,
+    },
+    /// Global-norm clipping across shards: the answer to a `Step` once the
+    /// barrier of `step` is complete, before the update. `sum_sq` is the
+    /// squared L2 norm of this shard's part of the step's mean gradient;
+    /// the worker sums the shares of every shard and sends the total back
+    /// ([`Request::NormTotal`]). `total_sum_sq` is set when the shard
+    /// already applied the step (a retry): the total it applied.
+    NormShare {
+        shard: u32,
+        step: u64,
+        sum_sq: f64,
+        total_sum_sq: Option<f64>,
     },
 }
 
@@ -613,7 +639,7 @@ pub fn request_vector_bytes(req: &Request) -> usize {
         Request::Offer { values, .. } => 4 * values.len(),
         Request::Step { grad, .. } => grad_bytes(grad),
         Request::Abort { reason } => reason.len(),
-        Request::Bye { .. } | Request::Heartbeat => 0,
+        Request::Bye { .. } | Request::Heartbeat | Request::NormTotal { .. } => 0,
     }
 }
 
@@ -623,7 +649,7 @@ pub fn response_vector_bytes(resp: &Response) -> usize {
         Response::Welcome { shards, .. } => 24 * shards.len(),
         Response::Params { update, .. } => update.wire_bytes(),
         Response::Error { message, .. } => message.len(),
-        Response::ByeAck | Response::HeartbeatAck => 0,
+        Response::ByeAck | Response::HeartbeatAck | Response::NormShare { .. } => 0,
     }
 }
 
@@ -682,6 +708,12 @@ enum RequestRef<'a> {
     Heartbeat,
     Abort {
         reason: String,
+    },
+    NormTotal {
+        shard: u32,
+        step: u64,
+        have_version: Option<u64>,
+        total_sum_sq: Option<f64>,
     },
 }
 
@@ -956,6 +988,18 @@ mod tests {
         });
         round_trip_req(Request::Bye { finished: true });
         round_trip_req(Request::Heartbeat);
+        round_trip_req(Request::NormTotal {
+            shard: 3,
+            step: 12,
+            have_version: Some(12),
+            total_sum_sq: Some(2.5),
+        });
+        round_trip_req(Request::NormTotal {
+            shard: 0,
+            step: 0,
+            have_version: None,
+            total_sum_sq: None,
+        });
     }
 
     proptest::proptest! {
@@ -991,6 +1035,32 @@ mod tests {
             }
             let _ = decode_request(&payload);
         }
+    }
+
+    /// The norm exchange of global-norm clipping adds small fixed-size
+    /// frames, whatever the shard's size.
+    #[test]
+    fn norm_exchange_frames_are_small() {
+        let total = encode_request(&Request::NormTotal {
+            shard: 3,
+            step: 12,
+            have_version: Some(12),
+            total_sum_sq: Some(2.5),
+        })
+        .unwrap();
+        let share = encode_response(&Response::NormShare {
+            shard: 3,
+            step: 12,
+            sum_sq: 0.5,
+            total_sum_sq: Some(2.5),
+        })
+        .unwrap();
+        println!(
+            "NormTotal frame {} bytes, NormShare frame {} bytes",
+            total.len(),
+            share.len()
+        );
+        assert!(total.len() <= 128 && share.len() <= 128);
     }
 
     #[test]
@@ -1047,6 +1117,18 @@ mod tests {
                 },
             },
             Response::HeartbeatAck,
+            Response::NormShare {
+                shard: 1,
+                step: 4,
+                sum_sq: 0.125,
+                total_sum_sq: None,
+            },
+            Response::NormShare {
+                shard: 0,
+                step: 9,
+                sum_sq: 1e-30,
+                total_sum_sq: Some(7.0),
+            },
             Response::error(ErrorCode::WrongStep, "push for step 3, shard is at step 4"),
             Response::ByeAck,
         ] {

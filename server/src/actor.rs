@@ -283,6 +283,11 @@ pub enum ShardRequest {
         have_version: Option<u64>,
         grad: WireGrad,
     },
+    NormTotal {
+        step: u64,
+        have_version: Option<u64>,
+        total: Option<f64>,
+    },
 }
 
 /// A shard's answer to one request: the response and its encoded frame.
@@ -358,6 +363,18 @@ impl Handler<Deliver> for ShardActor {
                 step,
                 have_version,
                 grad,
+            },
+            ShardRequest::NormTotal {
+                step,
+                have_version,
+                total,
+            } => Event::NormTotal {
+                reply,
+                conn,
+                rank,
+                step,
+                have_version,
+                total,
             },
         };
         self.feed(event, ctx);

@@ -700,6 +700,9 @@ pub async fn start(
                 && cfg.compression.global_topk,
             backup: s.backup_workers,
             f16_replies: cfg.compression.f16_replies,
+            // One shard sees the whole gradient and clips in one pass;
+            // several share their norms through the workers.
+            shared_norm: cfg.optimizer.clip_grad_norm > 0.0 && cfg.total_shards() > 1,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
         let (version_tx, version_rx) = watch::channel(0);
@@ -1099,7 +1102,7 @@ async fn serve_stream(
                 drop(frame);
                 let kind = request_kind(&req);
                 let span = match &req {
-                    Request::Step { shard, step, .. } => {
+                    Request::Step { shard, step, .. } | Request::NormTotal { shard, step, .. } => {
                         tracing::info_span!("request", kind, rank, conn, shard, step)
                     }
                     Request::Offer { shard, version, .. } => {
@@ -1141,6 +1144,7 @@ fn request_kind(req: &Request) -> &'static str {
         Request::Hello { .. } => "hello",
         Request::Offer { .. } => "offer",
         Request::Step { .. } => "step",
+        Request::NormTotal { .. } => "norm_total",
         Request::Bye { .. } => "bye",
         Request::Heartbeat => "heartbeat",
         Request::Abort { .. } => "abort",
@@ -1179,7 +1183,10 @@ async fn to_shard(ctx: &Ctx, conn: ConnId, rank: u32, shard: u32, request: Shard
 }
 
 async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
-    if matches!(req, Request::Offer { .. } | Request::Step { .. }) {
+    if matches!(
+        req,
+        Request::Offer { .. } | Request::Step { .. } | Request::NormTotal { .. }
+    ) {
         if let Some(message) = ctx.job_stop() {
             return Reply::new(Response::error(ErrorCode::JobStopped, message));
         }
@@ -1209,6 +1216,19 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
                 step,
                 have_version,
                 grad,
+            };
+            return to_shard(ctx, conn, rank, shard, request).await;
+        }
+        Request::NormTotal {
+            shard,
+            step,
+            have_version,
+            total_sum_sq,
+        } => {
+            let request = ShardRequest::NormTotal {
+                step,
+                have_version,
+                total: total_sum_sq,
             };
             return to_shard(ctx, conn, rank, shard, request).await;
         }

@@ -55,6 +55,14 @@ fn describe() {
             "Pushes scaled down to the norm bound."
         );
         describe_counter!(
+            "stratus_server_norm_rounds_total",
+            "Updates applied with a global norm summed across shards (optimizer.clip_grad_norm with several shards): one per step."
+        );
+        describe_counter!(
+            "stratus_server_norm_clipped_total",
+            "Norm rounds whose global norm was above optimizer.clip_grad_norm (the update was scaled down)."
+        );
+        describe_counter!(
             "stratus_server_barrier_timeouts_total",
             "Barriers that timed out waiting for a worker."
         );
@@ -127,6 +135,8 @@ pub struct ShardSeries {
     rounded: Counter,
     anomalies: Counter,
     clipped: Counter,
+    norm_rounds: Counter,
+    norm_clipped: Counter,
     timeouts: Counter,
     version: Gauge,
     parked: Gauge,
@@ -150,6 +160,8 @@ impl ShardSeries {
             rounded: counter!("stratus_server_rounded_updates_total", "shard" => s.clone()),
             anomalies: counter!("stratus_server_anomalies_total", "shard" => s.clone()),
             clipped: counter!("stratus_server_clipped_pushes_total", "shard" => s.clone()),
+            norm_rounds: counter!("stratus_server_norm_rounds_total", "shard" => s.clone()),
+            norm_clipped: counter!("stratus_server_norm_clipped_total", "shard" => s.clone()),
             timeouts: counter!("stratus_server_barrier_timeouts_total", "shard" => s.clone()),
             version: gauge!("stratus_server_shard_version", "shard" => s.clone()),
             parked: gauge!("stratus_server_parked_requests", "shard" => s.clone()),
@@ -174,6 +186,10 @@ impl ShardSeries {
         self.anomalies
             .increment(d(before.anomalies, after.anomalies));
         self.clipped.increment(d(before.clipped, after.clipped));
+        self.norm_rounds
+            .increment(d(before.norm_rounds, after.norm_rounds));
+        self.norm_clipped
+            .increment(d(before.norm_clipped, after.norm_clipped));
         self.timeouts.increment(d(before.timeouts, after.timeouts));
     }
 

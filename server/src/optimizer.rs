@@ -34,8 +34,10 @@
 //! (`optimizer.no_decay`). With `clip_grad_norm` > 0 a reduction pass first
 //! takes the L2 norm of `grad_scale * grad` over the whole shard and scales
 //! the gradient by `min(1, clip / (norm + 1e-6))`, like torch's
-//! `clip_grad_norm_` (the config allows it only with one shard, so the
-//! shard's norm is the global one).
+//! `clip_grad_norm_`. With several shards no shard sees the whole gradient:
+//! the shard core clips instead, with the factor of the norm the workers
+//! sum from every shard's [`scaled_sum_sq`], and runs the update with
+//! clipping off (see `core`'s norm round).
 //!
 //! Sparse updates ([`lazy_update`]) follow torch's `SparseAdam`: only the
 //! pushed entries' moments and parameters change, with the bias correction
@@ -346,6 +348,15 @@ fn squared_norm(values: &[f32]) -> f64 {
         total += lanes.iter().map(|&v| f64::from(v)).sum::<f64>();
     }
     total
+}
+
+/// The squared L2 norm of `grad_scale * grad`, as the one-pass clipping of
+/// [`fused_update`] takes it (pieces of the same size, added in order, in
+/// f64): a shard's share of the global norm when the norm is summed across
+/// shards.
+pub fn scaled_sum_sq(grad: &[f32], grad_scale: f32) -> f64 {
+    let partial: Vec<f64> = grad.par_chunks(UPDATE_CHUNK).map(squared_norm).collect();
+    partial.iter().sum::<f64>() * f64::from(grad_scale) * f64::from(grad_scale)
 }
 
 /// The clipping factor `min(1, clip / (norm + 1e-6))` of a gradient whose

@@ -448,6 +448,7 @@ async fn run_case_in_system(case: ScaleCase) -> anyhow::Result<CaseResult> {
             decay: Vec::new(),
             backup: 0,
             f16_replies: false,
+            shared_norm: false,
         };
         let core = ShardCore::new(setup, settings.clone(), None);
         let (version_tx, _) = watch::channel(0);

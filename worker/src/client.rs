@@ -30,6 +30,18 @@
 //! this worker): its reply is the step's result and the push is not sent
 //! again.
 //!
+//! **Global-norm clipping across shards.** With `optimizer.clip_grad_norm`
+//! and several shards a shard answers a push with its norm share (the
+//! squared norm of its part of the step's mean gradient) instead of the
+//! parameters. Once every shard of the step has answered, the core sums the
+//! shares (in shard order, so every worker sends the same total) and sends
+//! the total to each shard that gave a share ([`Action::Total`]); their
+//! replies are the parameters. A shard that already applied the step sends
+//! the total it applied along with its share, and that one is used. When a
+//! shard answered with its parameters instead of a share (it applied the
+//! step without this worker), the sum is unknown: the totals go out empty and
+//! wait for another worker's.
+//!
 //! **Fencing.** A worker the servers declared dead (silent past
 //! `server.worker_timeout_secs`) finds its push refused with `Fenced`, or its
 //! offer answered at a later step. It then takes the cluster's parameters and
@@ -168,6 +180,16 @@ pub enum Event {
         shard: ShardId,
         params: Params,
     },
+    /// A shard answered the push `token` with its norm share for `step`
+    /// (global-norm clipping across shards), and the total it applied when
+    /// it already applied the step.
+    Share {
+        token: Token,
+        shard: ShardId,
+        step: u64,
+        sum_sq: f64,
+        total: Option<f64>,
+    },
     /// A shard refused the request `token`.
     Refused {
         token: Token,
@@ -267,6 +289,17 @@ pub enum Action {
         next_step: u64,
         at: Instant,
     },
+    /// At `at`, send `shard` the total norm of `step`'s mean gradient
+    /// (`None`: unknown to this worker, wait for another worker's), holding
+    /// `have_version`; the reply is the parameters.
+    Total {
+        token: Token,
+        shard: ShardId,
+        step: u64,
+        have_version: Option<u64>,
+        total: Option<f64>,
+        at: Instant,
+    },
     /// At `at`, make `link` usable: when its connection is dead (or, with
     /// `await_close`, once the server closed it), dial again; then report
     /// [`Event::Reconnected`] or [`Event::DialFailed`].
@@ -296,6 +329,10 @@ enum Phase {
     Offering(Token),
     /// Its link is being redialed.
     AwaitLink,
+    /// Its norm share is in; the total goes out once every shard answered.
+    Shared,
+    /// The total is out (or scheduled).
+    Totaling(Token),
     Done,
 }
 
@@ -317,6 +354,10 @@ struct Exchange {
     round_trips: u64,
     fenced: usize,
     last_error: String,
+    /// Norm shares per shard (global-norm clipping across shards).
+    shares: Vec<Option<f64>>,
+    /// The total a shard said it applied.
+    known_total: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -451,6 +492,17 @@ impl ClientCore {
                     self.reply(shard, params, now, &mut out);
                 }
             }
+            Event::Share {
+                token,
+                shard,
+                step,
+                sum_sq,
+                total,
+            } => {
+                if self.awaited(shard, token) {
+                    self.share(shard, step, sum_sq, total, now, &mut out);
+                }
+            }
             Event::Refused {
                 token,
                 shard,
@@ -495,7 +547,9 @@ impl ClientCore {
             return false;
         };
         match x.phase.get(shard) {
-            Some(Phase::Pushing(t)) | Some(Phase::Offering(t)) => *t == token,
+            Some(Phase::Pushing(t)) | Some(Phase::Offering(t)) | Some(Phase::Totaling(t)) => {
+                *t == token
+            }
             _ => false,
         }
     }
@@ -537,6 +591,8 @@ impl ClientCore {
             round_trips: 0,
             fenced: 0,
             last_error: String::new(),
+            shares: vec![None; n],
+            known_total: None,
         });
         for shard in 0..n {
             if self.links[self.s.route[shard]].down_since.is_some() {
@@ -709,7 +765,109 @@ impl ClientCore {
         } else {
             self.set_phase(shard, Phase::Done);
         }
+        self.send_totals(now, out);
         self.maybe_deliver(out);
+    }
+
+    /// `shard` answered the push with its norm share for `step`.
+    fn share(
+        &mut self,
+        shard: ShardId,
+        step: u64,
+        sum_sq: f64,
+        total: Option<f64>,
+        now: Instant,
+        out: &mut Vec<Action>,
+    ) {
+        let Some(x) = self.exchange.as_mut() else {
+            return;
+        };
+        if !matches!(x.phase[shard], Phase::Pushing(_)) || step != x.pushed_step[shard] {
+            let message = format!(
+                "a norm share for step {step}, but step {} was pushed",
+                x.pushed_step[shard]
+            );
+            self.give_up(
+                GiveUp::Refused {
+                    shard,
+                    what: "step",
+                    code: ErrorCode::WrongStep,
+                    message,
+                },
+                out,
+            );
+            return;
+        }
+        x.shares[shard] = Some(sum_sq);
+        if total.is_some() {
+            x.known_total = total;
+        }
+        x.phase[shard] = Phase::Shared;
+        self.send_totals(now, out);
+    }
+
+    /// Once no shard waits for a push, an offer or a link, send the total
+    /// norm to every shard that gave its share: the total a shard applied,
+    /// else the sum of every shard's share in shard order (the same on
+    /// every worker), else `None` (a shard answered without a share).
+    fn send_totals(&mut self, now: Instant, out: &mut Vec<Action>) {
+        let Some(x) = &self.exchange else {
+            return;
+        };
+        let waiting = x
+            .phase
+            .iter()
+            .any(|p| matches!(p, Phase::Pushing(_) | Phase::Offering(_) | Phase::AwaitLink));
+        if waiting || !x.phase.contains(&Phase::Shared) {
+            return;
+        }
+        let total = self.total_for();
+        for shard in 0..self.s.route.len() {
+            let shared = self
+                .exchange
+                .as_ref()
+                .is_some_and(|x| x.phase[shard] == Phase::Shared);
+            if shared {
+                self.send_total_at(shard, total, now, out);
+            }
+        }
+    }
+
+    fn send_total_at(
+        &mut self,
+        shard: ShardId,
+        total: Option<f64>,
+        at: Instant,
+        out: &mut Vec<Action>,
+    ) {
+        if !self.attempt(shard, out) {
+            return;
+        }
+        let token = self.token();
+        let Some(x) = self.exchange.as_mut() else {
+            return;
+        };
+        x.phase[shard] = Phase::Totaling(token);
+        let step = x.pushed_step[shard];
+        out.push(Action::Total {
+            token,
+            shard,
+            step,
+            have_version: self.versions[shard],
+            total,
+            at,
+        });
+    }
+
+    /// The total norm this worker sends: the one a shard applied, else the
+    /// sum of every shard's share, else unknown.
+    fn total_for(&self) -> Option<f64> {
+        let x = self.exchange.as_ref()?;
+        x.known_total.or_else(|| {
+            x.shares
+                .iter()
+                .try_fold(0.0f64, |sum, share| share.map(|s| sum + s))
+        })
     }
 
     fn refused(
@@ -724,6 +882,7 @@ impl ClientCore {
             return;
         };
         let offering = matches!(x.phase[shard], Phase::Offering(_));
+        let totaling = matches!(x.phase[shard], Phase::Totaling(_));
         x.last_error = format!("shard {shard}: {code:?}: {message}");
         match code {
             ErrorCode::RateLimited | ErrorCode::Timeout | ErrorCode::TooManyPending => {
@@ -737,6 +896,9 @@ impl ClientCore {
                 }
                 if offering {
                     self.send_offer_at(shard, at, out);
+                } else if totaling {
+                    let total = self.total_for();
+                    self.send_total_at(shard, total, at, out);
                 } else {
                     self.send_push_at(shard, at, out);
                 }
@@ -745,14 +907,20 @@ impl ClientCore {
                 let await_close = code == ErrorCode::ShuttingDown;
                 self.link_lost(self.s.route[shard], await_close, now, out);
             }
-            ErrorCode::Fenced if !offering => {
+            ErrorCode::Fenced if !offering && !totaling => {
                 // Declared dead for this step: take the cluster's parameters
                 // and step through an offer instead of pushing again.
                 x.fenced += 1;
                 self.send_offer(shard, now, out);
             }
             code => {
-                let what = if offering { "offer" } else { "step" };
+                let what = if offering {
+                    "offer"
+                } else if totaling {
+                    "norm total"
+                } else {
+                    "step"
+                };
                 self.give_up(
                     GiveUp::Refused {
                         shard,
@@ -789,6 +957,9 @@ impl ClientCore {
                 self.versions[shard] = self.held[shard];
                 self.next_steps[shard] = x.pushed_step[shard];
             }
+            // A restarted server forgot its barrier: the share comes again
+            // with the push.
+            x.shares[shard] = None;
             x.phase[shard] = Phase::AwaitLink;
         }
         let state = &mut self.links[link];
@@ -1558,6 +1729,221 @@ mod tests {
     /// cluster's step), the last step of this worker it counted, and the
     /// requests and redials the core asked for, resolved in an order and
     /// with outcomes the property test picks.
+    /// The (token, shard, step, total) of each norm total among `acts`.
+    fn totals(acts: &[Action]) -> Vec<(Token, ShardId, u64, Option<f64>)> {
+        acts.iter()
+            .filter_map(|a| match a {
+                Action::Total {
+                    token,
+                    shard,
+                    step,
+                    total,
+                    ..
+                } => Some((*token, *shard, *step, *total)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn share(token: Token, shard: ShardId, sum_sq: f64, total: Option<f64>) -> Event {
+        Event::Share {
+            token,
+            shard,
+            step: 0,
+            sum_sq,
+            total,
+        }
+    }
+
+    #[test]
+    fn the_total_of_every_shards_share_goes_to_each_shard_once_all_answered() {
+        let t0 = Instant::now();
+        // Three shards on two links.
+        let mut c = joined(vec![0, 0, 1], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        assert_eq!(s.len(), 3);
+        assert!(c.handle(share(s[2].0, 2, 4.0, None), t0).is_empty());
+        assert!(c.handle(share(s[0].0, 0, 0.5, None), t0).is_empty());
+        // A late duplicate of a share changes nothing.
+        assert!(c.handle(share(s[0].0, 0, 9.0, None), t0).is_empty());
+        let acts = c.handle(share(s[1].0, 1, 0.25, None), t0);
+        let t = totals(&acts);
+        assert_eq!(t.len(), 3, "{acts:?}");
+        // Summed in shard order: 0.5 + 0.25 + 4.0.
+        assert!(t
+            .iter()
+            .all(|&(_, _, step, total)| step == 0 && total == Some(4.75)));
+        let mut acts = Vec::new();
+        for (token, shard, _, _) in t {
+            acts = c.handle(
+                Event::Reply {
+                    token,
+                    shard,
+                    params: params(1, 1),
+                },
+                t0,
+            );
+        }
+        let [Action::Deliver(d)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((d.pushed_step, d.next_step), (0, 1));
+        assert_eq!(d.updates.len(), 3);
+        // Three pushes and three totals.
+        assert_eq!(d.round_trips, 6);
+    }
+
+    #[test]
+    fn a_total_a_shard_applied_is_sent_instead_of_the_sum() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0, 1], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        c.handle(share(s[0].0, 0, 1.0, Some(7.0)), t0);
+        let t = totals(&c.handle(share(s[1].0, 1, 2.0, None), t0));
+        assert_eq!(t.len(), 2);
+        assert!(t.iter().all(|&(_, _, _, total)| total == Some(7.0)));
+    }
+
+    #[test]
+    fn without_every_share_the_total_is_left_to_another_worker() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0, 1], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        // Shard 0 applied the step without this worker: parameters, no share.
+        c.handle(
+            Event::Reply {
+                token: s[0].0,
+                shard: 0,
+                params: params(1, 1),
+            },
+            t0,
+        );
+        let t = totals(&c.handle(share(s[1].0, 1, 2.0, None), t0));
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].1, t[0].3), (1, None));
+        let acts = c.handle(
+            Event::Reply {
+                token: t[0].0,
+                shard: 1,
+                params: params(1, 1),
+            },
+            t0,
+        );
+        assert!(matches!(acts[..], [Action::Deliver(_)]));
+    }
+
+    #[test]
+    fn a_total_refused_for_later_is_sent_again_after_a_delay() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0, 1], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        c.handle(share(s[0].0, 0, 1.0, None), t0);
+        let t = totals(&c.handle(share(s[1].0, 1, 2.0, None), t0));
+        let acts = c.handle(
+            Event::Refused {
+                token: t[1].0,
+                shard: 1,
+                code: ErrorCode::Timeout,
+                message: "waiting".into(),
+            },
+            t0,
+        );
+        let [Action::Total {
+            shard: 1,
+            step: 0,
+            total: Some(3.0),
+            at,
+            ..
+        }] = acts[..]
+        else {
+            panic!("{acts:?}")
+        };
+        assert!(at > t0);
+        // Any other refusal of a total ends the exchange, naming it.
+        let t = totals(&acts);
+        let acts = c.handle(
+            Event::Refused {
+                token: t[0].0,
+                shard: 1,
+                code: ErrorCode::WrongStep,
+                message: "no share".into(),
+            },
+            t0,
+        );
+        let [Action::GiveUp(why)] = &acts[..] else {
+            panic!("{acts:?}")
+        };
+        assert!(why.to_string().contains("norm total"), "{why}");
+    }
+
+    #[test]
+    fn a_server_lost_during_the_totals_is_offered_pushed_and_shared_again() {
+        let t0 = Instant::now();
+        let mut c = joined(vec![0, 1], t0);
+        let s = sends(&c.handle(Event::StepRequested, t0));
+        c.handle(share(s[0].0, 0, 1.0, None), t0);
+        let t = totals(&c.handle(share(s[1].0, 1, 2.0, None), t0));
+        // Shard 0 applies; shard 1's server restarts under its total.
+        c.handle(
+            Event::Reply {
+                token: t[0].0,
+                shard: 0,
+                params: params(1, 1),
+            },
+            t0,
+        );
+        let acts = c.handle(
+            Event::ConnLost {
+                token: t[1].0,
+                shard: 1,
+                error: "reset".into(),
+            },
+            t0,
+        );
+        let [Action::Reconnect { link: 1, at, .. }] = acts[..] else {
+            panic!("{acts:?}")
+        };
+        let acts = c.handle(
+            Event::Reconnected {
+                link: 1,
+                redialed: true,
+            },
+            at,
+        );
+        let [Action::Offer {
+            token, shard: 1, ..
+        }] = acts[..]
+        else {
+            panic!("{acts:?}")
+        };
+        // The restarted shard has not applied the step: push it again.
+        let acts = c.handle(
+            Event::Reply {
+                token,
+                shard: 1,
+                params: params(0, 0),
+            },
+            at,
+        );
+        let p = pushes(&acts);
+        assert_eq!(p, vec![(1, 0)]);
+        let token = sends(&acts)[0].0;
+        // Its new share (summed the other way, say) makes a new total with
+        // shard 0's.
+        let t = totals(&c.handle(share(token, 1, 2.5, None), at));
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].1, t[0].3), (1, Some(3.5)));
+        let acts = c.handle(
+            Event::Reply {
+                token: t[0].0,
+                shard: 1,
+                params: params(1, 1),
+            },
+            at,
+        );
+        assert!(matches!(acts[..], [Action::Deliver(_)]));
+    }
+
     mod sim {
         use super::*;
 
@@ -1674,6 +2060,9 @@ mod tests {
                         } => {
                             self.request(shard, at, later, budget, max)?;
                             self.pending.push(Pending::Offer { token, shard, at });
+                        }
+                        Action::Total { .. } => {
+                            return Err("a norm total though no shard sent a share".into());
                         }
                         Action::Reconnect { link, at, .. } => {
                             if at < self.now {

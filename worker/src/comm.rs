@@ -4,7 +4,10 @@
 //! its own client certificate. A step is **one round trip per shard**: the
 //! `Step` request carries the gradient of step `t` and the version the worker
 //! holds, and its reply carries the parameters for step `t + 1` (a sparse
-//! delta when that is cheaper). All shards go concurrently.
+//! delta when that is cheaper). All shards go concurrently. With
+//! `optimizer.clip_grad_norm` and several shards a step takes two: the
+//! pushes are answered with norm shares, and the total goes back to every
+//! shard (`Request::NormTotal`), whose reply is the parameters.
 //!
 //! `Comm` is a thin driver of the sans-IO [`ClientCore`]: it encodes each
 //! shard's request once per step, carries out the core's actions (QUIC
@@ -35,8 +38,9 @@ use quinn::Connection;
 
 use ps_net::pki::CertPair;
 use ps_net::protocol::{
-    close, encode_offer, encode_step, response_vector_bytes, Copied, EncodedFrame, ErrorCode,
-    GradView, ParamUpdate, Request, Response, ShardRange, ValuesView, WireGrad, PROTOCOL_VERSION,
+    close, encode_offer, encode_request_frame, encode_step, response_vector_bytes, Copied,
+    EncodedFrame, ErrorCode, GradView, ParamUpdate, Request, Response, ShardRange, ValuesView,
+    WireGrad, PROTOCOL_VERSION,
 };
 use ps_net::transport::{self, EndpointLimits, TransportError};
 use ps_shared::config::ClusterConfig;
@@ -468,6 +472,18 @@ impl Comm {
                     sent: frame.len() as u64,
                 },
             },
+            Response::NormShare {
+                step,
+                sum_sq,
+                total_sum_sq,
+                ..
+            } => Event::Share {
+                token,
+                shard,
+                step,
+                sum_sq,
+                total: total_sum_sq,
+            },
             Response::Error { code, message } => Event::Refused {
                 token,
                 shard,
@@ -651,6 +667,24 @@ impl Comm {
                         };
                         let bytes = self.offer_frame(shard, version, next_step, &values)?;
                         inflight.push(Box::pin(self.call(token, shard, bytes, at, "offer")));
+                    }
+                    Action::Total {
+                        token,
+                        shard,
+                        step,
+                        have_version,
+                        total,
+                        at,
+                    } => {
+                        let request = Request::NormTotal {
+                            shard: shard as u32,
+                            step,
+                            have_version,
+                            total_sum_sq: total,
+                        };
+                        let frame = encode_request_frame(&request).map_err(TransportError::from)?;
+                        let bytes = self.encoded(frame);
+                        inflight.push(Box::pin(self.call(token, shard, bytes, at, "norm total")));
                     }
                     Action::Reconnect {
                         link,

@@ -29,6 +29,17 @@
 //! checkpoint supplies the optimizer state. A fresh run is the same case with
 //! every copy at version 0.
 //!
+//! **Global-norm clipping across shards.** With `optimizer.clip_grad_norm`
+//! and several shards ([`ShardSetup::shared_norm`]) no shard sees the whole
+//! gradient, so a BSP step takes two round trips. When the barrier of step
+//! `t` is complete the shard answers each push with a
+//! [`Response::NormShare`]: the squared norm of its part of the mean
+//! gradient. Each worker sums the shares of every shard and sends the total
+//! back ([`Event::NormTotal`]); the first total for `t` applies the update
+//! scaled by `min(1, c / (norm + 1e-6))` and releases the replies, later
+//! ones are answered with the parameters. Any live worker's total will do,
+//! so a worker that leaves between the two phases stalls nothing.
+//!
 //! **Pushes.** Each push is checked whole before it touches state, its norm
 //! against `max_grad_norm`, a ceiling and the median of recent pushes; an
 //! update is applied all or nothing.
@@ -40,7 +51,7 @@
 //! use ps_net::protocol::{Response, WireGrad, WireValues};
 //!
 //! let rule = OptimizerSection { lr: 0.5, ..OptimizerSection::default() };
-//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new(), backup: 0, f16_replies: false };
+//! let setup = ShardSetup { shard: 0, lo: 0, hi: 4, segments: std::iter::once(0..4).collect(), rule, workers: 1, mode: SyncMode::Bsp, staleness: 0, global_topk: false, decay: Vec::new(), backup: 0, f16_replies: false, shared_norm: false };
 //! let mut core = ShardCore::new(setup, CoreSettings::default(), None);
 //! let now = Instant::now();
 //! core.handle(Event::Joined { rank: 0, conn: 7 }, now);
@@ -67,6 +78,7 @@ use crate::checkpoint::{DataSplit, ShardCheckpoint};
 mod checkpoints;
 mod guard;
 mod membership;
+mod norm;
 mod recovery;
 mod replies;
 mod rounding;
@@ -125,6 +137,12 @@ pub struct ShardSetup {
     /// on write (the rest carried into the entry's next change), and a
     /// worker one version behind gets the change as f16 bits.
     pub f16_replies: bool,
+    /// BSP with `optimizer.clip_grad_norm` > 0 and more than one shard in
+    /// the cluster: the clipping norm is the whole mean gradient's, summed
+    /// from every shard's share by the workers (see [`ShardCore`]'s norm
+    /// round). `false` with one shard: the shard's own norm is the global
+    /// one and the update clips in one pass.
+    pub shared_norm: bool,
 }
 
 impl ShardSetup {
@@ -237,6 +255,17 @@ pub enum Event {
         have_version: Option<u64>,
         grad: WireGrad,
     },
+    /// Global-norm clipping across shards: the squared norm of the whole
+    /// mean gradient of `step` (`None`: the worker could not sum the
+    /// shares and waits for another worker's total).
+    NormTotal {
+        reply: ReplyId,
+        conn: ConnId,
+        rank: u32,
+        step: u64,
+        have_version: Option<u64>,
+        total: Option<f64>,
+    },
     /// A timer fired: expire deadlines, close the recovery window.
     Tick,
     /// A checkpoint write finished.
@@ -277,6 +306,29 @@ enum Wait {
     Applied { step: u64 },
     /// Until the staleness bound lets `rank` start `next` (SSP).
     Staleness { next: u64 },
+    /// Until the barrier of `step` is complete and its norm share is known
+    /// (global-norm clipping across shards): the reply is the share.
+    Share { step: u64 },
+}
+
+/// Global-norm clipping across shards: the barrier of `step` is complete,
+/// its shares went out and the update waits for a worker's total.
+#[derive(Debug, Clone, Copy)]
+struct NormRound {
+    step: u64,
+    /// The mean's factor (1 / pushes).
+    scale: f32,
+    /// This shard's share: the squared norm of its part of the mean.
+    sum_sq: f64,
+}
+
+/// The last norm round applied: a retry of its push gets the same share,
+/// with the total, back.
+#[derive(Debug, Clone, Copy)]
+struct NormApplied {
+    step: u64,
+    sum_sq: f64,
+    total: f64,
 }
 
 struct Parked {
@@ -308,7 +360,9 @@ pub struct CoreStats {
     pub failed_updates: u64,
     pub timeouts: u64,
     pub duplicate_pushes: u64,
-    /// Pushes refused as `Fenced`: for a step applied without their rank.
+    /// Pushes refused as `Fenced`: for a step applied without their rank;
+    /// with a norm round, also pushes that came after their step's shares
+    /// went out (answered with the share, their gradient dropped).
     pub fenced: u64,
     /// Backup workers: late pushes (for a step applied without them) folded
     /// into the next update. Each is also counted in `pushes`.
@@ -316,6 +370,14 @@ pub struct CoreStats {
     /// `f16_replies`: updates whose change was rounded to f16 (the others
     /// had a change beyond f16's range and were written exactly).
     pub rounded_updates: u64,
+    /// Global-norm clipping across shards: updates applied with a total
+    /// norm from the workers (one per step), and how many of them the
+    /// total scaled down (norm above `optimizer.clip_grad_norm`).
+    pub norm_rounds: u64,
+    pub norm_clipped: u64,
+    /// Totals for a step that was already applied (another worker's total
+    /// came first): answered with the parameters, not applied again.
+    pub duplicate_totals: u64,
     /// CPU time of the dense updates' parallel work, summed over the rayon
     /// pool threads that ran it (the thread that feeds the core only waits
     /// for that work, so its own CPU time leaves it out).
@@ -397,6 +459,12 @@ pub struct ShardCore {
     /// `ShardSetup::f16_replies`: the copy workers hold, the rounding carry
     /// and the last change.
     rounding: Option<rounding::Rounding>,
+    /// Global-norm clipping across shards: `optimizer.clip_grad_norm` (the
+    /// rule the updates run with has clipping off: the factor comes from
+    /// the workers' total), 0 otherwise.
+    norm_clip: f32,
+    norm_round: Option<NormRound>,
+    norm_applied: Option<NormApplied>,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Arc<Response> {
@@ -417,11 +485,19 @@ impl ShardCore {
     /// checkpoint of this shard, if one was found (checked by the caller to be
     /// of this shard and layout).
     pub fn new(
-        setup: ShardSetup,
+        mut setup: ShardSetup,
         settings: CoreSettings,
         checkpoint: Option<ShardCheckpoint>,
     ) -> Self {
         let len = setup.hi - setup.lo;
+        let shared_norm = setup.shared_norm && setup.mode == SyncMode::Bsp;
+        let norm_clip = if shared_norm {
+            // This shard's norm is not the global one: the update scales by
+            // the factor of the workers' total instead of clipping itself.
+            std::mem::take(&mut setup.rule.clip_grad_norm)
+        } else {
+            0.0
+        };
         let moves_untouched = setup.rule.moves_untouched();
         let state_len = setup.rule.state_per_param() * len;
         Self {
@@ -457,6 +533,9 @@ impl ShardCore {
             checked_norm: 0.0,
             agg_peak: 0.0,
             rounding: setup.f16_replies.then(rounding::Rounding::default),
+            norm_clip,
+            norm_round: None,
+            norm_applied: None,
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -543,7 +622,10 @@ impl ShardCore {
     pub fn handle(&mut self, event: Event, now: Instant) -> Vec<Action> {
         let mut out = Vec::new();
         if self.stopping {
-            if let Event::Offer { reply, .. } | Event::Step { reply, .. } = event {
+            if let Event::Offer { reply, .. }
+            | Event::Step { reply, .. }
+            | Event::NormTotal { reply, .. } = event
+            {
                 out.push(Action::Reply {
                     to: reply,
                     response: refusal(ErrorCode::ShuttingDown, "server is shutting down"),
@@ -571,6 +653,14 @@ impl ShardCore {
                 have_version,
                 grad,
             } => self.step(reply, conn, rank, step, have_version, grad, now, &mut out),
+            Event::NormTotal {
+                reply,
+                conn,
+                rank,
+                step,
+                have_version,
+                total,
+            } => self.norm_total(reply, conn, rank, step, have_version, total, now, &mut out),
             Event::Tick => self.tick(now, &mut out),
             Event::CheckpointDone { version, ok } => {
                 self.saving = false;

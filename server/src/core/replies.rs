@@ -74,6 +74,9 @@ impl ShardCore {
                 }
                 _ => true,
             },
+            Wait::Share { step } => {
+                self.version > step || self.norm_round.is_some_and(|r| r.step == step)
+            }
         }
     }
 
@@ -94,6 +97,19 @@ impl ShardCore {
         type Key = (Option<u64>, u64);
         let mut built: Vec<(Key, Arc<Response>)> = Vec::new();
         for p in parked {
+            if let (Wait::Share { step }, true) = (p.wait, self.ready(&p)) {
+                // The barrier's share (every such reply gets the same one),
+                // or the parameters when the step is applied and its round
+                // forgotten.
+                let response = self
+                    .share_reply(step)
+                    .unwrap_or_else(|| self.params_reply(p.rank, p.have_version));
+                out.push(Action::Reply {
+                    to: p.reply,
+                    response,
+                });
+                continue;
+            }
             if self.ready(&p) {
                 let have = match p.wait {
                     // An offer of exactly what the shard starts from needs

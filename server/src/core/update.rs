@@ -102,15 +102,59 @@ impl ShardCore {
                 return self.refuse(reply, ErrorCode::Fenced, message, out);
             }
             // Already applied with this push (a retry after a lost reply):
-            // answer with the current parameters.
+            // answer with the current parameters, or with the norm share
+            // and the total it was applied with (the worker may still need
+            // the share for the other shards' totals).
             self.stats.duplicate_pushes += 1;
+            let response = self
+                .share_reply(step)
+                .unwrap_or_else(|| self.params_reply(rank, have_version));
             out.push(Action::Reply {
                 to: reply,
-                response: self.params_reply(rank, have_version),
+                response,
             });
             return;
         }
         match self.setup.mode {
+            SyncMode::Bsp if self.shares_norm() => {
+                if let Some(share) = self.share_reply(step) {
+                    // The barrier is complete and its shares went out: a
+                    // retry gets the same share. A push not counted by then
+                    // (its rank rejoined after the barrier completed) can no
+                    // longer change the step: it is dropped, as a fenced
+                    // push's is, and the worker takes part in the total.
+                    if self.pushed.contains(&rank) {
+                        self.stats.duplicate_pushes += 1;
+                    } else {
+                        self.stats.fenced += 1;
+                    }
+                    out.push(Action::Reply {
+                        to: reply,
+                        response: share,
+                    });
+                    return;
+                }
+                if self.pushed.contains(&rank) {
+                    self.stats.duplicate_pushes += 1;
+                } else {
+                    self.accumulate(grad);
+                    self.pushed.insert(rank);
+                    self.counted.insert(rank, step);
+                }
+                self.park(
+                    reply,
+                    conn,
+                    rank,
+                    have_version,
+                    Wait::Share { step },
+                    now,
+                    out,
+                );
+                // A complete barrier starts the norm round; the update
+                // waits for a total.
+                self.maybe_apply_bsp(out);
+                self.release(out);
+            }
             SyncMode::Bsp => {
                 if self.pushed.contains(&rank) {
                     // A retry of a push already counted: wait for the same reply.
@@ -222,6 +266,12 @@ impl ShardCore {
         }
         // The mean over every push in the update, folded late ones included.
         let scale = 1.0 / (self.pushed.len() + self.folded.len()) as f32;
+        if self.shares_norm() {
+            // Global-norm clipping across shards: the shares go out first;
+            // a worker's total applies the update (`norm_total`).
+            self.start_norm_round(scale);
+            return false;
+        }
         if let Err(message) = self.apply(scale, out) {
             // The pushes of this step are refused; the version stays.
             let step = self.version;
@@ -251,7 +301,7 @@ impl ShardCore {
     /// Apply the update under way, all or nothing: on `Err` (the update
     /// cannot run on this shard) no parameter, momentum or residual entry
     /// changed, the pushes are dropped and the version stays.
-    fn apply(&mut self, scale: f32, out: &mut Vec<Action>) -> Result<(), String> {
+    pub(super) fn apply(&mut self, scale: f32, out: &mut Vec<Action>) -> Result<(), String> {
         let sparse = !self.all_touched && !self.moves_untouched;
         let plan = self.setup.plan(self.version);
         {

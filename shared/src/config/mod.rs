@@ -338,16 +338,26 @@ impl ClusterConfig {
             if self.compression.kind == CompressionKind::Topk {
                 return Err(invalid(
                     "optimizer.clip_grad_norm",
-                    "clips dense updates only; it cannot be used with compression.kind = \"topk\"",
+                    "clips dense updates only; it cannot be used with compression.kind = \"topk\" \
+                     (the pushed update is sparse: the norm of the mean gradient is not known)",
                 ));
             }
-            if shards != 1 {
+            if shards > 1 && s.mode != SyncMode::Bsp {
                 return Err(invalid(
                     "optimizer.clip_grad_norm",
                     format!(
-                        "needs the whole model in one shard (one server, cluster.shards_per_server = 1), \
-                         this config has {shards} shards: each shard sees only its part of the \
-                         gradient, so a global norm cannot be exact"
+                        "with {shards} shards needs server.mode = \"bsp\": the shards' norms are summed \
+                         over one step's complete barrier, and asp/ssp apply each push on arrival"
+                    ),
+                ));
+            }
+            if shards > 1 && s.backup_workers > 0 {
+                return Err(invalid(
+                    "optimizer.clip_grad_norm",
+                    format!(
+                        "with {shards} shards cannot be used with server.backup_workers = {}: a late push \
+                         folded into a later update would change a step's gradient after its norm was summed",
+                        s.backup_workers
                     ),
                 ));
             }

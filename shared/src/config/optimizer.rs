@@ -37,7 +37,9 @@ pub struct OptimizerSection {
     pub no_decay: Vec<String>,
     /// Global-norm clipping of the aggregated (mean) gradient, dense
     /// updates only: the gradient is scaled by `min(1, c / (norm + 1e-6))`
-    /// before the update (0 = off).
+    /// before the update (0 = off). With several shards the norm is summed
+    /// from every shard's share through the workers (BSP only; one more
+    /// round trip per step).
     pub clip_grad_norm: f32,
     /// Learning-rate schedule by global step.
     pub schedule: ScheduleSection,
@@ -461,13 +463,23 @@ no_decay = [\"\"]
             ("[optimizer]
 clip_grad_norm = -1.0
 ", "optimizer.clip_grad_norm"),
-            // Two shards by default: a global norm cannot be exact.
-            ("[optimizer]
-clip_grad_norm = 1.0
-", "optimizer.clip_grad_norm"),
             (
                 "[cluster]\nshards_per_server = 1\n[compression]\nkind = \"topk\"\n[optimizer]\nclip_grad_norm = 1.0\n",
                 "clips dense updates only",
+            ),
+            // Several shards: exact only over a BSP barrier, without late
+            // pushes.
+            (
+                "[compression]\nkind = \"none\"\n[server]\nmode = \"asp\"\n[optimizer]\nclip_grad_norm = 1.0\n",
+                "needs server.mode = \"bsp\"",
+            ),
+            (
+                "[compression]\nkind = \"none\"\n[server]\nmode = \"ssp\"\nstaleness = 1\n[optimizer]\nclip_grad_norm = 1.0\n",
+                "needs server.mode = \"bsp\"",
+            ),
+            (
+                "[cluster]\nworkers = 3\n[compression]\nkind = \"none\"\n[server]\nbackup_workers = 1\n[optimizer]\nclip_grad_norm = 1.0\n",
+                "server.backup_workers = 1",
             ),
             (
                 "[optimizer.schedule]\nkind = \"cosine\"\nwarmup_steps = 10\ntotal_steps = 5\n",
@@ -493,6 +505,19 @@ clip_grad_norm = 1.0
              [optimizer]\nkind = \"adamw\"\nlr = 0.001\n\
              weight_decay = 0.01\nno_decay = [\"bias\"]\nclip_grad_norm = 1.0\n\
              [optimizer.schedule]\nkind = \"cosine\"\nwarmup_steps = 10\ntotal_steps = 100\n",
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        // Several shards (2 servers x 2) in BSP, dense: the norm is summed
+        // across the shards.
+        let ok = ClusterConfig::from_toml_str(
+            "[cluster]\nservers = [\"127.0.0.1:7400\", \"127.0.0.1:7401\"]\nshards_per_server = 2\n\
+             [compression]\nkind = \"none\"\n[optimizer]\nclip_grad_norm = 1.0\n",
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        // One shard applies each push with its own (global) norm in any mode.
+        let ok = ClusterConfig::from_toml_str(
+            "[cluster]\nshards_per_server = 1\n[compression]\nkind = \"none\"\n\
+             [server]\nmode = \"asp\"\n[optimizer]\nclip_grad_norm = 1.0\n",
         );
         assert!(ok.is_ok(), "{ok:?}");
     }

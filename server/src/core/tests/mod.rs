@@ -11,6 +11,7 @@ mod checkpoints;
 mod f16;
 mod guard;
 mod membership;
+mod norm;
 mod recovery;
 mod replies;
 mod update;
@@ -34,6 +35,7 @@ fn setup(workers: u32, momentum: f32, mode: SyncMode) -> ShardSetup {
         decay: Vec::new(),
         backup: 0,
         f16_replies: false,
+        shared_norm: false,
     }
 }
 

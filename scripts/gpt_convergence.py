@@ -427,7 +427,7 @@ def main():
         print(f"top-k density warm-up: from {a.topk_warmup_start} down to {a.density} over steps 0..{last} "
               f"(exponential), then {a.density} for steps {last}..{a.steps} "
               f"({max(a.steps - last, 0) / a.steps:.0%} of the run)")
-    print(f"modes: torch, {', '.join(modes)}")
+    print(f"runs: {'' if a.no_torch else 'torch, '}{', '.join(modes)}")
 
     rows = []
     for seed in [int(s) for s in a.seeds.split(",") if s]:

@@ -217,7 +217,7 @@ mod tests {
         let params = [2.0, -1.0, 4.0];
         let mut g = [0.3, -0.02, 5.0];
         w.direction(&mut g, &params, 0).unwrap();
-        let expected = [1.0 + 0.5 * 2.0, -1.0 + 0.5 * -1.0, 1.0];
+        let expected = [1.0 + 0.5 * 2.0, -1.0 - 0.5, 1.0];
         for (a, b) in g.iter().zip(expected) {
             assert!((a - b).abs() < 1e-6, "{g:?} vs {expected:?}");
         }

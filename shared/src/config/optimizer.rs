@@ -574,11 +574,10 @@ clip_grad_norm = 1.0
                 "compression.momentum_correction",
             ),
             (
-                format!(
-                    "[cluster]\nworkers = 4\nworkers_per_node = 2\n\
-                     [compression]\nmomentum_correction = 0.0\n\
-                     [optimizer]\nkind = \"adam\"\nmoments = \"worker\"\n"
-                ),
+                "[cluster]\nworkers = 4\nworkers_per_node = 2\n\
+                 [compression]\nmomentum_correction = 0.0\n\
+                 [optimizer]\nkind = \"adam\"\nmoments = \"worker\"\n"
+                    .to_string(),
                 "cluster.workers_per_node",
             ),
             (

@@ -376,6 +376,8 @@ def main():
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--data-seed", type=int, default=7)
     ap.add_argument("--corpus-bytes", type=int, default=1_500_000)
+    ap.add_argument("--corpus", default="",
+                    help="train on this text file (e.g. an earlier run's corpus.txt) instead of the checkout's files")
     ap.add_argument("--threads", type=int, default=1,
                     help="compute threads of torch and of each Stratus worker")
     ap.add_argument("--modes", default="dense,topk,topk-worker",
@@ -400,7 +402,17 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     out = os.path.abspath(a.out)
     corpus = os.path.join(out, "corpus.txt")
-    data, used = build_corpus(root, corpus, a.corpus_bytes)
+    if a.corpus:
+        # The corpus of an earlier run, so a later run trains on the same
+        # bytes whatever the checkout holds now.
+        with open(a.corpus, "rb") as fh:
+            data = fh.read()
+        if os.path.abspath(a.corpus) != corpus:
+            with open(corpus, "wb") as fh:
+                fh.write(data)
+        used = None
+    else:
+        data, used = build_corpus(root, corpus, a.corpus_bytes)
     data_dir = os.path.join(out, "text")
     subprocess.run(
         [os.path.join(a.bin, "ps-data"), "text", "--in", corpus, "--tokenizer", "bytes",
@@ -416,7 +428,8 @@ def main():
 
     sizes = Gpt(256, a.seq_len, a.d_model, a.n_layer, a.n_head)
     params = sum(p.numel() for p in sizes.parameters())
-    print(f"corpus: {len(data)} bytes from {used} files of the repository; "
+    source = f"{used} files of the repository" if isinstance(used, int) else f"{a.corpus}"
+    print(f"corpus: {len(data)} bytes from {source}; "
           f"{len(train)} train / {len(test)} test windows of {a.seq_len + 1} tokens")
     print(f"model: GPT vocab 256, seq_len {a.seq_len}, d_model {a.d_model}, {a.n_layer} layers, "
           f"{a.n_head} heads: {params} parameters ({params / 1e6:.2f}M)")

@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 use super::{check_range, invalid, ConfigError};
 
 /// Server-side optimizer, applied once per step to the aggregated gradient;
-/// the server's update kernels (`ps_server::optimizer`) take it as it is.
+/// the server's update kernels (`ps_server::optimizer`) take it as it is, or
+/// with `moments = "worker"` its [`OptimizerSection::server_rule`] (the
+/// workers then apply Adam, `ps_worker::moments`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {

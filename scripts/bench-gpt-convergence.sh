@@ -3,8 +3,10 @@
 # the same GPT, initial weights (one safetensors file per seed), batches in
 # the same order and AdamW schedule, trained by torch in one process and by
 # a Stratus cluster (1 ps-server, dense AdamW, then top-k 1% with lazy
-# AdamW); prints each validation loss, dense/torch (target <= 1.02) and
-# top-k/dense (target <= 1.03) with PASS/MISS. Asserts nothing.
+# AdamW on the server, then top-k 1% of each worker's AdamW direction,
+# optimizer.moments = "worker"); prints each validation loss, dense/torch
+# (target <= 1.02) and top-k/dense (target <= 1.03) with PASS/MISS.
+# Asserts nothing. --modes picks the Stratus runs.
 #
 # Python: $PYTHON when set, else venv/bin/python, made here on first use
 # (python3 -m venv venv && pip install torch numpy safetensors, from PyPI).

@@ -1,7 +1,7 @@
 """GPT convergence against torch: the same model, initial weights, batches
 and AdamW schedule trained by torch (1 process) and by a Stratus cluster
-(1 ps-server, dense AdamW and top-k with lazy AdamW), then the validation
-losses compared. Run through scripts/bench-gpt-convergence.sh.
+(1 ps-server: dense AdamW, top-k with lazy AdamW on the server, and top-k
+of each worker's AdamW direction), then the validation losses compared. Run through scripts/bench-gpt-convergence.sh.
 
 How both sides see the same batches in the same order:
 - the corpus is one text file, so `ps-data text --tokenizer bytes` makes its
@@ -215,8 +215,22 @@ def free_port():
         return s.getsockname()[1]
 
 
+# --modes: the Stratus runs, each (compression, optimizer.moments).
+MODES = {
+    "dense": ("none", "server"),
+    "topk": ("topk", "server"),
+    "topk-worker": ("topk", "worker"),
+}
+LABELS = {
+    "dense": "dense",
+    "topk": "top-k lazy",
+    "topk-worker": "top-k worker",
+}
+
+
 def stratus_config(a, path, data_dir, init_path, mode, run_dir):
-    topk = mode == "topk"
+    compression, moments = MODES[mode]
+    topk = compression == "topk"
     threads = a.threads
     text = f"""# written by scripts/gpt_convergence.py ({mode})
 [cluster]
@@ -267,6 +281,8 @@ density = {a.density}
 momentum_correction = 0.0
 momentum_masking = false
 error_feedback = true
+warmup_steps = {a.topk_warmup_steps}
+warmup_start_density = {a.topk_warmup_start if a.topk_warmup_steps > 0 else 0.25}
 
 [optimizer]
 kind = "adamw"
@@ -276,6 +292,7 @@ beta2 = 0.999
 eps = 1e-8
 weight_decay = {a.weight_decay}
 no_decay = ["bias", "ln"]
+moments = "{moments}"
 
 [optimizer.schedule]
 kind = "cosine"
@@ -359,19 +376,43 @@ def main():
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--data-seed", type=int, default=7)
     ap.add_argument("--corpus-bytes", type=int, default=1_500_000)
+    ap.add_argument("--corpus", default="",
+                    help="train on this text file (e.g. an earlier run's corpus.txt) instead of the checkout's files")
     ap.add_argument("--threads", type=int, default=1,
                     help="compute threads of torch and of each Stratus worker")
-    ap.add_argument("--modes", default="dense,topk")
+    ap.add_argument("--modes", default="dense,topk,topk-worker",
+                    help="Stratus runs, of: dense (server AdamW), topk (top-k pushes, lazy AdamW on the "
+                         "server), topk-worker (top-k pushes of each worker's AdamW direction, "
+                         "optimizer.moments = \"worker\")")
+    ap.add_argument("--topk-warmup-steps", type=int, default=0,
+                    help="top-k modes: compression.warmup_steps (exponential density warm-up; 0 = none)")
+    ap.add_argument("--topk-warmup-start", type=float, default=0.25,
+                    help="top-k modes: compression.warmup_start_density")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--no-torch", action="store_true",
+                    help="skip the torch run (for tuning the Stratus modes against dense)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     modes = [m for m in a.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r} (known: {', '.join(MODES)})")
     check_order_vectors()
 
     os.makedirs(a.out, exist_ok=True)
     out = os.path.abspath(a.out)
     corpus = os.path.join(out, "corpus.txt")
-    data, used = build_corpus(root, corpus, a.corpus_bytes)
+    if a.corpus:
+        # The corpus of an earlier run, so a later run trains on the same
+        # bytes whatever the checkout holds now.
+        with open(a.corpus, "rb") as fh:
+            data = fh.read()
+        if os.path.abspath(a.corpus) != corpus:
+            with open(corpus, "wb") as fh:
+                fh.write(data)
+        used = None
+    else:
+        data, used = build_corpus(root, corpus, a.corpus_bytes)
     data_dir = os.path.join(out, "text")
     subprocess.run(
         [os.path.join(a.bin, "ps-data"), "text", "--in", corpus, "--tokenizer", "bytes",
@@ -387,12 +428,19 @@ def main():
 
     sizes = Gpt(256, a.seq_len, a.d_model, a.n_layer, a.n_head)
     params = sum(p.numel() for p in sizes.parameters())
-    print(f"corpus: {len(data)} bytes from {used} files of the repository; "
+    source = f"{used} files of the repository" if isinstance(used, int) else f"{a.corpus}"
+    print(f"corpus: {len(data)} bytes from {source}; "
           f"{len(train)} train / {len(test)} test windows of {a.seq_len + 1} tokens")
     print(f"model: GPT vocab 256, seq_len {a.seq_len}, d_model {a.d_model}, {a.n_layer} layers, "
           f"{a.n_head} heads: {params} parameters ({params / 1e6:.2f}M)")
     print(f"training: {a.steps} steps, {a.workers} worker(s) x batch {a.batch} (torch batch {a.workers * a.batch}), "
           f"AdamW lr {a.lr} wd {a.weight_decay}, warm-up {a.warmup}, cosine to {a.min_lr}; top-k density {a.density}")
+    if a.topk_warmup_steps > 0:
+        last = a.topk_warmup_steps
+        print(f"top-k density warm-up: from {a.topk_warmup_start} down to {a.density} over steps 0..{last} "
+              f"(exponential), then {a.density} for steps {last}..{a.steps} "
+              f"({max(a.steps - last, 0) / a.steps:.0%} of the run)")
+    print(f"runs: {'' if a.no_torch else 'torch, '}{', '.join(modes)}")
 
     rows = []
     for seed in [int(s) for s in a.seeds.split(",") if s]:
@@ -402,12 +450,15 @@ def main():
         init_path = os.path.join(out, f"init-seed{seed}.safetensors")
         save_file(init, init_path)
         row = {"seed": seed}
-        row["torch"], torch_losses, row["torch_s"] = torch_run(a, train, test, init, seed)
-        print(f"seed {seed}: torch val loss {row['torch']:.4f} ({row['torch_s']:.0f} s)", flush=True)
+        if a.no_torch:
+            row["torch"], torch_losses = None, []
+        else:
+            row["torch"], torch_losses, row["torch_s"] = torch_run(a, train, test, init, seed)
+            print(f"seed {seed}: torch val loss {row['torch']:.4f} ({row['torch_s']:.0f} s)", flush=True)
         for mode in modes:
             row[mode], losses, row[mode + "_s"] = stratus_run(a, data_dir, init_path, mode, seed, out)
             print(f"seed {seed}: stratus {mode} val loss {row[mode]:.4f} ({row[mode + '_s']:.0f} s)", flush=True)
-            if mode == "dense" and losses:
+            if mode == "dense" and losses and torch_losses:
                 first = sorted(losses)[:3]
                 diffs = [abs(losses[s] - torch_losses[s]) / torch_losses[s] for s in first if s < len(torch_losses)]
                 print(f"seed {seed}: train loss at steps {first}: stratus "
@@ -416,29 +467,41 @@ def main():
         rows.append(row)
 
     print()
-    print("| seed | steps | params | torch | stratus dense | dense/torch | stratus top-k | top-k/dense |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        dense = r.get("dense")
-        topk = r.get("topk")
-        dt = dense / r["torch"] if dense else float("nan")
-        td = topk / dense if (topk and dense) else float("nan")
-        print(f"| {r['seed']} | {a.steps} | {params} | {r['torch']:.4f} | "
-              f"{dense if dense is not None else float('nan'):.4f} | {dt:.4f} | "
-              f"{topk if topk is not None else float('nan'):.4f} | {td:.4f} |")
-    for r in rows:
-        if "dense" in r:
-            ratio = r["dense"] / r["torch"]
-            print(f"seed {r['seed']}: dense/torch {ratio:.4f} (target <= 1.02): {'PASS' if ratio <= 1.02 else 'MISS'}")
-        if "topk" in r and "dense" in r:
-            ratio = r["topk"] / r["dense"]
-            print(f"seed {r['seed']}: top-k/dense {ratio:.4f} (target <= 1.03): {'PASS' if ratio <= 1.03 else 'MISS'}")
-    if rows and all(k in rows[0] for k in ("dense", "topk")):
-        mean = lambda k: statistics.mean(r[k] for r in rows)  # noqa: E731
-        print(f"mean of seeds {[r['seed'] for r in rows]}: torch {mean('torch'):.4f} dense {mean('dense'):.4f} "
-              f"top-k {mean('topk'):.4f}; dense/torch {mean('dense') / mean('torch'):.4f}, "
-              f"top-k/dense {mean('topk') / mean('dense'):.4f}")
+    sparse = [m for m in modes if m != "dense"]
+    head = ["seed", "torch", "dense", "dense/torch"]
+    for m in sparse:
+        head += [LABELS[m], f"{LABELS[m]}/dense"]
+    print(f"steps {a.steps}, params {params}, PASS/MISS: dense/torch <= 1.02, top-k/dense <= 1.03")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
 
+    def ratio(num, den, target):
+        if num is None or den is None:
+            return "n/a"
+        r = num / den
+        return f"{r:.4f} ({'PASS' if r <= target else 'MISS'})"
+
+    def val(v):
+        return "n/a" if v is None else f"{v:.4f}"
+
+    for r in rows:
+        cells = [str(r["seed"]), val(r["torch"]), val(r.get("dense")), ratio(r.get("dense"), r["torch"], 1.02)]
+        for m in sparse:
+            cells += [val(r.get(m)), ratio(r.get(m), r.get("dense"), 1.03)]
+        print("| " + " | ".join(cells) + " |")
+    if rows:
+        mean = {k: statistics.mean(r[k] for r in rows) if rows[0][k] is not None else None
+                for k in ["torch"] + modes}
+        cells = ["mean", val(mean["torch"]), val(mean.get("dense")), ratio(mean.get("dense"), mean["torch"], 1.02)]
+        for m in sparse:
+            cells += [val(mean.get(m)), ratio(mean.get(m), mean.get("dense"), 1.03)]
+        print("| " + " | ".join(cells) + " |")
+        for m in sparse:
+            if "dense" in modes:
+                ratios = [r[m] / r["dense"] for r in rows]
+                passed = sum(x <= 1.03 for x in ratios)
+                print(f"{LABELS[m]}: within 3% of dense on {passed} of {len(rows)} seeds; "
+                      f"worst {max(ratios):.4f}, mean of ratios {statistics.mean(ratios):.4f}")
 
 if __name__ == "__main__":
     main()

@@ -683,14 +683,17 @@ pub async fn start(
     let mut arbiters = Vec::new();
     let mut versions = Vec::new();
     let mut waiting = HashMap::new();
+    // With optimizer.moments = "worker" the pushes are Adam directions and
+    // the servers add them at the base rate.
+    let rule = cfg.optimizer.server_rule();
     for (shard, range, checkpoint) in found {
         let setup = ShardSetup {
             shard: shard as u32,
             lo: range.start,
             hi: range.end,
-            decay: decay_within(&range, &tensors, &names, &cfg.optimizer),
+            decay: decay_within(&range, &tensors, &names, &rule),
             segments: segments_within(&range, &tensors),
-            rule: cfg.optimizer.clone(),
+            rule: rule.clone(),
             // The barrier's clients: one per node (per worker when
             // cluster.workers_per_node is 1).
             workers: cfg.nodes() as u32,

@@ -10,6 +10,7 @@
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
+//! * [`moments`]: Adam's moments kept on the worker (`optimizer.moments = "worker"`).
 //! * [`client`]: `ClientCore`, the sans-IO client: retries, redials, recovery, fencing.
 //! * [`comm`]: `CommActor`, pushes and pulls over QUIC (drives the `ClientCore`).
 //! * [`node`]: node-local aggregation, several ranks sharing one push.
@@ -29,6 +30,7 @@ pub mod launch;
 pub mod layers;
 pub mod loader;
 pub mod model;
+pub mod moments;
 pub mod node;
 pub mod observe;
 pub mod run;

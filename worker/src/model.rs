@@ -725,10 +725,23 @@ impl Model {
     /// The current parameters, flat (a copy).
     pub fn flat_params(&self) -> Result<Vec<f32>, ModelError> {
         let mut flat = vec![0.0f32; self.num_params()];
-        for (var, r) in self.vars.iter().zip(&self.ranges) {
-            copy_to_slice(var.as_tensor(), &mut flat[r.clone()])?;
-        }
+        self.flat_params_into(&mut flat)?;
         Ok(flat)
+    }
+
+    /// The current parameters, flat, written into `out` (of the model's
+    /// length).
+    pub fn flat_params_into(&self, out: &mut [f32]) -> Result<(), ModelError> {
+        if out.len() != self.num_params() {
+            return Err(ModelError::Length {
+                expected: self.num_params(),
+                got: out.len(),
+            });
+        }
+        for (var, r) in self.vars.iter().zip(&self.ranges) {
+            copy_to_slice(var.as_tensor(), &mut out[r.clone()])?;
+        }
+        Ok(())
     }
 
     /// Replaces every parameter with the tensor of the same name in the

@@ -40,6 +40,7 @@ use crate::loader::{
     RetryPolicy,
 };
 use crate::model::{device_from_str, Model, ModelError};
+use crate::moments::WorkerMoments;
 use crate::node::{node_members, NodeError, NodeMember};
 use crate::observe::{follow_outages, step_record_due, StepFigures, WorkerSeries};
 use crate::trainer::{
@@ -821,9 +822,26 @@ async fn run_rank(
     } else {
         cfg.compression.compressor(num_params)
     };
+    // With optimizer.moments = "worker" (refused for nodes by the config)
+    // each worker keeps Adam's moments and pushes its direction.
+    let moments = cfg.optimizer.worker_moments().then(|| {
+        let tensors: Vec<_> = model
+            .tensors()
+            .iter()
+            .filter_map(|t| Some((t.name.clone(), model.range_of(&t.name)?)))
+            .collect();
+        WorkerMoments::new(
+            &cfg.optimizer,
+            tensors.iter().map(|(n, r)| (n.as_str(), r.clone())),
+        )
+    });
     let trainer_arbiter = Arbiter::new();
     let trainer = TrainerActor::start_in_arbiter(&trainer_arbiter.handle(), move |_| {
-        TrainerActor::new(model, compressor)
+        let trainer = TrainerActor::new(model, compressor);
+        match moments {
+            Some(m) => trainer.with_moments(m),
+            None => trainer,
+        }
     });
 
     // Join the cluster: every worker starts from the parameters the servers

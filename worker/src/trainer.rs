@@ -2,7 +2,9 @@
 //!
 //! The trainer runs on an arbiter (thread) of its own, so compute never stalls
 //! the loader's fetches or the comm actor's network I/O. It owns the model and
-//! the error-feedback compressor; what leaves it is the gradient to push.
+//! the error-feedback compressor; what leaves it is the gradient to push
+//! (with `optimizer.moments = "worker"`, the worker's Adam direction in its
+//! place, [`crate::moments`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +17,7 @@ use ps_shared::sparse::{values_from_f16, Compressor, SparseError};
 
 use crate::comm::{Outgoing, ShardUpdate};
 use crate::model::{Model, ModelError};
+use crate::moments::WorkerMoments;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainerError {
@@ -43,6 +46,15 @@ pub struct TrainerActor {
     /// The flat gradient, overwritten every step (the compressor reads it
     /// where it lies).
     grad: Vec<f32>,
+    /// Adam's moments, when the worker keeps them: the gradient is turned
+    /// into the Adam direction before the compressor sees it.
+    moments: Option<WorkerMoments>,
+    /// The parameters, read for the direction's weight decay (empty
+    /// without moments).
+    params: Vec<f32>,
+    /// The global step of the next gradient ([`SetStep`], then one more per
+    /// step).
+    step: u64,
 }
 
 impl TrainerActor {
@@ -52,7 +64,19 @@ impl TrainerActor {
             model,
             compressor,
             grad,
+            moments: None,
+            params: Vec::new(),
+            step: 0,
         }
+    }
+
+    /// Keeps Adam's moments on this worker (`optimizer.moments = "worker"`):
+    /// every gradient becomes the scheduled Adam direction of its step
+    /// before it is compressed.
+    pub fn with_moments(mut self, moments: WorkerMoments) -> Self {
+        self.params = vec![0.0; self.model.num_params()];
+        self.moments = Some(moments);
+        self
     }
 }
 
@@ -84,6 +108,11 @@ impl TrainerActor {
         if !loss.is_finite() {
             return Err(TrainerError::Diverged(loss));
         }
+        if let Some(moments) = &mut self.moments {
+            self.model.flat_params_into(&mut self.params)?;
+            moments.direction(&mut self.grad, &self.params, self.step)?;
+        }
+        self.step += 1;
         let compute = t0.elapsed();
         let t1 = Instant::now();
         let n = self.grad.len().max(1) as f64;
@@ -185,6 +214,7 @@ pub struct SetStep(pub u64);
 impl Handler<SetStep> for TrainerActor {
     type Result = ();
     fn handle(&mut self, msg: SetStep, _: &mut Context<Self>) {
+        self.step = msg.0;
         self.model.set_step(msg.0);
     }
 }

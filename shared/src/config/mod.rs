@@ -42,7 +42,7 @@ pub use compression::{CompressionKind, CompressionSection};
 pub use data::{AugmentSection, DataSection, OnBadSample};
 pub use loader::{CacheSize, CostModel, CostSection, LoaderSection};
 pub use model::{GptSection, ModelKind, ModelSection, TensorDecl, TensorSpec};
-pub use optimizer::{OptimizerKind, OptimizerSection, ScheduleKind, ScheduleSection};
+pub use optimizer::{Moments, OptimizerKind, OptimizerSection, ScheduleKind, ScheduleSection};
 pub use server::{GradNormPolicy, ServerSection, SyncMode};
 pub use training::TrainingSection;
 
@@ -358,6 +358,28 @@ impl ClusterConfig {
                         "with {shards} shards cannot be used with server.backup_workers = {}: a late push \
                          folded into a later update would change a step's gradient after its norm was summed",
                         s.backup_workers
+                    ),
+                ));
+            }
+        }
+        if self.optimizer.worker_moments() {
+            if c.workers_per_node > 1 {
+                return Err(invalid(
+                    "cluster.workers_per_node",
+                    format!(
+                        "must be 1 with optimizer.moments = \"worker\" (got {}): a node pushes the mean of its ranks' gradients, and the ranks keep no Adam moments",
+                        c.workers_per_node
+                    ),
+                ));
+            }
+            if self.compression.kind == CompressionKind::Topk
+                && self.compression.momentum_correction > 0.0
+            {
+                return Err(invalid(
+                    "compression.momentum_correction",
+                    format!(
+                        "must be 0 with optimizer.moments = \"worker\" (got {}): Adam's first moment is the momentum already",
+                        self.compression.momentum_correction
                     ),
                 ));
             }

@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 use super::{check_range, invalid, ConfigError};
 
 /// Server-side optimizer, applied once per step to the aggregated gradient;
-/// the server's update kernels (`ps_server::optimizer`) take it as it is.
+/// the server's update kernels (`ps_server::optimizer`) take it as it is, or
+/// with `moments = "worker"` its [`OptimizerSection::server_rule`] (the
+/// workers then apply Adam, `ps_worker::moments`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {
@@ -43,6 +45,13 @@ pub struct OptimizerSection {
     pub clip_grad_norm: f32,
     /// Learning-rate schedule by global step.
     pub schedule: ScheduleSection,
+    /// Adam/AdamW: where the two moments live. `server` (the default): the
+    /// servers apply Adam to the aggregated gradient (lazily on top-k
+    /// pushes). `worker`: each worker keeps both moments of the whole model,
+    /// pushes its scheduled Adam direction (with AdamW's decoupled decay)
+    /// through its compressor, and the servers add the mean of the pushes
+    /// at the base rate ([`OptimizerSection::server_rule`]).
+    pub moments: Moments,
 }
 
 impl Default for OptimizerSection {
@@ -60,8 +69,20 @@ impl Default for OptimizerSection {
             no_decay: Vec::new(),
             clip_grad_norm: 0.0,
             schedule: ScheduleSection::default(),
+            moments: Moments::Server,
         }
     }
+}
+
+/// `optimizer.moments`: where Adam's moments are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Moments {
+    /// On the servers, applied to the aggregated gradient.
+    #[default]
+    Server,
+    /// On each worker, which pushes its Adam direction.
+    Worker,
 }
 
 /// `optimizer.kind`.
@@ -325,7 +346,49 @@ impl OptimizerSection {
             ));
         }
         check_range("optimizer.clip_grad_norm", self.clip_grad_norm, 0.0..=1e9)?;
+        if self.moments == Moments::Worker {
+            if !self.kind.is_adam() {
+                return Err(invalid(
+                    "optimizer.moments",
+                    "\"worker\" applies only to kind = \"adam\" or \"adamw\" (SGD keeps no moments)",
+                ));
+            }
+            if self.clip_grad_norm > 0.0 {
+                return Err(invalid(
+                    "optimizer.clip_grad_norm",
+                    "cannot be used with optimizer.moments = \"worker\": the servers receive Adam directions, not gradients",
+                ));
+            }
+        }
         self.schedule.validate(self.lr)
+    }
+
+    /// The rule the servers apply. With `moments = "server"` this section
+    /// itself; with `moments = "worker"` the pushes are already scheduled
+    /// Adam directions (decay included), so the servers apply plain SGD at
+    /// the base rate: `p -= lr * mean(pushes)`, no momentum, decay or
+    /// schedule, which keeps sparse replies sparse.
+    pub fn server_rule(&self) -> OptimizerSection {
+        match self.moments {
+            Moments::Server => self.clone(),
+            Moments::Worker => OptimizerSection {
+                lr: self.lr,
+                ..OptimizerSection::default()
+            },
+        }
+    }
+
+    /// Whether the workers keep Adam's moments (`moments = "worker"`).
+    #[inline]
+    pub fn worker_moments(&self) -> bool {
+        self.kind.is_adam() && self.moments == Moments::Worker
+    }
+
+    /// The factor of global step `step`'s rate over the base rate,
+    /// `lr_at(step) / lr` (what a worker with its own moments scales its
+    /// direction by).
+    pub fn schedule_factor(&self, step: u64) -> f32 {
+        (f64::from(self.lr_at(step)) / f64::from(self.lr)) as f32
     }
 
     /// Whether the update keeps a momentum buffer (`momentum` > 0, SGD).
@@ -520,5 +583,72 @@ clip_grad_norm = -1.0
              [server]\nmode = \"asp\"\n[optimizer]\nclip_grad_norm = 1.0\n",
         );
         assert!(ok.is_ok(), "{ok:?}");
+    }
+
+    #[test]
+    fn worker_moments_are_refused_where_they_make_no_sense() {
+        let adamw_topk = "[cluster]\nshards_per_server = 1\n\
+                          [compression]\nkind = \"topk\"\nmomentum_correction = 0.0\n";
+        for (text, field) in [
+            // SGD keeps no moments.
+            (
+                format!("{adamw_topk}[optimizer]\nmoments = \"worker\"\n"),
+                "optimizer.moments",
+            ),
+            // The default compression has DGC momentum correction on.
+            (
+                "[optimizer]\nkind = \"adamw\"\nmoments = \"worker\"\n".to_string(),
+                "compression.momentum_correction",
+            ),
+            (
+                "[cluster]\nworkers = 4\nworkers_per_node = 2\n\
+                 [compression]\nmomentum_correction = 0.0\n\
+                 [optimizer]\nkind = \"adam\"\nmoments = \"worker\"\n"
+                    .to_string(),
+                "cluster.workers_per_node",
+            ),
+            (
+                "[cluster]\nshards_per_server = 1\n[compression]\nkind = \"none\"\n\
+                 [optimizer]\nkind = \"adamw\"\nmoments = \"worker\"\nclip_grad_norm = 1.0\n"
+                    .to_string(),
+                "optimizer.clip_grad_norm",
+            ),
+            (
+                format!("{adamw_topk}[optimizer]\nkind = \"adamw\"\nmoments = \"gpu\"\n"),
+                "moments",
+            ),
+        ] {
+            let e = ClusterConfig::from_toml_str(&text).unwrap_err().to_string();
+            assert!(e.contains(field), "{text}: {e}");
+        }
+        for compression in ["topk", "none"] {
+            let cfg = ClusterConfig::from_toml_str(&format!(
+                "[compression]\nkind = \"{compression}\"\nmomentum_correction = 0.0\n\
+                 [optimizer]\nkind = \"adamw\"\nlr = 0.01\nweight_decay = 0.1\n\
+                 moments = \"worker\"\nno_decay = [\"bias\"]\n\
+                 [optimizer.schedule]\nkind = \"cosine\"\nwarmup_steps = 2\ntotal_steps = 10\n"
+            ))
+            .unwrap_or_else(|e| panic!("{compression}: {e}"));
+            assert!(cfg.optimizer.worker_moments());
+            // The servers add the pushes at the base rate: no moments, no
+            // decay, no schedule, and untouched entries stay where they are.
+            let rule = cfg.optimizer.server_rule();
+            assert_eq!(rule.kind, OptimizerKind::Sgd);
+            assert_eq!(rule.lr, 0.01);
+            assert_eq!(rule.weight_decay, 0.0);
+            assert_eq!(rule.state_per_param(), 0);
+            assert_eq!(rule.lr_at(0), 0.01);
+            assert!(!rule.moves_untouched());
+            assert_eq!(cfg.optimizer.schedule_factor(0), 0.0);
+            assert_eq!(cfg.optimizer.schedule_factor(1), 0.5);
+            assert_eq!(cfg.optimizer.schedule_factor(2), 1.0);
+        }
+        // The default keeps the servers' rule as it is.
+        let cfg =
+            ClusterConfig::from_toml_str("[optimizer]\nkind = \"adamw\"\nweight_decay = 0.1\n")
+                .unwrap();
+        assert_eq!(cfg.optimizer.moments, Moments::Server);
+        assert!(!cfg.optimizer.worker_moments());
+        assert_eq!(cfg.optimizer.server_rule(), cfg.optimizer);
     }
 }

@@ -73,16 +73,8 @@ impl ShardCore {
         now: Instant,
         out: &mut Vec<Action>,
     ) {
-        if self.recovery.is_some() {
-            let message = format!("shard {} is starting: offer your copy first", self.id());
-            return self.refuse(reply, ErrorCode::NotInitialized, message, out);
-        }
-        if self.live.get(&rank) != Some(&Some(conn)) {
-            let message = format!(
-                "worker {rank} is not in shard {}'s barrier on this connection",
-                self.id()
-            );
-            return self.refuse(reply, ErrorCode::UnknownWorker, message, out);
+        if !self.admit(reply, conn, rank, out) {
+            return;
         }
         if !self.shares_norm() {
             let message = format!(

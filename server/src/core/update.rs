@@ -35,16 +35,8 @@ impl ShardCore {
         now: Instant,
         out: &mut Vec<Action>,
     ) {
-        if self.recovery.is_some() {
-            let message = format!("shard {} is starting: offer your copy first", self.id());
-            return self.refuse(reply, ErrorCode::NotInitialized, message, out);
-        }
-        if self.live.get(&rank) != Some(&Some(conn)) {
-            let message = format!(
-                "worker {rank} is not in shard {}'s barrier on this connection",
-                self.id()
-            );
-            return self.refuse(reply, ErrorCode::UnknownWorker, message, out);
+        if !self.admit(reply, conn, rank, out) {
+            return;
         }
         let grad = match self.check_push(grad) {
             Ok(g) => g,
@@ -116,8 +108,9 @@ impl ShardCore {
             return;
         }
         match self.setup.mode {
-            SyncMode::Bsp if self.shares_norm() => {
-                if let Some(share) = self.share_reply(step) {
+            SyncMode::Bsp => {
+                let shared = self.shares_norm();
+                if let Some(share) = shared.then(|| self.share_reply(step)).flatten() {
                     // The barrier is complete and its shares went out: a
                     // retry gets the same share. A push not counted by then
                     // (its rank rejoined after the barrier completed) can no
@@ -135,28 +128,6 @@ impl ShardCore {
                     return;
                 }
                 if self.pushed.contains(&rank) {
-                    self.stats.duplicate_pushes += 1;
-                } else {
-                    self.accumulate(grad);
-                    self.pushed.insert(rank);
-                    self.counted.insert(rank, step);
-                }
-                self.park(
-                    reply,
-                    conn,
-                    rank,
-                    have_version,
-                    Wait::Share { step },
-                    now,
-                    out,
-                );
-                // A complete barrier starts the norm round; the update
-                // waits for a total.
-                self.maybe_apply_bsp(out);
-                self.release(out);
-            }
-            SyncMode::Bsp => {
-                if self.pushed.contains(&rank) {
                     // A retry of a push already counted: wait for the same reply.
                     self.stats.duplicate_pushes += 1;
                 } else {
@@ -164,15 +135,16 @@ impl ShardCore {
                     self.pushed.insert(rank);
                     self.counted.insert(rank, step);
                 }
-                self.park(
-                    reply,
-                    conn,
-                    rank,
-                    have_version,
-                    Wait::Applied { step },
-                    now,
-                    out,
-                );
+                // With a shared norm the reply is the step's norm share, and
+                // a complete barrier starts the norm round instead of the
+                // update (which waits for a total: `maybe_apply_bsp` says
+                // nothing was applied).
+                let wait = if shared {
+                    Wait::Share { step }
+                } else {
+                    Wait::Applied { step }
+                };
+                self.park(reply, conn, rank, have_version, wait, now, out);
                 if self.maybe_apply_bsp(out) {
                     self.maybe_checkpoint(out);
                 }
@@ -281,6 +253,32 @@ impl ShardCore {
                 message,
                 out,
             );
+            return false;
+        }
+        true
+    }
+
+    /// Whether a request of `rank` on `conn` may touch the step: the shard
+    /// serves and the rank is in its barrier on that connection. Else the
+    /// request is refused and `false` returned.
+    pub(super) fn admit(
+        &mut self,
+        reply: ReplyId,
+        conn: ConnId,
+        rank: u32,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        if self.recovery.is_some() {
+            let message = format!("shard {} is starting: offer your copy first", self.id());
+            self.refuse(reply, ErrorCode::NotInitialized, message, out);
+            return false;
+        }
+        if self.live.get(&rank) != Some(&Some(conn)) {
+            let message = format!(
+                "worker {rank} is not in shard {}'s barrier on this connection",
+                self.id()
+            );
+            self.refuse(reply, ErrorCode::UnknownWorker, message, out);
             return false;
         }
         true

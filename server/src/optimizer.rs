@@ -60,6 +60,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use ps_shared::adam::AdamStep;
 use ps_shared::config::{OptimizerKind, OptimizerSection};
 use rayon::prelude::*;
 
@@ -284,48 +285,18 @@ pub fn fused_update_timed(
     Ok(Duration::from_nanos(spent.into_inner()))
 }
 
-/// Adam's per-step constants.
-#[derive(Debug, Clone, Copy)]
-struct AdamStep {
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    /// `1 / (1 - beta1^t)`, times the learning rate per piece.
-    inv_bc1: f32,
-    /// `sqrt(1 - beta2^t)`.
-    bc2_sqrt: f32,
-    decoupled: bool,
-}
-
-impl AdamStep {
-    fn new(rule: &OptimizerSection, step: u64) -> Self {
-        let t = i32::try_from(step.saturating_add(1)).unwrap_or(i32::MAX);
-        let bc1 = 1.0 - f64::from(rule.beta1).powi(t);
-        let bc2 = 1.0 - f64::from(rule.beta2).powi(t);
-        Self {
-            beta1: rule.beta1,
-            beta2: rule.beta2,
-            eps: rule.eps,
-            inv_bc1: (1.0 / bc1) as f32,
-            bc2_sqrt: bc2.sqrt() as f32,
-            decoupled: rule.kind == OptimizerKind::Adamw,
-        }
-    }
-
-    /// One entry: updates `p`, `m` and `v` from the scaled gradient `g`.
-    #[inline(always)]
-    fn entry(&self, p: &mut f32, m: &mut f32, v: &mut f32, g: f32, lr: f32, wd: f32) {
-        let g = if self.decoupled {
-            *p *= 1.0 - lr * wd;
-            g
-        } else {
-            g + wd * *p
-        };
-        *m = self.beta1 * *m + (1.0 - self.beta1) * g;
-        *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
-        let denom = v.sqrt() / self.bc2_sqrt + self.eps;
-        *p -= lr * self.inv_bc1 * *m / denom;
-    }
+/// One Adam entry on the server: updates `p`, `m` and `v` from the scaled
+/// gradient `g` with the constants `k` of the update.
+#[inline(always)]
+fn adam_entry(k: &AdamStep, p: &mut f32, m: &mut f32, v: &mut f32, g: f32, lr: f32, wd: f32) {
+    let g = if k.decoupled {
+        *p *= 1.0 - lr * wd;
+        g
+    } else {
+        g + wd * *p
+    };
+    let denom = k.moments(m, v, g);
+    *p -= lr * k.inv_bc1 * *m / denom;
 }
 
 /// Squared L2 norm in eight f32 lanes per block of 1024, the blocks added in f64.
@@ -448,7 +419,10 @@ fn fused_update_charged(
     };
 
     // Cut the mutable arrays into the disjoint pieces, then update them in parallel.
-    let adam = rule.kind.is_adam().then(|| AdamStep::new(rule, plan.step));
+    let adam = rule
+        .kind
+        .is_adam()
+        .then(|| AdamStep::new(rule, plan.step.saturating_add(1)));
     let n = params.len();
     let (mut first_rest, mut second_rest): (&mut [f32], &mut [f32]) = match rule.state_per_param() {
         0 => (&mut [], &mut []),
@@ -485,7 +459,7 @@ fn fused_update_charged(
                 Some(adam) => {
                     let entries = params.iter_mut().zip(grad).zip(first).zip(second);
                     for (((p, &g), m), v) in entries {
-                        adam.entry(p, m, v, grad_scale * g, lr, wd);
+                        adam_entry(adam, p, m, v, grad_scale * g, lr, wd);
                     }
                 }
                 None => update_piece(params, grad, first, lr, wd, rule, grad_scale),
@@ -520,7 +494,7 @@ pub fn lazy_update(
         }
         return Ok(());
     }
-    let adam = AdamStep::new(rule, plan.step);
+    let adam = AdamStep::new(rule, plan.step.saturating_add(1));
     let (first, second) = state.split_at_mut(n);
     let mut segment = 0usize;
     for &i in indices {
@@ -537,7 +511,8 @@ pub fn lazy_update(
                 0.0
             }
         };
-        adam.entry(
+        adam_entry(
+            &adam,
             &mut params[i],
             &mut first[i],
             &mut second[i],

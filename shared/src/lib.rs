@@ -7,6 +7,7 @@
 //! certificates are in `ps-net`; actors and sockets live in `ps-server` and
 //! `ps-worker` and only move data between these pieces.
 
+pub mod adam;
 pub mod bucket;
 pub mod config;
 pub mod hash;

@@ -27,7 +27,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use ps_shared::config::{OptimizerKind, OptimizerSection};
+use ps_shared::adam::AdamStep;
+use ps_shared::config::OptimizerSection;
 
 use crate::model::ModelError;
 
@@ -113,18 +114,9 @@ impl WorkerMoments {
             }
         }
         self.t += 1;
-        let t = i32::try_from(self.t).unwrap_or(i32::MAX);
-        let r = &self.rule;
-        let bc1 = 1.0 - f64::from(r.beta1).powi(t);
-        let bc2 = 1.0 - f64::from(r.beta2).powi(t);
-        let k = Constants {
-            beta1: r.beta1,
-            beta2: r.beta2,
-            eps: r.eps,
-            inv_bc1: (1.0 / bc1) as f32,
-            bc2_sqrt: bc2.sqrt() as f32,
-            decoupled: r.kind == OptimizerKind::Adamw,
-            factor: r.schedule_factor(step),
+        let k = Direction {
+            adam: AdamStep::new(&self.rule, self.t),
+            factor: self.rule.schedule_factor(step),
         };
         for (range, wd) in &self.segments {
             let range = range.clone();
@@ -144,31 +136,24 @@ impl WorkerMoments {
     }
 }
 
-/// The per-direction constants.
+/// The constants of one direction: Adam's step and the schedule factor.
 #[derive(Debug, Clone, Copy)]
-struct Constants {
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
-    /// `1 / (1 - beta1^t)`.
-    inv_bc1: f32,
-    /// `sqrt(1 - beta2^t)`.
-    bc2_sqrt: f32,
-    decoupled: bool,
+struct Direction {
+    adam: AdamStep,
     /// `lr(step) / lr`.
     factor: f32,
 }
 
-impl Constants {
+impl Direction {
     /// One entry: the moments from the gradient `g` at the parameter `p`,
     /// and the scheduled direction.
     #[inline(always)]
     fn entry(&self, g: f32, p: f32, m: &mut f32, v: &mut f32, wd: f32) -> f32 {
-        let g = if self.decoupled { g } else { g + wd * p };
-        *m = self.beta1 * *m + (1.0 - self.beta1) * g;
-        *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
-        let mut d = self.inv_bc1 * *m / (v.sqrt() / self.bc2_sqrt + self.eps);
-        if self.decoupled {
+        let k = &self.adam;
+        let g = if k.decoupled { g } else { g + wd * p };
+        let denom = k.moments(m, v, g);
+        let mut d = k.inv_bc1 * *m / denom;
+        if k.decoupled {
             d += wd * p;
         }
         self.factor * d
@@ -178,6 +163,7 @@ impl Constants {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ps_shared::config::OptimizerKind;
     use ps_shared::config::{ScheduleKind, ScheduleSection};
     use serde_json::Value;
 

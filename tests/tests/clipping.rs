@@ -24,21 +24,54 @@ fn config(servers: usize, shards_per_server: usize) -> ClusterConfig {
     cfg
 }
 
-/// The final parameters (the shards' in order) and every shard's status.
-fn train(servers: usize, shards_per_server: usize) -> (Vec<f32>, Vec<ShardStatus>) {
-    let spec = SyntheticSpec {
+/// The small synthetic set every run here trains on.
+fn small_set() -> SyntheticSpec {
+    SyntheticSpec {
         train: 2048,
         test: 256,
         ..SyntheticSpec::default()
-    };
-    let (store, prefix) = synthetic_bucket_blocking(&spec);
-    let cfg = config(servers, shards_per_server);
+    }
+}
+
+/// The final parameters (the shards' in order) and every shard's status;
+/// every worker ran the planned steps.
+fn train(servers: usize, shards_per_server: usize) -> (Vec<f32>, Vec<ShardStatus>) {
+    let (steps, params, shards) = train_config(config(servers, shards_per_server));
+    assert!(steps.iter().all(|&s| s == STEPS), "{steps:?}");
+    (params, shards)
+}
+
+/// The steps of every worker, the final parameters (the shards' in order)
+/// and every shard's status.
+fn train_config(cfg: ClusterConfig) -> (Vec<u64>, Vec<f32>, Vec<ShardStatus>) {
+    let (store, prefix) = synthetic_bucket_blocking(&small_set());
     let (reports, mut shards) =
         run_cluster_detailed(cfg, &Simulation::default(), store, prefix).expect("cluster run");
-    assert!(reports.iter().all(|r| r.steps == STEPS), "{reports:?}");
     shards.sort_by_key(|s| s.shard);
     let params = shards.iter().flat_map(|s| s.params.clone()).collect();
-    (params, shards)
+    (reports.iter().map(|r| r.steps).collect(), params, shards)
+}
+
+/// The largest absolute and relative differences of `b` from `a`.
+fn differences(a: &[f32], b: &[f32]) -> (f32, f32) {
+    let mut max_abs = 0.0f32;
+    let mut max_rel = 0.0f32;
+    for (a, b) in a.iter().zip(b) {
+        let d = (a - b).abs();
+        max_abs = max_abs.max(d);
+        max_rel = max_rel.max(d / a.abs().max(1e-3));
+    }
+    (max_abs, max_rel)
+}
+
+/// A clipped 2-shard run (so every step has a norm round) with liveness
+/// timeouts short enough for the failure tests.
+fn fault_config() -> ClusterConfig {
+    let mut cfg = config(1, 2);
+    cfg.server.heartbeat_secs = 0.25;
+    cfg.server.idle_timeout_secs = 2.0;
+    cfg.server.worker_timeout_secs = 5.0;
+    cfg
 }
 
 #[test]
@@ -48,13 +81,7 @@ fn clipping_over_four_shards_on_two_servers_equals_one_shard() {
     assert_eq!(one.len(), 1);
     assert_eq!(four.len(), 4);
     assert_eq!(whole.len(), split.len());
-    let mut max_abs = 0.0f32;
-    let mut max_rel = 0.0f32;
-    for (a, b) in whole.iter().zip(&split) {
-        let d = (a - b).abs();
-        max_abs = max_abs.max(d);
-        max_rel = max_rel.max(d / a.abs().max(1e-3));
-    }
+    let (max_abs, max_rel) = differences(&whole, &split);
     let moved = whole.iter().map(|p| p.abs()).fold(0.0f32, f32::max);
     println!(
         "clip_grad_norm = {CLIP}, {STEPS} steps: {} parameters, {} of {STEPS} updates clipped; \
@@ -92,30 +119,11 @@ fn clipping_over_two_shards_with_two_workers_per_node_equals_one_shard() {
         cfg.validate().expect("a valid config");
         cfg
     };
-    let spec = SyntheticSpec {
-        train: 2048,
-        test: 256,
-        ..SyntheticSpec::default()
-    };
-    let mut out = Vec::new();
-    for shards in [1, 2] {
-        let (store, prefix) = synthetic_bucket_blocking(&spec);
-        let (_, mut status) =
-            run_cluster_detailed(node(shards), &Simulation::default(), store, prefix)
-                .expect("cluster run");
-        status.sort_by_key(|s| s.shard);
-        out.push(status);
-    }
-    let params =
-        |s: &[ShardStatus]| -> Vec<f32> { s.iter().flat_map(|s| s.params.clone()).collect() };
-    let (whole, split) = (params(&out[0]), params(&out[1]));
-    let max_rel = whole
-        .iter()
-        .zip(&split)
-        .map(|(a, b)| (a - b).abs() / a.abs().max(1e-3))
-        .fold(0.0f32, f32::max);
+    let (_, whole, _) = train_config(node(1));
+    let (_, split, status) = train_config(node(2));
+    let (_, max_rel) = differences(&whole, &split);
     println!("workers_per_node = 2, 1 shard vs 2 shards: max relative difference {max_rel:.3e}");
-    assert!(out[1].iter().all(|s| s.stats.norm_clipped > 0));
+    assert!(status.iter().all(|s| s.stats.norm_clipped > 0));
     assert!(max_rel <= 1e-5, "max relative difference {max_rel:e}");
 }
 
@@ -130,19 +138,11 @@ fn a_server_killed_during_a_clipped_run_recovers_and_applies_every_step() {
     use tokio::sync::watch;
 
     const KILL_AT: u64 = 12;
-    let mut cfg = config(1, 2);
-    cfg.server.heartbeat_secs = 0.25;
-    cfg.server.idle_timeout_secs = 2.0;
-    cfg.server.worker_timeout_secs = 5.0;
+    let mut cfg = fault_config();
     cfg.server.connect_timeout_secs = 30;
     cfg.server.recovery_window_secs = 5.0;
     cfg.validate().expect("a valid config");
-    let spec = SyntheticSpec {
-        train: 2048,
-        test: 256,
-        ..SyntheticSpec::default()
-    };
-    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let (store, prefix) = synthetic_bucket_blocking(&small_set());
     let pki = TestPki::new(2);
     let system = actix::System::new();
     system.block_on(async move {
@@ -208,17 +208,9 @@ fn a_worker_that_crashes_during_a_clipped_run_stalls_nothing() {
     use ps_worker::run::{run_worker, WorkerError, WorkerOptions};
 
     const CRASH_AT: u64 = 10;
-    let mut cfg = config(1, 2);
-    cfg.server.heartbeat_secs = 0.25;
-    cfg.server.idle_timeout_secs = 2.0;
-    cfg.server.worker_timeout_secs = 5.0;
+    let cfg = fault_config();
     cfg.validate().expect("a valid config");
-    let spec = SyntheticSpec {
-        train: 2048,
-        test: 256,
-        ..SyntheticSpec::default()
-    };
-    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let (store, prefix) = synthetic_bucket_blocking(&small_set());
     let pki = TestPki::new(2);
     let system = actix::System::new();
     system.block_on(async move {

@@ -8,6 +8,7 @@
 //! needs neither QUIC nor certificates.
 
 pub mod cli;
+pub mod peer;
 pub mod pki;
 pub mod protocol;
 pub mod transport;

@@ -261,18 +261,23 @@ impl ClusterCa {
             .iter()
             .map(|name| san_for(name))
             .collect::<Result<Vec<_>, _>>()?;
-        self.issue(&names[0], sans, ExtendedKeyUsagePurpose::ServerAuth)
+        self.issue(&names[0], sans, vec![ExtendedKeyUsagePurpose::ServerAuth])
     }
 
-    /// A worker client certificate (clientAuth) carrying `rank` as the DNS
-    /// name `rank-<rank>.workers.stratus`, with common name
-    /// `stratus-worker-<rank>`.
+    /// A worker certificate carrying `rank` as the DNS name
+    /// `rank-<rank>.workers.stratus`, with common name
+    /// `stratus-worker-<rank>`. It is a client certificate (clientAuth)
+    /// towards the servers, and the server certificate (serverAuth) of the
+    /// worker's peer cache endpoint, where other ranks reach it by that name.
     pub fn issue_worker(&self, rank: u32) -> Result<CertPair, PkiError> {
         let san = san_for(&worker_dns_name(rank))?;
         self.issue(
             &worker_common_name(rank),
             vec![san],
-            ExtendedKeyUsagePurpose::ClientAuth,
+            vec![
+                ExtendedKeyUsagePurpose::ClientAuth,
+                ExtendedKeyUsagePurpose::ServerAuth,
+            ],
         )
     }
 
@@ -280,7 +285,7 @@ impl ClusterCa {
         &self,
         common_name: &str,
         sans: Vec<SanType>,
-        usage: ExtendedKeyUsagePurpose,
+        usages: Vec<ExtendedKeyUsagePurpose>,
     ) -> Result<CertPair, PkiError> {
         let now = OffsetDateTime::now_utc();
         let mut params = CertificateParams::default();
@@ -291,7 +296,7 @@ impl ClusterCa {
         params.subject_alt_names = sans;
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![usage];
+        params.extended_key_usages = usages;
         params.use_authority_key_identifier_extension = true;
         params.not_before = now - CLOCK_SKEW;
         params.not_after = (now + LEAF_VALIDITY).min(self.not_after);
@@ -324,6 +329,9 @@ impl ClusterCa {
         }
         match role {
             Role::Worker(rank) => match rank_from_cert_der(&der) {
+                Ok(_) if !has_server_auth(&cert)? => {
+                    Err("issued without the serverAuth usage the peer cache endpoint needs".into())
+                }
                 Ok(r) if r == *rank => Ok(()),
                 Ok(r) => Err(format!("carries rank {r}, expected {rank}")),
                 Err(e) => Err(e.to_string()),
@@ -435,6 +443,14 @@ pub fn rank_from_cert_der(der: &[u8]) -> Result<u32, PkiError> {
         return Err(PkiError::NotClientCert);
     }
     Ok(rank)
+}
+
+/// Whether a certificate may serve TLS (serverAuth usage).
+fn has_server_auth(cert: &X509Certificate<'_>) -> Result<bool, String> {
+    Ok(cert
+        .extended_key_usage()
+        .map_err(|e| e.to_string())?
+        .is_some_and(|eku| eku.value.server_auth))
 }
 
 /// Decimal digits without sign or leading zeros ("0" itself is fine).
@@ -864,7 +880,7 @@ mod tests {
     fn custom_worker(ca: &ClusterCa, cn: &str, dns: &[&str]) -> Vec<u8> {
         let sans = dns.iter().map(|d| san_for(d).unwrap()).collect();
         let pair = ca
-            .issue(cn, sans, ExtendedKeyUsagePurpose::ClientAuth)
+            .issue(cn, sans, vec![ExtendedKeyUsagePurpose::ClientAuth])
             .unwrap();
         pair.cert_der().unwrap().to_vec()
     }
@@ -903,7 +919,7 @@ mod tests {
         // A rank name on a server certificate is not a worker identity.
         let sans = vec![san_for(&worker_dns_name(4)).unwrap()];
         let server = ca
-            .issue("x", sans, ExtendedKeyUsagePurpose::ServerAuth)
+            .issue("x", sans, vec![ExtendedKeyUsagePurpose::ServerAuth])
             .unwrap();
         let err = rank_from_cert_der(&server.cert_der().unwrap()).unwrap_err();
         assert!(matches!(err, PkiError::NotClientCert), "{err}");
@@ -915,6 +931,18 @@ mod tests {
         let again = ClusterCa::from_pem(ca.cert_pem(), ca.key_pem()).unwrap();
         let pair = again.issue_worker(5).unwrap();
         assert!(ca.check_leaf(&pair, &Role::Worker(5)).is_ok());
+        // A worker certificate issued for client authentication only (before
+        // the peer cache tier) is issued again.
+        let sans = vec![san_for(&worker_dns_name(5)).unwrap()];
+        let client_only = ca
+            .issue(
+                &worker_common_name(5),
+                sans,
+                vec![ExtendedKeyUsagePurpose::ClientAuth],
+            )
+            .unwrap();
+        let why = ca.check_leaf(&client_only, &Role::Worker(5)).unwrap_err();
+        assert!(why.contains("serverAuth"), "{why}");
         assert!(ca.check_leaf(&pair, &Role::Worker(6)).is_err());
         let other = ClusterCa::generate("test CA").unwrap();
         assert!(other.check_leaf(&pair, &Role::Worker(5)).is_err());

@@ -594,7 +594,7 @@ impl EncodedFrame {
 /// buffer is one more copy of everything written so far).
 const ARCHIVE_OVERHEAD: usize = 256;
 
-fn encode_with<T>(msg: &T, vectors: usize) -> Result<EncodedFrame, ProtocolError>
+pub(crate) fn encode_with<T>(msg: &T, vectors: usize) -> Result<EncodedFrame, ProtocolError>
 where
     T: for<'a> Serialize<
         rkyv::api::high::HighSerializer<
@@ -891,7 +891,7 @@ const ARCHIVE_ALIGN: usize = 16;
 /// Validate and decode an archive. Bytes already on a 16-byte boundary (a
 /// buffer [`crate::transport::read_frame`] filled, any [`AlignedVec`]) are
 /// validated in place; others are first copied into an aligned buffer.
-fn decode<T>(payload: &[u8]) -> Result<T, ProtocolError>
+pub(crate) fn decode<T>(payload: &[u8]) -> Result<T, ProtocolError>
 where
     T: Archive,
     T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rancor::Error>>

@@ -391,6 +391,21 @@ impl RankPlan {
         lo..hi
     }
 
+    /// The rank that takes stream position `pos` in this plan's steps
+    /// (`None` before the origin and past the stream's end).
+    pub fn rank_at(&self, pos: u64) -> Option<usize> {
+        if pos < self.origin_pos || pos >= self.stream_len() {
+            return None;
+        }
+        let within = (pos - self.origin_pos) % self.global_batch();
+        Some((within / self.batch) as usize)
+    }
+
+    /// Stream position where this plan's first step starts.
+    pub fn origin_pos(&self) -> u64 {
+        self.origin_pos
+    }
+
     /// The first global step at which this rank has nothing left (its
     /// steps are `origin_step()..end_step()`).
     pub fn end_step(&self) -> u64 {

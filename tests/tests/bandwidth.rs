@@ -60,8 +60,7 @@ fn config(
             bandwidth_mbit: mbit,
             latency_ms,
         },
-        bucket: None,
-        compute: Default::default(),
+        ..Simulation::default()
     };
     sim.validate().expect("valid simulated link");
     (cfg, sim)

@@ -455,6 +455,7 @@ const CHARTS: &[ChartSpec] = &[
         lines: &[
             ("memory", Measure::Percent("memory_hit_rate")),
             ("disk", Measure::Percent("disk_hit_rate")),
+            ("peer", Measure::Percent("peer_hit_rate")),
         ],
     },
     ChartSpec {
@@ -467,7 +468,10 @@ const CHARTS: &[ChartSpec] = &[
         file: "bucket_cost.png",
         title: "Estimated bucket cost (requests and egress)",
         y_label: "USD per epoch",
-        lines: &[("cost", Measure::Field("bucket_cost_usd"))],
+        lines: &[
+            ("cost", Measure::Field("bucket_cost_usd")),
+            ("saved by peers", Measure::Field("peer_saved_usd")),
+        ],
     },
 ];
 

@@ -167,6 +167,14 @@ impl TierPlan {
             .collect()
     }
 
+    /// Keys whose next use is before `to`.
+    pub fn keys_needed_before(&self, to: u64) -> Vec<SampleKey> {
+        self.order
+            .iter()
+            .flat_map(|set| set.range(..(to, 0)).map(|&(_, k)| k))
+            .collect()
+    }
+
     /// The sample `key` of `bytes` bytes is in hand and next needed at
     /// position `next_use` (`None`: never again). Decides where it lives and
     /// returns the IO to carry that out, in order: first what makes room

@@ -9,6 +9,7 @@
 //! * [`devcheck`]: the same models on two devices, compared (`gpu-check`).
 //! * [`loader`]: the `Loader`, batches prefetched from the bucket in sample order.
 //! * [`cache`]: the loader's memory and disk tiers and their placement policy.
+//! * [`peers`]: the peer cache tier, the cluster's caches serving each other.
 //! * [`trainer`]: `TrainerActor`, forward/backward and gradient compression.
 //! * [`moments`]: Adam's moments kept on the worker (`optimizer.moments = "worker"`).
 //! * [`client`]: `ClientCore`, the sans-IO client: retries, redials, recovery, fencing.
@@ -33,6 +34,7 @@ pub mod model;
 pub mod moments;
 pub mod node;
 pub mod observe;
+pub mod peers;
 pub mod run;
 pub mod simstore;
 pub mod simulate;

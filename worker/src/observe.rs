@@ -19,6 +19,7 @@ use metrics::{Counter, Gauge, Histogram};
 use serde::Serialize;
 
 use crate::loader::{EpochDataStats, Outage};
+use ps_shared::config::CostModel;
 
 /// One training step's figures: the per-step JSONL record and the series
 /// [`WorkerSeries::step`] moves.
@@ -131,7 +132,23 @@ fn describe() {
         describe_counter!("stratus_worker_bucket_retries_total", "GETs that were retries.");
         describe_counter!(
             "stratus_worker_cache_hits_total",
-            "Samples served by a cache tier (tier = memory, disk)."
+            "Samples served by a cache tier (tier = memory, disk, peer)."
+        );
+        describe_counter!(
+            "stratus_worker_peer_bytes_total",
+            "Bytes of samples served to this worker by their owners (peer tier)."
+        );
+        describe_counter!(
+            "stratus_worker_peer_fallbacks_total",
+            "Samples asked of a peer and read from the bucket instead."
+        );
+        describe_counter!(
+            "stratus_worker_peer_damaged_total",
+            "Samples a peer sent that failed the manifest's checksum."
+        );
+        describe_gauge!(
+            "stratus_worker_peer_saved_usd",
+            "What the samples served by peers would have cost from the bucket ([cost] prices)."
         );
         describe_counter!(
             "stratus_worker_cache_misses_total",
@@ -181,6 +198,11 @@ pub struct WorkerSeries {
     retries: Counter,
     memory_hits: Counter,
     disk_hits: Counter,
+    peer_hits: Counter,
+    peer_bytes: Counter,
+    peer_fallbacks: Counter,
+    peer_damaged: Counter,
+    peer_saved: Gauge,
     misses: Counter,
     disk_errors: Counter,
     bad_samples: Counter,
@@ -219,6 +241,11 @@ impl WorkerSeries {
             retries: counter!("stratus_worker_bucket_retries_total", "rank" => r.clone()),
             memory_hits: hits("memory"),
             disk_hits: hits("disk"),
+            peer_hits: hits("peer"),
+            peer_bytes: counter!("stratus_worker_peer_bytes_total", "rank" => r.clone()),
+            peer_fallbacks: counter!("stratus_worker_peer_fallbacks_total", "rank" => r.clone()),
+            peer_damaged: counter!("stratus_worker_peer_damaged_total", "rank" => r.clone()),
+            peer_saved: gauge!("stratus_worker_peer_saved_usd", "rank" => r.clone()),
             misses: counter!("stratus_worker_cache_misses_total", "rank" => r.clone()),
             disk_errors: counter!("stratus_worker_disk_errors_total", "rank" => r.clone()),
             bad_samples: counter!("stratus_worker_bad_samples_total", "rank" => r.clone()),
@@ -255,7 +282,12 @@ impl WorkerSeries {
 
     /// The loader's counters over every epoch so far, and the batches
     /// waiting in its queue.
-    pub fn data_plane(&self, total: &EpochDataStats, ready: usize) {
+    pub fn data_plane(&self, total: &EpochDataStats, ready: usize, prices: &CostModel) {
+        self.peer_hits.absolute(total.peer_samples);
+        self.peer_bytes.absolute(total.peer_bytes);
+        self.peer_fallbacks.absolute(total.peer_fallbacks);
+        self.peer_damaged.absolute(total.peer_damaged);
+        self.peer_saved.set(total.peer_saved_cost(prices));
         self.gets.absolute(total.gets);
         self.get_attempts.absolute(total.get_attempts);
         self.bucket_bytes.absolute(total.bucket_bytes);

@@ -31,6 +31,8 @@ use ps_net::protocol::ErrorCode;
 use ps_shared::config::{ClusterConfig, CostModel, OnBadSample};
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 
+use crate::peers::{PeerNet, PeerSettings};
+
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
     ShardUpdate, Silence, StepExchange, StopJob, Traffic, WorkerTls,
@@ -81,6 +83,9 @@ pub enum WorkerError {
     },
     #[error("sampler: {0}")]
     Sampler(String),
+    /// The peer cache endpoint could not start (`[peers]`).
+    #[error("peer cache tier (rank {rank}, [peers]): {message}")]
+    Peers { rank: u32, message: String },
     #[error("cannot write metrics to {path}: {source}")]
     Metrics {
         path: PathBuf,
@@ -363,6 +368,15 @@ pub struct EpochReport {
     pub bucket_cost_usd: f64,
     /// Data plane: GETs that were retries after a failure.
     pub fetch_retries: u64,
+    /// Peer tier: samples served by their owners.
+    pub peer_hit_rate: f64,
+    /// Peer tier: bytes of those samples.
+    pub peer_bytes: u64,
+    /// Peer tier: samples asked of a peer and read from the bucket instead.
+    pub peer_fallbacks: u64,
+    /// Peer tier: what the peer samples would have cost from the bucket
+    /// (their GETs and bytes at the `[cost]` prices).
+    pub peer_saved_usd: f64,
     /// The learning rate of the epoch's last update, from
     /// `[optimizer.schedule]` at the worker's global step (the servers'
     /// step in BSP; in ASP/SSP each shard counts its own updates).
@@ -390,6 +404,10 @@ impl EpochReport {
         self.bucket_bytes = d.bucket_bytes;
         self.bucket_cost_usd = prices.estimate(self.bucket_get_attempts, self.bucket_bytes);
         self.fetch_retries = d.retries;
+        self.peer_hit_rate = d.peer_hit_rate();
+        self.peer_bytes = d.peer_bytes;
+        self.peer_fallbacks = d.peer_fallbacks;
+        self.peer_saved_usd = d.peer_saved_cost(prices);
         self.images_decoded = d.decoded;
         self.decode_s = d.decode_us as f64 / 1e6;
         self.images_per_core_s = d.images_per_core_s();
@@ -794,6 +812,22 @@ async fn run_rank(
         )));
     }
 
+    // The peer cache tier: this rank serves the samples it reads first, and
+    // asks their owners for the others before the bucket.
+    let peer_net = if cfg.peers.enabled {
+        let peer_err = |message: String| WorkerError::Peers { rank, message };
+        let settings =
+            PeerSettings::from_config(&cfg.peers, rank, world as u32, reader.manifest_checksum())
+                .await
+                .map_err(|e| peer_err(e.to_string()))?;
+        let listen = settings.listen;
+        let net = PeerNet::start(settings, &opts.tls, opts.simulation.peers.faults())
+            .map_err(|e| peer_err(format!("cannot serve on {listen}: {e}")))?;
+        Some(net)
+    } else {
+        None
+    };
+
     let device = device_from_str(&cfg.training.device)?;
     let model = match &factory {
         Some(build) => build(&device)?,
@@ -857,6 +891,10 @@ async fn run_rank(
         // stands and at which step this worker continues: a worker that
         // rejoins a run under way fetches nothing before that step.
         let settings = LoaderSettings::from_config(cfg, &manifest, rank);
+        let settings = match &peer_net {
+            Some(net) => settings.with_peers(net.clone()),
+            None => settings,
+        };
         let joining = async {
             match node {
                 None => {
@@ -1241,7 +1279,11 @@ async fn train(
             train_s: evals.train_s(),
         };
         series.step(&figures, traffic.round_trips, traffic.live_workers);
-        series.data_plane(&loader.stats().total(), loader.ready());
+        series.data_plane(
+            &loader.stats().total(),
+            loader.ready(),
+            &cfg.cost.cost_model(),
+        );
         span.in_scope(|| {
             tracing::debug!(
                 loss = figures.loss,
@@ -1576,6 +1618,10 @@ fn close_epoch(
         bucket_bytes: 0,
         bucket_cost_usd: 0.0,
         fetch_retries: 0,
+        peer_hit_rate: 0.0,
+        peer_bytes: 0,
+        peer_fallbacks: 0,
+        peer_saved_usd: 0.0,
         round_trips: a.round_trips,
         min_live_workers: a.min_live.unwrap_or(workers),
         steps_short_of_workers: a.short_steps,

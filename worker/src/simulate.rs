@@ -45,6 +45,36 @@ pub struct Simulation {
     pub bucket: Option<SimBucketSection>,
     /// A slow worker: each step's compute is stretched (as it is by default).
     pub compute: SimComputeSection,
+    /// A faulty peer cache endpoint (with `peers.enabled`).
+    pub peers: SimPeersSection,
+}
+
+/// A faulty peer: the `[peers]` section of a simulation file. What this
+/// worker's peer endpoint does wrong when other ranks ask it for samples.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimPeersSection {
+    /// Wait this long before every answer, in milliseconds.
+    pub delay_ms: f64,
+    /// Flip a byte of every sample served (the askers' checksum catches it).
+    pub corrupt: bool,
+}
+
+impl SimPeersSection {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.delay_ms.is_finite() && (0.0..=600_000.0).contains(&self.delay_ms)) {
+            return Err("peers.delay_ms must be in [0, 600000]".into());
+        }
+        Ok(())
+    }
+
+    /// The faults as the peer endpoint takes them.
+    pub fn faults(&self) -> crate::peers::PeerFaults {
+        crate::peers::PeerFaults {
+            delay: std::time::Duration::from_secs_f64(self.delay_ms.max(0.0) / 1000.0),
+            corrupt: self.corrupt,
+        }
+    }
 }
 
 /// A simulated slow worker: the `[compute]` section of a simulation file.
@@ -140,12 +170,16 @@ impl Simulation {
         if let Some(b) = &self.bucket {
             b.validate()?;
         }
+        self.peers.validate()?;
         self.compute.validate()
     }
 
     /// Whether this simulates nothing.
     pub fn is_none(&self) -> bool {
-        self.link.is_unlimited() && self.bucket.is_none() && self.compute.is_none()
+        self.link.is_unlimited()
+            && self.bucket.is_none()
+            && self.compute.is_none()
+            && self.peers == SimPeersSection::default()
     }
 }
 

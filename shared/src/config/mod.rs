@@ -11,7 +11,8 @@
 //! `[cluster]` and `[tls]` (`cluster`), `[model]` (`model`, with the layer
 //! lists and ResNet presets in [`layers`]), `[data]` (`data`), `[training]`
 //! (`training`), `[compression]` (`compression`), `[optimizer]`
-//! (`optimizer`), `[server]` (`server`), `[loader]` and `[cost]` (`loader`).
+//! (`optimizer`), `[server]` (`server`), `[loader]` and `[cost]` (`loader`),
+//! and `[peers]` (`peers`).
 //!
 //! ```
 //! use ps_shared::config::ClusterConfig;
@@ -34,6 +35,7 @@ pub mod layers;
 mod loader;
 mod model;
 mod optimizer;
+mod peers;
 mod server;
 mod training;
 
@@ -43,6 +45,7 @@ pub use data::{AugmentSection, DataSection, OnBadSample};
 pub use loader::{CacheSize, CostModel, CostSection, LoaderSection};
 pub use model::{GptSection, ModelKind, ModelSection, TensorDecl, TensorSpec};
 pub use optimizer::{Moments, OptimizerKind, OptimizerSection, ScheduleKind, ScheduleSection};
+pub use peers::{PeersSection, MAX_PEER_SAMPLES};
 pub use server::{GradNormPolicy, ServerSection, SyncMode};
 pub use training::TrainingSection;
 
@@ -185,6 +188,7 @@ pub struct ClusterConfig {
     pub server: ServerSection,
     pub loader: LoaderSection,
     pub cost: CostSection,
+    pub peers: PeersSection,
 }
 
 /// Sections that left the cluster config, and where they went.
@@ -290,6 +294,7 @@ impl ClusterConfig {
         self.server.validate()?;
         self.loader.validate()?;
         self.cost.validate()?;
+        self.peers.validate()?;
         self.check_across_sections()
     }
 
@@ -305,6 +310,15 @@ impl ClusterConfig {
                 "cluster.max_workers",
                 format!(
                     "workers can join beyond cluster.workers = {} only in asp or ssp jobs; a bsp barrier has a fixed size (set server.mode = \"asp\" or \"ssp\", or max_workers = 0)",
+                    c.workers
+                ),
+            ));
+        }
+        if self.peers.enabled && c.max_ranks() > c.workers {
+            return Err(invalid(
+                "peers.enabled",
+                format!(
+                    "the peer cache tier gives each of the cluster.workers = {} ranks its own samples; ranks beyond them (cluster.max_workers) would share a rank's part: set max_workers = 0 or peers.enabled = false",
                     c.workers
                 ),
             ));

@@ -339,8 +339,7 @@ fn run() -> anyhow::Result<()> {
             bandwidth_mbit: args.bandwidth_mbit,
             latency_ms: args.latency_ms,
         },
-        bucket: None,
-        compute: Default::default(),
+        ..Simulation::default()
     };
     sim.validate()
         .map_err(anyhow::Error::msg)

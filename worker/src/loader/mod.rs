@@ -90,7 +90,9 @@ pub use retry::{Outage, OutageLog, RetryFailure, RetryPolicy};
 pub use schedule::{PrefetchWindow, Schedule, FAR_FUTURE};
 pub use stats::{EpochDataStats, LoaderStats};
 
-use pump::Pump;
+use pump::{PeerState, Pump};
+
+use crate::peers::{Owners, PeerNet};
 
 /// Where a batch sits in the run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -174,6 +176,20 @@ pub struct LoaderSettings {
     /// Largest merged range GET in the shard layout.
     pub max_request_bytes: u64,
     pub retry: RetryPolicy,
+    /// The worker's peer tier ([`crate::peers`]); `None`: every miss reads
+    /// the bucket.
+    pub peers: Option<PeerLink>,
+}
+
+/// A loader's way into the peer tier: the worker's [`PeerNet`], shared by
+/// the loaders it starts (equal when it is the same one).
+#[derive(Clone, Debug)]
+pub struct PeerLink(pub Arc<PeerNet>);
+
+impl PartialEq for PeerLink {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl LoaderSettings {
@@ -193,6 +209,7 @@ impl LoaderSettings {
             disk_cache: None,
             max_request_bytes: d.max_request_kb as u64 * 1024,
             retry: RetryPolicy::default(),
+            peers: None,
         }
     }
 
@@ -223,12 +240,19 @@ impl LoaderSettings {
             disk_cache,
             max_request_bytes: (l.max_request_kb as u64).saturating_mul(1024),
             retry: RetryPolicy::from_config(cfg, rank),
+            peers: None,
         }
     }
 
     /// Continue a sample stream that resumed at `point`.
     pub fn resume_from(mut self, point: ResumePoint) -> Self {
         self.start = Some(point);
+        self
+    }
+
+    /// Serve and ask peers through `net`.
+    pub fn with_peers(mut self, net: Arc<PeerNet>) -> Self {
+        self.peers = Some(PeerLink(net));
         self
     }
 
@@ -323,11 +347,24 @@ impl Loader {
             &dataset,
         )?;
         // Disk files of an earlier run (a restart) serve the samples this
-        // run needs soonest; the others go.
+        // run needs soonest; the others go. With peers, the files kept are
+        // the samples this rank owns, by the cluster's next use.
         let mut schedule = schedule;
         let num_samples = schedule.plan().sampler().num_samples();
+        let owners = settings
+            .peers
+            .as_ref()
+            .map(|_| Owners::of_plan(schedule.plan()));
+        let me = sampler.rank() as u32;
         let restored = cache.restore(|key| match (next, usize::try_from(key)) {
-            (Some(step), Ok(sample)) if sample < num_samples => schedule.next_use_at(step, sample),
+            (Some(step), Ok(sample)) if sample < num_samples => match &owners {
+                None => schedule.next_use_at(step, sample),
+                Some(o) if o.owner(sample) == Some(me) => {
+                    let from = schedule.plan().range(step).start;
+                    schedule.cluster_next_use(sample, from)
+                }
+                Some(_) => None,
+            },
             _ => None,
         });
         if restored > 0 {
@@ -347,6 +384,17 @@ impl Loader {
             lookahead_samples: settings.lookahead_samples,
             max_bytes: settings.max_inflight_bytes,
             record_bytes: reader.record_bytes() as u64,
+        };
+        let peers = match (settings.peers.clone(), owners) {
+            (Some(PeerLink(net)), Some(owners)) => {
+                tracing::info!(
+                    rank = me,
+                    owned = owners.count(me),
+                    "peer cache tier: serving the samples this rank reads first"
+                );
+                Some(PeerState::new(net, owners, num_samples))
+            }
+            _ => None,
         };
         let pump = Pump {
             reader,
@@ -368,6 +416,7 @@ impl Loader {
             request_seq: 0,
             inflight: 0,
             tasks: JoinSet::new(),
+            peers,
         };
         let task = tokio::spawn(pump.run());
         Ok(Self {

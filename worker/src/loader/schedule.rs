@@ -27,6 +27,9 @@ pub struct Schedule {
     /// Global orders of the epochs batches are being planned from.
     orders: BTreeMap<u64, Vec<usize>>,
     uses: BTreeMap<u64, EpochUses>,
+    /// Where each sample sits in an epoch's global order (inverse
+    /// permutations), for the cluster's next uses.
+    places: BTreeMap<u64, Vec<u32>>,
 }
 
 impl Schedule {
@@ -35,6 +38,7 @@ impl Schedule {
             plan,
             orders: BTreeMap::new(),
             uses: BTreeMap::new(),
+            places: BTreeMap::new(),
         })
     }
 
@@ -82,6 +86,7 @@ impl Schedule {
         let first_epoch = range.start / n;
         self.uses = self.uses.split_off(&first_epoch);
         self.orders = self.orders.split_off(&first_epoch);
+        self.places = self.places.split_off(&first_epoch);
         let mut samples = Vec::with_capacity((range.end - range.start) as usize);
         for pos in range.clone() {
             let order = self.order(pos / n);
@@ -124,6 +129,31 @@ impl Schedule {
             Some(_) => self.next_use_from(epoch.saturating_add(1), sample),
             None => None,
         }
+    }
+
+    /// The first stream position at or after `from` where any rank uses
+    /// `sample` (every sample is used once per epoch), `None` past the run's
+    /// end: the next use that matters to the sample's owner in the peer tier.
+    pub fn cluster_next_use(&mut self, sample: usize, from: u64) -> Option<u64> {
+        let n = self.plan.sampler().num_samples() as u64;
+        let epoch = from / n;
+        for e in [epoch, epoch.saturating_add(1)] {
+            if e >= self.plan.epochs() {
+                return None;
+            }
+            if !self.places.contains_key(&e) {
+                let mut place = vec![0u32; n as usize];
+                for (i, &s) in self.order(e).iter().enumerate() {
+                    place[s] = i as u32;
+                }
+                self.places.insert(e, place);
+            }
+            let pos = e * n + u64::from(*self.places[&e].get(sample)?);
+            if pos >= from {
+                return Some(pos);
+            }
+        }
+        None
     }
 
     /// The next use of `sample` after its use at stream position `pos`.

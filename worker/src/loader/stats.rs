@@ -36,23 +36,49 @@ pub struct EpochDataStats {
     /// Samples left out because they could not be decoded
     /// (`data.on_bad_sample = "skip"`).
     pub bad_samples: u64,
+    /// Samples served by their owner in the peer tier.
+    pub peer_samples: u64,
+    /// Bytes of those samples.
+    pub peer_bytes: u64,
+    /// Exchanges with peers that returned records.
+    pub peer_exchanges: u64,
+    /// Samples asked of a peer and read from the bucket instead (not held,
+    /// damaged, or the exchange failed).
+    pub peer_fallbacks: u64,
+    /// Samples a peer sent that failed the manifest's checksum.
+    pub peer_damaged: u64,
+    /// Exchanges that failed (timeout, unreachable, refused).
+    pub peer_errors: u64,
+    /// GETs the bucket would have served for the peer samples (counted as
+    /// the loader would have requested them: merged ranges in the shard
+    /// layout).
+    pub peer_gets_saved: u64,
 }
 
 impl EpochDataStats {
+    fn served(&self) -> u64 {
+        self.memory_hits + self.disk_hits + self.peer_samples + self.bucket_samples
+    }
+
     /// Fraction of samples served from memory.
     pub fn memory_hit_rate(&self) -> f64 {
-        ratio(
-            self.memory_hits,
-            self.memory_hits + self.disk_hits + self.bucket_samples,
-        )
+        ratio(self.memory_hits, self.served())
     }
 
     /// Fraction of samples served from the disk tier.
     pub fn disk_hit_rate(&self) -> f64 {
-        ratio(
-            self.disk_hits,
-            self.memory_hits + self.disk_hits + self.bucket_samples,
-        )
+        ratio(self.disk_hits, self.served())
+    }
+
+    /// Fraction of samples served by peers.
+    pub fn peer_hit_rate(&self) -> f64 {
+        ratio(self.peer_samples, self.served())
+    }
+
+    /// What the peer samples would have cost from the bucket: their GETs and
+    /// their bytes at the bucket's prices.
+    pub fn peer_saved_cost(&self, prices: &CostModel) -> f64 {
+        prices.estimate(self.peer_gets_saved, self.peer_bytes)
     }
 
     /// Estimated request and egress cost in dollars (every attempt is a
@@ -75,6 +101,13 @@ impl EpochDataStats {
         self.decoded += o.decoded;
         self.decode_us += o.decode_us;
         self.bad_samples += o.bad_samples;
+        self.peer_samples += o.peer_samples;
+        self.peer_bytes += o.peer_bytes;
+        self.peer_exchanges += o.peer_exchanges;
+        self.peer_fallbacks += o.peer_fallbacks;
+        self.peer_damaged += o.peer_damaged;
+        self.peer_errors += o.peer_errors;
+        self.peer_gets_saved += o.peer_gets_saved;
     }
 
     /// Images decoded and augmented per second of one decode thread.

@@ -18,11 +18,15 @@ use crate::loader::schedule::{PrefetchWindow, Schedule};
 use crate::loader::{BatchPos, Item, LoaderError, LoaderSettings, Shared};
 
 mod decode;
+mod peers;
 mod tiers;
+
+pub(super) use peers::PeerState;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Source {
     Disk,
+    Peer,
     Bucket,
 }
 
@@ -60,6 +64,11 @@ pub(super) enum Done {
         sample: usize,
         result: Result<Bytes, CacheError>,
     },
+    Peer {
+        owner: u32,
+        samples: Vec<usize>,
+        result: Result<Vec<Option<Bytes>>, crate::peers::PeerError>,
+    },
 }
 
 pub(super) struct Pump {
@@ -88,6 +97,8 @@ pub(super) struct Pump {
     pub(super) request_seq: u64,
     pub(super) inflight: usize,
     pub(super) tasks: JoinSet<Done>,
+    /// The peer tier, when the worker has one.
+    pub(super) peers: Option<PeerState>,
 }
 
 /// One request under the retry policy: transient errors (store failures
@@ -117,6 +128,20 @@ impl Pump {
     pub(super) async fn run(mut self) {
         let outcome = self.drive().await;
         self.tasks.abort_all();
+        if outcome.is_ok() && self.peers.is_some() {
+            // This rank's stream is done, but other ranks may still need
+            // what it owns: the trainer sees the end, and the cache keeps
+            // serving until the loader is dropped.
+            self.cache.save_index();
+            let (closed, _) = mpsc::channel(1);
+            drop(std::mem::replace(&mut self.tx, closed));
+            self.shared.finished.store(true, Ordering::SeqCst);
+            self.shared.rest.send_replace(Some(u64::MAX));
+            while let Some(call) = peers::next_call(&mut self.peers).await {
+                self.serve(call).await;
+            }
+            return;
+        }
         let Pump {
             cache, tx, shared, ..
         } = self;
@@ -154,6 +179,10 @@ impl Pump {
                 continue;
             }
             let front_complete = self.front_complete();
+            // Other ranks are served while the pump waits for something
+            // else; with nothing else to wait for, the loader is stuck
+            // (below), not serving forever.
+            let serving = front_complete || !self.tasks.is_empty();
             let tx = self.tx.clone();
             // The batches taken, as the queue itself counts them: handed
             // over (`base_seq`) less those still queued. Not the trainer's
@@ -178,6 +207,15 @@ impl Pump {
                         permit.send(Ok(item));
                     }
                     Err(_) => return Ok(()),
+                },
+                call = peers::next_call(&mut self.peers), if serving => match call {
+                    Some(call) => self.serve(call).await,
+                    None => {
+                        // Another loader of this worker serves now.
+                        if let Some(p) = &mut self.peers {
+                            p.calls = None;
+                        }
+                    }
                 },
                 else => {
                     return Err(LoaderError::Task(
@@ -212,6 +250,7 @@ impl Pump {
 
     /// Turns queued samples into requests and starts as many as allowed.
     fn launch(&mut self) -> Result<(), LoaderError> {
+        self.launch_peers();
         if !self.queued.is_empty() {
             let queued = std::mem::take(&mut self.queued);
             let requests = self.reader.plan_requests(
@@ -284,6 +323,11 @@ impl Pump {
                     }
                 }
             }
+            Done::Peer {
+                owner,
+                samples,
+                result,
+            } => self.complete_peer(owner, samples, result).await,
             Done::Disk { sample, result } => match result.and_then(|bytes| {
                 // The file's own checksum was right; the bytes must also be
                 // the sample the manifest describes.

@@ -24,6 +24,7 @@ impl Pump {
                 .and_then(|s| self.schedule.next_use_from(epoch + 1, s));
             self.cache.reprioritize(key, next).await;
         }
+        self.rekey_owned(epoch).await;
     }
 
     pub(super) async fn plan_batch(
@@ -58,7 +59,7 @@ impl Pump {
                 slot.records[i] = Some(bytes.clone());
                 slot.missing -= 1;
                 self.shared.stats.update(epoch, |s| s.memory_hits += 1);
-                let next = self.schedule.next_use_after(position, sample);
+                let next = self.keep_until(position, sample);
                 self.cache.offer(sample as u64, &bytes, next).await;
                 continue;
             }
@@ -74,7 +75,7 @@ impl Pump {
                         },
                     );
                     self.shared.stats.update(epoch, |s| s.memory_hits += 1);
-                    let next = self.schedule.next_use_after(position, sample);
+                    let next = self.keep_until(position, sample);
                     self.cache.offer(sample as u64, &bytes, next).await;
                     continue;
                 }
@@ -85,6 +86,7 @@ impl Pump {
                     });
                     Source::Disk
                 }
+                Lookup::Miss if self.ask_peer(sample) => Source::Peer,
                 Lookup::Miss => {
                     self.queued.push(sample);
                     Source::Bucket
@@ -133,6 +135,7 @@ impl Pump {
             let source = if k == 0 { Some(w.source) } else { None };
             self.shared.stats.update(slot.pos.epoch, |s| match source {
                 Some(Source::Bucket) => s.bucket_samples += 1,
+                Some(Source::Peer) => s.peer_samples += 1,
                 Some(Source::Disk) => s.disk_hits += 1,
                 None => s.memory_hits += 1,
             });
@@ -146,7 +149,8 @@ impl Pump {
                 },
             );
         }
-        let next = self.schedule.next_use_after(w.last_pos, sample);
+        self.arrived(sample, &bytes);
+        let next = self.keep_until(w.last_pos, sample);
         self.cache.offer(sample as u64, &bytes, next).await;
     }
 }

@@ -46,7 +46,7 @@ use ps_net::transport::{self, EndpointLimits, TransportError};
 use ps_shared::config::PeersSection;
 use ps_shared::sampler::RankPlan;
 use quinn::{Connection, Endpoint};
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::comm::WorkerTls;
@@ -218,7 +218,7 @@ pub struct PeerNet {
     client: Endpoint,
     server: Endpoint,
     conns: tokio::sync::Mutex<HashMap<u32, Connection>>,
-    serve: Arc<Mutex<Option<mpsc::Sender<ServeCall>>>>,
+    serve: watch::Sender<Option<mpsc::Sender<ServeCall>>>,
     counters: Arc<ServeCounters>,
     accept: JoinHandle<()>,
 }
@@ -268,12 +268,12 @@ impl PeerNet {
                 ..limits
             },
         )?;
-        let serve = Arc::new(Mutex::new(None));
+        let serve = watch::Sender::new(None);
         let counters = Arc::new(ServeCounters::default());
         let accept = tokio::spawn(accept_loop(
             server.clone(),
             Server {
-                serve: serve.clone(),
+                serve: serve.subscribe(),
                 counters: counters.clone(),
                 slots: Arc::new(Semaphore::new(settings.max_serving.max(1))),
                 dataset: settings.dataset,
@@ -316,10 +316,12 @@ impl PeerNet {
     }
 
     /// Requests from other ranks now go to the returned receiver (the last
-    /// loader attached serves; an earlier one stops receiving).
+    /// loader attached serves; an earlier one stops receiving). A request
+    /// that arrives before any loader attached waits for one, within the
+    /// timeout.
     pub fn attach(&self, capacity: usize) -> mpsc::Receiver<ServeCall> {
         let (tx, rx) = mpsc::channel(capacity.max(1));
-        *lock(&self.serve) = Some(tx);
+        self.serve.send_replace(Some(tx));
         rx
     }
 
@@ -424,7 +426,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 #[derive(Clone)]
 struct Server {
-    serve: Arc<Mutex<Option<mpsc::Sender<ServeCall>>>>,
+    serve: watch::Receiver<Option<mpsc::Sender<ServeCall>>>,
     counters: Arc<ServeCounters>,
     slots: Arc<Semaphore>,
     dataset: (u32, u64),
@@ -497,7 +499,15 @@ impl Server {
                 req.samples.len()
             ));
         }
-        let Some(tx) = lock(&self.serve).clone() else {
+        // A worker starts serving before its loader exists (it joins the
+        // servers first): wait for the loader rather than refuse.
+        let mut serve = self.serve.clone();
+        let attach_wait = self.timeout / 2;
+        let tx = match tokio::time::timeout(attach_wait, serve.wait_for(Option::is_some)).await {
+            Ok(Ok(tx)) => tx.clone(),
+            _ => None,
+        };
+        let Some(tx) = tx else {
             return PeerReply::Refused("not serving (no loader)".into());
         };
         let asked = req.samples.len();

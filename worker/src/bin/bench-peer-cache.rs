@@ -21,7 +21,7 @@
 //! saved, and the data wait: the time the slowest rank's loop waited for
 //! its batches, summed over the epoch's steps. The targets (no bucket GET
 //! after the first epoch with the peer tier; its data wait no worse than
-//! stable's) are printed as PASS or MISS; nothing fails on a time.
+//! stable's, within 5%) are printed as PASS or MISS; nothing fails on a time.
 //!
 //! ```text
 //! cargo run --release -p ps-worker --bin bench-peer-cache
@@ -50,8 +50,9 @@ use ps_worker::loader::{EpochDataStats, Loader, LoaderSettings};
 use ps_worker::peers::{PeerFaults, PeerNet, PeerSettings};
 use ps_worker::simstore::{SimSettings, SimStore};
 
-/// The peer tier's data wait may exceed stable's by this factor and pass.
-const WAIT_TOLERANCE: f64 = 1.0;
+/// "No worse than stable": within 5% of its data wait (timer noise on a
+/// shared machine).
+const WAIT_TOLERANCE: f64 = 1.05;
 
 #[derive(Parser, Debug)]
 #[command(

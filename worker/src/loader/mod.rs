@@ -361,7 +361,11 @@ impl Loader {
                 None => schedule.next_use_at(step, sample),
                 Some(o) if o.owner(sample) == Some(me) => {
                     let from = schedule.plan().range(step).start;
-                    schedule.cluster_next_use(sample, from)
+                    Some(
+                        schedule
+                            .cluster_next_use(sample, from)
+                            .unwrap_or(FAR_FUTURE + sample as u64),
+                    )
                 }
                 Some(_) => None,
             },

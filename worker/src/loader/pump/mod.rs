@@ -133,10 +133,11 @@ impl Pump {
             // what it owns: the trainer sees the end, and the cache keeps
             // serving until the loader is dropped.
             self.cache.save_index();
-            let (closed, _) = mpsc::channel(1);
-            drop(std::mem::replace(&mut self.tx, closed));
+            // `finished` first: the trainer reads it once the channel ends.
             self.shared.finished.store(true, Ordering::SeqCst);
             self.shared.rest.send_replace(Some(u64::MAX));
+            let (closed, _) = mpsc::channel(1);
+            drop(std::mem::replace(&mut self.tx, closed));
             while let Some(call) = peers::next_call(&mut self.peers).await {
                 self.serve(call).await;
             }

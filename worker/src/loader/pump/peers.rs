@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 use crate::cache::{CacheError, Lookup};
 use crate::loader::pump::{Done, Pump, Source};
+use crate::loader::schedule::FAR_FUTURE;
 use crate::peers::{Owners, PeerNet, ServeCall};
 
 /// The pump's side of the peer tier.
@@ -81,18 +82,28 @@ enum Part {
 
 impl Pump {
     /// How long to keep `sample` after its use at stream position `pos`:
-    /// without peers, until this rank's next use; with peers, an owned
-    /// sample until any rank's next use, and nothing else at all.
+    /// without peers, until this rank's next use; with peers, nothing it
+    /// does not own, and what it owns for the rest of the run, ranked by
+    /// the next use of any rank (after the run's last use, last of all).
+    /// Owned samples are kept even after what looks like their last use:
+    /// ranks do not move in lock step (a rank behind may still need a
+    /// sample this rank has already used for the last time), and their
+    /// room is taken for the whole run anyway.
     pub(super) fn keep_until(&mut self, pos: u64, sample: usize) -> Option<u64> {
         match &self.peers {
             None => self.schedule.next_use_after(pos, sample),
-            Some(p) if p.owns(sample) => self.schedule.cluster_next_use(sample, pos + 1),
+            Some(p) if p.owns(sample) => Some(
+                self.schedule
+                    .cluster_next_use(sample, pos + 1)
+                    .unwrap_or(FAR_FUTURE + sample as u64),
+            ),
             Some(_) => None,
         }
     }
 
-    /// Planning reached `epoch`: owned samples whose recorded next use has
-    /// passed (another rank used them) get their next one.
+    /// Planning reached `epoch` (with peers): owned samples whose recorded
+    /// next use has passed (another rank used them) get their next one;
+    /// anything else goes.
     pub(super) async fn rekey_owned(&mut self, epoch: u64) {
         let Some(p) = &self.peers else { return };
         let from = epoch * self.schedule.plan().sampler().num_samples() as u64;
@@ -102,11 +113,11 @@ impl Pump {
             .map(|k| (k, usize::try_from(k).is_ok_and(|s| p.owns(s))))
             .collect();
         for (key, owned) in owned {
-            let next = if owned {
-                self.schedule.cluster_next_use(key as usize, from)
-            } else {
-                None
-            };
+            let next = owned.then(|| {
+                self.schedule
+                    .cluster_next_use(key as usize, from)
+                    .unwrap_or(FAR_FUTURE + key)
+            });
             self.cache.reprioritize(key, next).await;
         }
     }

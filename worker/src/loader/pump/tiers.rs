@@ -18,13 +18,16 @@ impl Pump {
         self.rekeyed = Some(epoch);
         // A restart from here on finds the disk tier as it is now.
         self.cache.save_index();
+        if self.peers.is_some() {
+            self.rekey_owned(epoch).await;
+            return;
+        }
         for key in self.cache.plan().keys_needed_after(FAR_FUTURE) {
             let next = usize::try_from(key)
                 .ok()
                 .and_then(|s| self.schedule.next_use_from(epoch + 1, s));
             self.cache.reprioritize(key, next).await;
         }
-        self.rekey_owned(epoch).await;
     }
 
     pub(super) async fn plan_batch(

@@ -130,19 +130,32 @@ struct RankRun {
     epochs: Vec<EpochDataStats>,
 }
 
-/// Runs rank `rank`'s loader to the end (or for `stop_after` batches), its
-/// cache holding `cache_share` of the dataset.
-async fn run_rank(
-    store: Arc<CountingStore>,
-    prefix: Path,
+/// How one rank runs.
+struct RankSpec {
     rank: usize,
     world: usize,
+    /// Its memory tier, as a share of the dataset.
     cache_share: f64,
     net: Option<Arc<PeerNet>>,
+    /// Stop after this many batches (`None`: the whole run).
     stop_after: Option<usize>,
+    /// Wait here before letting the loader go (it serves until then).
     done: Option<Arc<Barrier>>,
+    /// Meet the other ranks here after this many batches.
     meet: Option<(usize, Arc<Barrier>)>,
-) -> RankRun {
+}
+
+/// Runs a rank's loader to the end or until it is told to stop.
+async fn run_rank(store: Arc<CountingStore>, prefix: Path, spec: RankSpec) -> RankRun {
+    let RankSpec {
+        rank,
+        world,
+        cache_share,
+        net,
+        stop_after,
+        done,
+        meet,
+    } = spec;
     let reader = DatasetReader::open(store.clone() as Arc<dyn ObjectStore>, prefix)
         .await
         .expect("open");
@@ -237,19 +250,17 @@ async fn run_cluster(
         .collect();
     let mut tasks = Vec::new();
     let done = Arc::new(Barrier::new(world));
-    for rank in 0..world {
-        let net = nets.get(rank).cloned();
-        tasks.push(tokio::spawn(run_rank(
-            stores[rank].clone(),
-            prefix.clone(),
+    for (rank, store) in stores.iter().enumerate() {
+        let spec = RankSpec {
             rank,
             world,
             cache_share,
-            net,
-            stop_after(rank),
-            Some(done.clone()),
-            None,
-        )));
+            net: nets.get(rank).cloned(),
+            stop_after: stop_after(rank),
+            done: Some(done.clone()),
+            meet: None,
+        };
+        tasks.push(tokio::spawn(run_rank(store.clone(), prefix.clone(), spec)));
     }
     let mut runs = Vec::new();
     for t in tasks {
@@ -345,18 +356,16 @@ async fn a_peer_that_stops_mid_run_costs_bucket_reads_only() {
         let done = (rank != 1).then(|| done.clone());
         let meet = Some((per_epoch, meet.clone()));
         tasks.push(tokio::spawn(async move {
-            let run = run_rank(
-                store,
-                prefix,
+            let spec = RankSpec {
                 rank,
-                3,
-                0.4,
-                Some(net.clone()),
-                stop,
+                world: 3,
+                cache_share: 0.4,
+                net: Some(net.clone()),
+                stop_after: stop,
                 done,
                 meet,
-            )
-            .await;
+            };
+            let run = run_rank(store, prefix, spec).await;
             drop(net);
             run
         }));

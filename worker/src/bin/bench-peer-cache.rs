@@ -20,8 +20,10 @@
 //! S3 Standard's list prices, the samples peers served and the bill they
 //! saved, and the data wait: the time the slowest rank's loop waited for
 //! its batches, summed over the epoch's steps. The targets (no bucket GET
-//! after the first epoch with the peer tier; its data wait no worse than
-//! stable's, within 5%) are printed as PASS or MISS; nothing fails on a time.
+//! after the first epoch with the peer tier; its data wait from the second
+//! epoch on, as a share of the per-rank caches', no worse than stable's,
+//! within one percentage point) are printed as PASS or MISS; nothing fails
+//! on a time.
 //!
 //! ```text
 //! cargo run --release -p ps-worker --bin bench-peer-cache
@@ -50,9 +52,10 @@ use ps_worker::loader::{EpochDataStats, Loader, LoaderSettings};
 use ps_worker::peers::{PeerFaults, PeerNet, PeerSettings};
 use ps_worker::simstore::{SimSettings, SimStore};
 
-/// "No worse than stable": within 5% of its data wait (timer noise on a
-/// shared machine).
-const WAIT_TOLERANCE: f64 = 1.05;
+/// "No worse than stable": the peer tier's data wait in epochs >= 2, as a
+/// share of the per-rank caches' (reshuffle), within this many percentage
+/// points of stable partitioning's (timer noise on a shared machine).
+const WAIT_TOLERANCE_POINTS: f64 = 1.0;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -270,14 +273,24 @@ async fn main() -> anyhow::Result<()> {
         pe.4,
         re.4
     );
+    // The first epoch reads the whole set from the bucket in every run;
+    // the runs differ from the second on. Their data wait there, as a share
+    // of what the per-rank caches waited (reshuffle), decides.
+    let share = |w: f64| 100.0 * w / re.2.max(1e-9);
     println!(
-        "peer tier: data wait {:.2}x stable's over the run ({:.2} s against {:.2} s; epochs >= 2: {:.2} s against {:.2} s) -> {}",
+        "peer tier: data wait in epochs >= 2 is {:.1}% of reshuffle's ({:.2} s of {:.2} s), stable's {:.1}% ({:.2} s) -> {} (within {WAIT_TOLERANCE_POINTS} point of stable's)",
+        share(pe.2),
+        pe.2,
+        re.2,
+        share(st.2),
+        st.2,
+        verdict(share(pe.2) <= share(st.2) + WAIT_TOLERANCE_POINTS)
+    );
+    println!(
+        "whole run: data wait {:.2}x stable's ({:.2} s against {:.2} s; the first epoch's bucket reads dominate both)",
         ratio(pe.3, st.3),
         pe.3,
-        st.3,
-        pe.2,
-        st.2,
-        verdict(pe.3 <= st.3 * WAIT_TOLERANCE)
+        st.3
     );
     Ok(())
 }

@@ -177,7 +177,7 @@ impl Pump {
             });
         }
         for sample in to_bucket {
-            self.to_bucket(sample);
+            self.read_from_bucket(sample);
         }
     }
 
@@ -190,7 +190,7 @@ impl Pump {
             .unwrap_or(0)
     }
 
-    fn to_bucket(&mut self, sample: usize) {
+    fn read_from_bucket(&mut self, sample: usize) {
         if let Some(w) = self.waiting.get_mut(&sample) {
             w.source = Source::Bucket;
             self.queued.push(sample);
@@ -221,7 +221,7 @@ impl Pump {
                     s.peer_fallbacks += samples.len() as u64;
                 });
                 for sample in samples {
-                    self.to_bucket(sample);
+                    self.read_from_bucket(sample);
                 }
                 return;
             }
@@ -233,7 +233,7 @@ impl Pump {
             let epoch = self.need_epoch(sample);
             let Some(bytes) = record else {
                 self.shared.stats.update(epoch, |s| s.peer_fallbacks += 1);
-                self.to_bucket(sample);
+                self.read_from_bucket(sample);
                 continue;
             };
             match self.reader.verify_record(Split::Train, sample, &bytes) {
@@ -254,7 +254,7 @@ impl Pump {
                         s.peer_damaged += 1;
                         s.peer_fallbacks += 1;
                     });
-                    self.to_bucket(sample);
+                    self.read_from_bucket(sample);
                 }
             }
         }

@@ -10,7 +10,13 @@
 //! so no dependency upgrade can change a run's order; a test pins it.
 //!
 //! Global step `g` consumes the next `world × batch` samples of the stream,
-//! and rank `r` takes the `r`-th run of `batch` of them. Steps are not cut at
+//! and rank `r` takes the `r`-th run of `batch` of them. With a **split
+//! schedule** ([`Split`], `data.balance = "throughput"`) the global batch of
+//! a step is cut into runs of other sizes `b_0, …, b_{world-1}` (each at
+//! least 1, summing to `world × batch`): rank `r` takes `b_r` samples at
+//! offset `b_0 + … + b_{r-1}` of the step's run. A split is a pure function
+//! of the step shared by every rank, so the stream is still covered exactly
+//! once whatever the sizes. Steps are not cut at
 //! epoch ends: when the samples left in an epoch do not fill a global batch,
 //! the step takes them and continues with the first samples of the next
 //! epoch's order (a batch belongs to the epoch of its first sample). So every
@@ -78,6 +84,109 @@ pub enum SamplerError {
     /// A step before the resume point the plan starts from.
     #[error("step {step} is before step {origin}, where this run's sample order resumed")]
     StepBeforeResume { step: u64, origin: u64 },
+    /// A split of the global batch that does not fit the world or the
+    /// global batch, or comes before a split already in the schedule.
+    #[error("invalid batch split from step {from}: {reason}")]
+    BadSplit { from: u64, reason: String },
+}
+
+/// How the global batch is cut across the ranks from global step `from`
+/// on (until the next split of the schedule): rank `r` takes `sizes[r]`
+/// samples, after the `sizes[..r]` of the ranks before it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Split {
+    pub from: u64,
+    pub sizes: Vec<u64>,
+}
+
+impl Split {
+    /// The equal split of today's plans: `world` runs of `batch`.
+    pub fn equal(from: u64, world: usize, batch: u64) -> Self {
+        Self {
+            from,
+            sizes: vec![batch; world],
+        }
+    }
+
+    /// Checks the split against a world and a global batch: one size per
+    /// rank, each at least 1, summing to the global batch.
+    pub fn check(&self, world: usize, global_batch: u64) -> Result<(), SamplerError> {
+        let bad = |reason: String| SamplerError::BadSplit {
+            from: self.from,
+            reason,
+        };
+        if self.sizes.len() != world {
+            return Err(bad(format!(
+                "{} sizes for a world of {world} workers",
+                self.sizes.len()
+            )));
+        }
+        if self.sizes.contains(&0) {
+            return Err(bad("every rank needs at least one sample".into()));
+        }
+        let sum = self
+            .sizes
+            .iter()
+            .try_fold(0u64, |a, &b| a.checked_add(b))
+            .unwrap_or(u64::MAX);
+        if sum != global_batch {
+            return Err(bad(format!(
+                "the sizes sum to {sum}, the global batch is {global_batch}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Cuts a global batch of `global` samples across ranks in proportion to
+/// `weights` (their throughputs): each rank gets at least 1, the sizes sum
+/// to `global` exactly (largest remainders round up, ties to the lower
+/// rank). Weights that are not finite and positive count as the smallest
+/// positive one given (or 1 when there is none). `global` must be at least
+/// the number of ranks.
+pub fn proportional_split(weights: &[f64], global: u64) -> Vec<u64> {
+    let n = weights.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let floor = weights
+        .iter()
+        .copied()
+        .filter(|w| w.is_finite() && *w > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    let floor = if floor.is_finite() { floor } else { 1.0 };
+    let w: Vec<f64> = weights
+        .iter()
+        .map(|&w| if w.is_finite() && w > 0.0 { w } else { floor })
+        .collect();
+    // One sample each first; the rest in proportion.
+    let spare = global.saturating_sub(n as u64);
+    let total: f64 = w.iter().sum();
+    let exact: Vec<f64> = w.iter().map(|x| spare as f64 * x / total).collect();
+    let mut sizes: Vec<u64> = exact.iter().map(|e| e.floor() as u64).collect();
+    let given: u64 = sizes.iter().sum();
+    let mut left = spare.saturating_sub(given);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| {
+        let (ra, rb) = (exact[a] - exact[a].floor(), exact[b] - exact[b].floor());
+        rb.total_cmp(&ra).then(a.cmp(&b))
+    });
+    for &i in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        sizes[i] += 1;
+        left -= 1;
+    }
+    // Float rounding may have given one too many somewhere.
+    let mut over = sizes.iter().sum::<u64>().saturating_sub(spare);
+    for s in sizes.iter_mut().rev() {
+        let take = over.min(*s);
+        *s -= take;
+        over -= take;
+    }
+    sizes.iter_mut().for_each(|s| *s += 1);
+    sizes
 }
 
 /// Where a run stands in its sample stream: global step `step` starts after
@@ -269,6 +378,7 @@ impl EpochSampler {
             epochs,
             origin: ResumePoint::start(self.seed),
             origin_pos: 0,
+            splits: Vec::new(),
         }
     }
 
@@ -302,6 +412,7 @@ impl EpochSampler {
             epochs,
             origin_pos: point.stream_position(self.num_samples),
             origin: point,
+            splits: Vec::new(),
         })
     }
 }
@@ -326,6 +437,9 @@ pub struct RankPlan {
     epochs: u64,
     origin: ResumePoint,
     origin_pos: u64,
+    /// The split schedule, ascending by `from`; before its first entry
+    /// (and without one) the split is equal.
+    splits: Vec<Split>,
 }
 
 impl RankPlan {
@@ -376,6 +490,66 @@ impl RankPlan {
         ResumePoint::at_stream(step, pos, self.sampler.num_samples, self.sampler.seed)
     }
 
+    /// Adds a split to the schedule, from `split.from` on. Splits come in
+    /// ascending order of `from`; the same split again is a no-op.
+    pub fn push_split(&mut self, split: Split) -> Result<(), SamplerError> {
+        split.check(self.sampler.world, self.global_batch())?;
+        match self.splits.last() {
+            Some(last) if *last == split => return Ok(()),
+            Some(last) if last.from >= split.from => {
+                return Err(SamplerError::BadSplit {
+                    from: split.from,
+                    reason: format!("the schedule already has a split from step {}", last.from),
+                })
+            }
+            _ => {}
+        }
+        self.splits.push(split);
+        Ok(())
+    }
+
+    /// This plan with every split of `splits` added ([`RankPlan::push_split`]).
+    pub fn with_splits(mut self, splits: &[Split]) -> Result<Self, SamplerError> {
+        for s in splits {
+            self.push_split(s.clone())?;
+        }
+        Ok(self)
+    }
+
+    /// The split schedule (empty: equal throughout).
+    pub fn splits(&self) -> &[Split] {
+        &self.splits
+    }
+
+    /// The sizes of every rank's run at `step`, `None` when equal.
+    fn sizes_at(&self, step: u64) -> Option<&[u64]> {
+        let i = self.splits.partition_point(|s| s.from <= step);
+        i.checked_sub(1).map(|i| self.splits[i].sizes.as_slice())
+    }
+
+    /// How many samples rank `rank` takes at `step` when the stream does
+    /// not run out (`batch` with the equal split).
+    pub fn size_of(&self, step: u64, rank: usize) -> u64 {
+        match self.sizes_at(step) {
+            Some(sizes) => sizes.get(rank).copied().unwrap_or(0),
+            None => self.batch,
+        }
+    }
+
+    /// This rank's planned batch size at `step` ([`RankPlan::size_of`]).
+    pub fn own_size(&self, step: u64) -> u64 {
+        self.size_of(step, self.sampler.rank)
+    }
+
+    /// Where this rank's run starts within the global batch of `step`.
+    fn offset_at(&self, step: u64) -> u64 {
+        let r = self.sampler.rank;
+        match self.sizes_at(step) {
+            Some(sizes) => sizes[..r.min(sizes.len())].iter().sum(),
+            None => r as u64 * self.batch,
+        }
+    }
+
     /// The stream positions this rank takes at `step` (empty once the run's
     /// stream is used up, and before the origin).
     pub fn range(&self, step: u64) -> Range<u64> {
@@ -385,20 +559,31 @@ impl RankPlan {
         let end = self.stream_len();
         let lo = self
             .step_start(step)
-            .saturating_add(self.sampler.rank as u64 * self.batch)
+            .saturating_add(self.offset_at(step))
             .min(end);
-        let hi = lo.saturating_add(self.batch).min(end);
+        let hi = lo.saturating_add(self.own_size(step)).min(end);
         lo..hi
     }
 
     /// The rank that takes stream position `pos` in this plan's steps
-    /// (`None` before the origin and past the stream's end).
+    /// (`None` before the origin and past the stream's end). With a split
+    /// schedule, by the splits known to this plan.
     pub fn rank_at(&self, pos: u64) -> Option<usize> {
         if pos < self.origin_pos || pos >= self.stream_len() {
             return None;
         }
-        let within = (pos - self.origin_pos) % self.global_batch();
-        Some((within / self.batch) as usize)
+        let step = self.step_of(pos);
+        let within = pos - self.step_start(step);
+        match self.sizes_at(step) {
+            Some(sizes) => {
+                let mut end = 0;
+                sizes.iter().position(|&b| {
+                    end += b;
+                    within < end
+                })
+            }
+            None => Some((within / self.batch) as usize),
+        }
     }
 
     /// Stream position where this plan's first step starts.
@@ -406,22 +591,59 @@ impl RankPlan {
         self.origin_pos
     }
 
-    /// The first global step at which this rank has nothing left (its
-    /// steps are `origin_step()..end_step()`).
-    pub fn end_step(&self) -> u64 {
-        let base = self.origin_pos + self.sampler.rank as u64 * self.batch;
+    /// The first global step no rank has samples for: the run's steps are
+    /// `origin_step()..global_end_step()` (only the last may be short).
+    pub fn global_end_step(&self) -> u64 {
         let end = self.stream_len();
-        if base >= end {
+        if self.origin_pos >= end {
             return self.origin.step;
         }
-        self.origin.step + (end - base).div_ceil(self.global_batch())
+        self.origin.step + (end - self.origin_pos).div_ceil(self.global_batch())
+    }
+
+    /// The first global step at which this rank has nothing left (its
+    /// steps are `origin_step()..end_step()`). With a split schedule, it
+    /// depends on the split of the run's last step.
+    pub fn end_step(&self) -> u64 {
+        let last = self.global_end_step();
+        if last == self.origin.step {
+            return last;
+        }
+        if self.range(last - 1).is_empty() {
+            last - 1
+        } else {
+            last
+        }
+    }
+
+    /// The global step whose run of the stream holds position `pos` (the
+    /// origin for earlier positions).
+    fn step_of(&self, pos: u64) -> u64 {
+        self.origin.step + pos.saturating_sub(self.origin_pos) / self.global_batch()
     }
 
     /// The steps at which this rank takes samples of stream range `lo..hi`.
     pub fn steps_touching(&self, lo: u64, hi: u64) -> Range<u64> {
+        let hi = hi.min(self.stream_len());
+        if !self.splits.is_empty() {
+            if lo >= hi || hi <= self.origin_pos {
+                return self.origin.step..self.origin.step;
+            }
+            let touches = |s: u64| {
+                let r = self.range(s);
+                r.start < hi && r.end > lo && !r.is_empty()
+            };
+            let (mut first, mut last) = (self.step_of(lo), self.step_of(hi - 1) + 1);
+            while first < last && !touches(first) {
+                first += 1;
+            }
+            while last > first && !touches(last - 1) {
+                last -= 1;
+            }
+            return first..last;
+        }
         let base = self.origin_pos + self.sampler.rank as u64 * self.batch;
         let g = self.global_batch();
-        let hi = hi.min(self.stream_len());
         if hi <= base || lo >= hi {
             return self.origin.step..self.origin.step;
         }
@@ -754,8 +976,176 @@ mod tests {
         assert_eq!(sorted(s.global_order(2, 4)), (0..101).collect::<Vec<_>>());
     }
 
+    /// Every (stream position, sample) the ranks of a run with `world`
+    /// workers and split schedule `splits` train, from the start.
+    fn trained_split(
+        n: usize,
+        world: usize,
+        batch: usize,
+        epochs: u64,
+        splits: &[Split],
+    ) -> Vec<(u64, usize)> {
+        let mut out = Vec::new();
+        for r in 0..world {
+            let plan = EpochSampler::new(n, world, r, 5)
+                .unwrap()
+                .plan(batch, epochs)
+                .with_splits(splits)
+                .unwrap();
+            for b in plan.batches_from(0) {
+                assert_eq!(b.epoch, plan.epoch_of(b.first));
+                assert!(b.samples.len() as u64 <= plan.own_size(b.step));
+                out.extend(
+                    b.samples
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &x)| (b.first + i as u64, x)),
+                );
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn an_equal_split_is_todays_plan() {
+        for (n, world, batch) in [(10usize, 3usize, 2usize), (97, 2, 8), (103, 4, 5)] {
+            for r in 0..world {
+                let plain = EpochSampler::new(n, world, r, 1).unwrap().plan(batch, 3);
+                let equal = plain
+                    .clone()
+                    .with_splits(&[Split::equal(2, world, batch as u64)])
+                    .unwrap();
+                assert_eq!(plain.end_step(), equal.end_step());
+                for s in 0..plain.end_step() + 2 {
+                    assert_eq!(plain.range(s), equal.range(s));
+                    assert_eq!(plain.batch(s), equal.batch(s));
+                }
+                for e in 0..3u64 {
+                    let (lo, hi) = (e * n as u64, (e + 1) * n as u64);
+                    assert_eq!(plain.steps_touching(lo, hi), equal.steps_touching(lo, hi));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_split_moves_the_runs_within_each_global_step() {
+        // 3 workers, batches of 4: 12 samples a step; from step 2 on rank 2
+        // takes 2, rank 0 takes 6.
+        let split = Split {
+            from: 2,
+            sizes: vec![6, 4, 2],
+        };
+        let plan = |r| {
+            EpochSampler::new(100, 3, r, 1)
+                .unwrap()
+                .plan(4, 1)
+                .with_splits(std::slice::from_ref(&split))
+                .unwrap()
+        };
+        let (p0, p1, p2) = (plan(0), plan(1), plan(2));
+        assert_eq!((p0.range(1), p2.range(1)), (12..16, 20..24));
+        assert_eq!(
+            (p0.range(2), p1.range(2), p2.range(2)),
+            (24..30, 30..34, 34..36)
+        );
+        assert_eq!(p2.own_size(5), 2);
+        assert_eq!(
+            [24, 29, 30, 34, 35, 15].map(|pos| p0.rank_at(pos)),
+            [Some(0), Some(0), Some(1), Some(2), Some(2), Some(1)]
+        );
+        // 100 samples: step 8 starts at 96 and holds 4, all rank 0's.
+        assert_eq!(p0.global_end_step(), 9);
+        assert_eq!((p0.end_step(), p1.end_step(), p2.end_step()), (9, 8, 8));
+        assert_eq!(p0.range(8), 96..100);
+        assert_exactly_once(100, 1, &trained_split(100, 3, 4, 1, &[split]));
+    }
+
+    #[test]
+    fn bad_splits_are_refused() {
+        let mut plan = EpochSampler::new(100, 2, 0, 1).unwrap().plan(4, 1);
+        let bad = |from, sizes: Vec<u64>| Split { from, sizes };
+        assert!(matches!(
+            plan.push_split(bad(1, vec![8])),
+            Err(SamplerError::BadSplit { from: 1, .. })
+        ));
+        assert!(plan.push_split(bad(1, vec![8, 0])).is_err());
+        assert!(plan.push_split(bad(1, vec![5, 4])).is_err());
+        plan.push_split(bad(3, vec![5, 3])).unwrap();
+        // The same split again is nothing new; an earlier one is refused.
+        plan.push_split(bad(3, vec![5, 3])).unwrap();
+        assert!(plan.push_split(bad(2, vec![4, 4])).is_err());
+        assert!(plan.push_split(bad(3, vec![4, 4])).is_err());
+        assert_eq!(plan.splits().len(), 1);
+    }
+
+    #[test]
+    fn proportional_splits_are_exact_and_keep_everyone() {
+        assert_eq!(proportional_split(&[1.0, 1.0, 1.0], 12), vec![4, 4, 4]);
+        assert_eq!(proportional_split(&[3.0, 3.0, 1.0], 96), vec![41, 41, 14]);
+        // A very slow rank keeps one sample.
+        assert_eq!(proportional_split(&[1e9, 1.0], 10), vec![9, 1]);
+        // Unknown or broken rates count as the slowest known one.
+        assert_eq!(
+            proportional_split(&[2.0, f64::NAN, 0.0], 8),
+            proportional_split(&[2.0, 2.0, 2.0], 8)
+        );
+        assert_eq!(proportional_split(&[f64::NAN, f64::NAN], 5), vec![3, 2]);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// Any split schedule (sizes and switch steps drawn at random)
+        /// covers every stream position exactly once across the ranks.
+        #[test]
+        fn any_split_schedule_trains_every_sample_exactly_once(
+            n in 1usize..120,
+            world in 1usize..5,
+            batch in 1usize..9,
+            epochs in 1u64..4,
+            switches in proptest::collection::vec((0u64..30, proptest::collection::vec(0.01f64..10.0, 4)), 0..5),
+        ) {
+            prop_assume!(world <= n);
+            let global = (world * batch) as u64;
+            let mut splits: Vec<Split> = Vec::new();
+            let mut from = 0;
+            for (gap, weights) in switches {
+                from += gap + u64::from(!splits.is_empty());
+                let sizes = proportional_split(&weights[..world], global);
+                prop_assert_eq!(sizes.iter().sum::<u64>(), global);
+                prop_assert!(sizes.iter().all(|&s| s >= 1));
+                splits.push(Split { from, sizes });
+            }
+            assert_exactly_once(n, epochs, &trained_split(n, world, batch, epochs, &splits));
+            for r in 0..world {
+                let plan = EpochSampler::new(n, world, r, 5).unwrap().plan(batch, epochs).with_splits(&splits).unwrap();
+                for epoch in 0..epochs {
+                    let (lo, hi) = (epoch * n as u64, (epoch + 1) * n as u64);
+                    let want: Vec<u64> = (0..plan.end_step())
+                        .filter(|&s| {
+                            let r = plan.range(s);
+                            r.start < hi && r.end > lo
+                        })
+                        .collect();
+                    let got: Vec<u64> = plan.steps_touching(lo, hi).collect();
+                    prop_assert_eq!(got, want);
+                }
+            }
+        }
+
+        #[test]
+        fn proportional_split_sums_to_the_global_batch(
+            weights in proptest::collection::vec(0.0f64..1e6, 1..9),
+            extra in 0u64..500,
+        ) {
+            let global = weights.len() as u64 + extra;
+            let sizes = proportional_split(&weights, global);
+            prop_assert_eq!(sizes.len(), weights.len());
+            prop_assert_eq!(sizes.iter().sum::<u64>(), global);
+            prop_assert!(sizes.iter().all(|&s| s >= 1));
+        }
+
 
         /// Checkpointed with N workers at any step, resumed with M: every
         /// sample of every epoch is trained exactly once.

@@ -29,6 +29,25 @@ pub struct DataSection {
     pub on_bad_sample: OnBadSample,
     /// Image datasets: augmentation of training images.
     pub augment: AugmentSection,
+    /// How the global batch (`cluster.workers × batch_size` samples a step)
+    /// is cut across the workers: `equal` (`batch_size` each) or
+    /// `throughput` (in proportion to each worker's measured samples per
+    /// second, re-split every `balance_every` steps; bsp only).
+    pub balance: Balance,
+    /// Steps between two re-splits with `balance = "throughput"`; a new
+    /// split takes effect `balance_every` steps after it is decided.
+    pub balance_every: u64,
+}
+
+/// How the global batch of a step is cut across the workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Balance {
+    /// `data.batch_size` samples each.
+    #[default]
+    Equal,
+    /// In proportion to the workers' measured throughput.
+    Throughput,
 }
 
 impl DataSection {
@@ -36,7 +55,8 @@ impl DataSection {
     fn check_ranges(&self) -> Result<(), ConfigError> {
         check_range("data.batch_size", self.batch_size, 1..=1 << 20)?;
         check_range("data.prefetch_batches", self.prefetch_batches, 1..=65_536)?;
-        check_range("data.decode_threads", self.decode_threads, 1..=256)
+        check_range("data.decode_threads", self.decode_threads, 1..=256)?;
+        check_range("data.balance_every", self.balance_every, 1..=1 << 20)
     }
 
     /// A bucket URL, sizes in range and the augmentation's statistics.
@@ -115,6 +135,8 @@ impl Default for DataSection {
             decode_threads: 2,
             on_bad_sample: OnBadSample::Stop,
             augment: AugmentSection::default(),
+            balance: Balance::Equal,
+            balance_every: 20,
         }
     }
 }

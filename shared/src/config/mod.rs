@@ -41,7 +41,7 @@ mod training;
 
 pub use cluster::{ClusterSection, TlsSection};
 pub use compression::{CompressionKind, CompressionSection};
-pub use data::{AugmentSection, DataSection, OnBadSample};
+pub use data::{AugmentSection, Balance, DataSection, OnBadSample};
 pub use loader::{CacheSize, CostModel, CostSection, LoaderSection};
 pub use model::{GptSection, ModelKind, ModelSection, TensorDecl, TensorSpec};
 pub use optimizer::{Moments, OptimizerKind, OptimizerSection, ScheduleKind, ScheduleSection};
@@ -398,6 +398,7 @@ impl ClusterConfig {
                 ));
             }
         }
+        self.check_balance()?;
         let dense_frame = 64 + 4 * num_params.div_ceil(shards);
         if s.max_frame_bytes < dense_frame {
             return Err(invalid(
@@ -461,6 +462,71 @@ impl ClusterConfig {
         } else {
             cpus
         }
+    }
+
+    /// `data.balance = "throughput"` needs every worker in every step's
+    /// barrier, one push per worker, and gradients the servers average:
+    /// bsp without backup workers, fixed ranks, no nodes, server moments,
+    /// and a sample order that does not depend on the split.
+    fn check_balance(&self) -> Result<(), ConfigError> {
+        if self.data.balance != data::Balance::Throughput {
+            return Ok(());
+        }
+        let s = &self.server;
+        let why = |field: &'static str, what: String| {
+            Err(invalid(
+                field,
+                format!("{what} cannot be used with data.balance = \"throughput\""),
+            ))
+        };
+        if s.mode != SyncMode::Bsp {
+            return why(
+                "server.mode",
+                format!(
+                    "{:?} (a split is applied by every worker at the same step of a bsp barrier)",
+                    s.mode
+                )
+                .to_lowercase(),
+            );
+        }
+        if s.backup_workers > 0 {
+            return why(
+                "server.backup_workers",
+                format!(
+                    "{} (a straggler's skipped batches would leave samples untrained; balancing replaces backup workers)",
+                    s.backup_workers
+                ),
+            );
+        }
+        if self.cluster.workers_per_node > 1 {
+            return why(
+                "cluster.workers_per_node",
+                format!(
+                    "{} (a node pushes the plain mean of its ranks' gradients)",
+                    self.cluster.workers_per_node
+                ),
+            );
+        }
+        if self.optimizer.worker_moments() {
+            return why(
+                "optimizer.moments",
+                "\"worker\" (each worker's Adam direction cannot be weighted by its batch size)"
+                    .into(),
+            );
+        }
+        if self.data.partition == crate::sampler::Partition::Stable {
+            return why(
+                "data.partition",
+                "\"stable\" (its order interleaves equal runs per rank)".into(),
+            );
+        }
+        if self.cluster.workers as u64 * self.data.batch_size as u64 > u32::MAX as u64 {
+            return why(
+                "data.batch_size",
+                "a global batch above 2^32 samples".into(),
+            );
+        }
+        Ok(())
     }
 
     /// Number of nodes: `cluster.workers / cluster.workers_per_node`.
@@ -775,6 +841,28 @@ mod tests {
                 "server.backup_workers",
             ),
             ("[cluster]\ntoken = \"short\"\n", "cluster.token"),
+            // Throughput balancing: bsp, every worker in every step.
+            ("[data]\nbalance_every = 0\n", "data.balance_every"),
+            (
+                "[cluster]\nworkers = 3\n[data]\nbalance = \"throughput\"\n[server]\nbackup_workers = 1\n",
+                "server.backup_workers",
+            ),
+            (
+                "[data]\nbalance = \"throughput\"\n[server]\nmode = \"asp\"\n",
+                "server.mode",
+            ),
+            (
+                "[data]\nbalance = \"throughput\"\npartition = \"stable\"\n",
+                "data.partition",
+            ),
+            (
+                "[cluster]\nworkers = 4\nworkers_per_node = 2\n[data]\nbalance = \"throughput\"\n",
+                "cluster.workers_per_node",
+            ),
+            (
+                "[data]\nbalance = \"throughput\"\n[optimizer]\nkind = \"adam\"\nmoments = \"worker\"\n",
+                "optimizer.moments",
+            ),
             ("[data]\nbatch_size = 0\n", "data.batch_size"),
             ("[data]\ndecode_threads = 0\n", "data.decode_threads"),
             (

@@ -22,7 +22,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use ps_shared::sparse::{f16_to_f32, values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -385,6 +385,10 @@ pub enum Request {
         shard: u32,
         step: u64,
         have_version: Option<u64>,
+        /// The worker's measured compute throughput in samples per second
+        /// over its recent steps (`data.balance = "throughput"`), 0 when
+        /// not measured.
+        rate: f32,
         grad: WireGrad,
     },
     /// The worker leaves the barrier: `finished` when its work is done (it
@@ -412,6 +416,14 @@ pub enum Request {
         have_version: Option<u64>,
         total_sum_sq: Option<f64>,
     },
+}
+
+/// A split of the global batch across the ranks from global step `from`
+/// on: rank `r` takes `sizes[r]` samples ([`ps_shared::sampler::Split`]).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct WireSplit {
+    pub from: u64,
+    pub sizes: Vec<u64>,
 }
 
 /// One contiguous shard a server owns.
@@ -482,6 +494,11 @@ pub enum Response {
         /// Workers connected to this shard's barrier when the reply left.
         live_workers: u32,
         update: ParamUpdate,
+        /// `data.balance = "throughput"`, shard 0 only: the latest splits
+        /// of the global batch it decided (at most two, ascending by
+        /// `from`; the earlier one is in effect at the reply's version).
+        /// Empty: no split decided (equal sizes).
+        splits: Vec<WireSplit>,
     },
     ByeAck,
     HeartbeatAck,
@@ -700,6 +717,7 @@ enum RequestRef<'a> {
         shard: u32,
         step: u64,
         have_version: Option<u64>,
+        rate: f32,
         grad: GradRef<'a>,
     },
     Bye {
@@ -828,6 +846,7 @@ pub fn encode_step(
     shard: u32,
     step: u64,
     have_version: Option<u64>,
+    rate: f32,
     grad: GradView<'_>,
 ) -> Result<EncodedFrame, ProtocolError> {
     let (grad, vectors) = match grad {
@@ -844,6 +863,7 @@ pub fn encode_step(
         shard,
         step,
         have_version,
+        rate,
         grad,
     };
     encode_with(&req, vectors)
@@ -975,6 +995,7 @@ mod tests {
             shard: 1,
             step: 7,
             have_version: Some(7),
+            rate: 0.0,
             grad: WireGrad::Sparse {
                 indices: vec![0, 5, 9],
                 values: WireValues::F32(vec![0.5, -0.25, 1.0]),
@@ -984,6 +1005,7 @@ mod tests {
             shard: 1,
             step: 7,
             have_version: None,
+            rate: 0.0,
             grad: WireGrad::Dense(WireValues::F16(vec![0x3c00, 0xbc00])),
         });
         round_trip_req(Request::Bye { finished: true });
@@ -1023,7 +1045,7 @@ mod tests {
                 shard: 1,
                 step: 9,
                 have_version: Some(9),
-                grad: WireGrad::Sparse {
+                rate: 0.0, grad: WireGrad::Sparse {
                     indices: (0..values.len() as u32).collect(),
                     values: WireValues::F32(values),
                 },
@@ -1083,6 +1105,7 @@ mod tests {
                 version: 3,
                 next_step: 3,
                 live_workers: 2,
+                splits: Vec::new(),
                 update: ParamUpdate::Sparse {
                     indices: vec![1, 2],
                     values: vec![0.1, 0.2],
@@ -1093,6 +1116,7 @@ mod tests {
                 version: 3,
                 next_step: 2,
                 live_workers: 1,
+                splits: Vec::new(),
                 update: ParamUpdate::Dense(vec![0.0; 17]),
             },
             Response::Params {
@@ -1100,6 +1124,7 @@ mod tests {
                 version: 4,
                 next_step: 4,
                 live_workers: 2,
+                splits: Vec::new(),
                 update: ParamUpdate::DenseDelta16 {
                     base: 3,
                     values: vec![0x3c00, 0xbc00, 0],
@@ -1110,6 +1135,7 @@ mod tests {
                 version: 4,
                 next_step: 4,
                 live_workers: 2,
+                splits: Vec::new(),
                 update: ParamUpdate::SparseDelta16 {
                     base: 3,
                     indices: vec![0, 7, 300],
@@ -1200,11 +1226,12 @@ mod tests {
         ];
         for (i, grad) in grads.into_iter().enumerate() {
             for have_version in [None, Some(41)] {
-                let borrowed = encode_step(3, 42, have_version, (&grad).into()).unwrap();
+                let borrowed = encode_step(3, 42, have_version, 12.5, (&grad).into()).unwrap();
                 let owned = encode_request(&Request::Step {
                     shard: 3,
                     step: 42,
                     have_version,
+                    rate: 12.5,
                     grad: grad.clone(),
                 })
                 .unwrap();
@@ -1229,7 +1256,14 @@ mod tests {
     #[test]
     fn frames_are_sized_up_front_and_aligned_payloads_decode_in_place() {
         let values = vec![0.5f32; 300_000];
-        let frame = encode_step(0, 1, Some(1), GradView::Dense(ValuesView::F32(&values))).unwrap();
+        let frame = encode_step(
+            0,
+            1,
+            Some(1),
+            0.0,
+            GradView::Dense(ValuesView::F32(&values)),
+        )
+        .unwrap();
         assert!(frame.payload().len() >= 4 * values.len());
         assert!(frame.payload().len() <= 4 * values.len() + ARCHIVE_OVERHEAD);
         let payload = aligned(frame.payload());
@@ -1284,6 +1318,7 @@ mod tests {
             version: 1,
             next_step: 1,
             live_workers: 1,
+            splits: Vec::new(),
             update: ParamUpdate::Sparse {
                 indices: vec![5, 6],
                 values: vec![1.0, 2.0],
@@ -1371,6 +1406,7 @@ mod tests {
             version: 1,
             next_step: 1,
             live_workers: 2,
+            splits: Vec::new(),
             update: ParamUpdate::Sparse { indices, values },
         };
         let frame = encode_response(&resp).unwrap();

@@ -136,6 +136,7 @@ fn run(old: bool, grad: &[f32], params: &[f32], chunk: usize, reps: usize) -> (C
                     shard: 0,
                     step: rep as u64,
                     have_version: Some(rep as u64),
+                    rate: 0.0,
                     grad: part.clone(),
                 };
                 let f = old_frame(&req);
@@ -145,6 +146,7 @@ fn run(old: bool, grad: &[f32], params: &[f32], chunk: usize, reps: usize) -> (C
                     0,
                     rep as u64,
                     Some(rep as u64),
+                    0.0,
                     GradView::Dense(ValuesView::F32(grad)),
                 )
                 .expect("encodes");
@@ -182,6 +184,7 @@ fn run(old: bool, grad: &[f32], params: &[f32], chunk: usize, reps: usize) -> (C
             version: rep as u64 + 1,
             next_step: rep as u64 + 1,
             live_workers: 2,
+            splits: Vec::new(),
             update: ParamUpdate::Dense(params.to_vec()),
         };
         let (encoded, old_bytes) = timed(&mut c.reply_encode, || {

@@ -281,6 +281,8 @@ pub enum ShardRequest {
     Step {
         step: u64,
         have_version: Option<u64>,
+        /// The worker's measured samples per second (0: not measured).
+        rate: f32,
         grad: WireGrad,
     },
     NormTotal {
@@ -355,6 +357,7 @@ impl Handler<Deliver> for ShardActor {
             ShardRequest::Step {
                 step,
                 have_version,
+                rate,
                 grad,
             } => Event::Step {
                 reply,
@@ -362,6 +365,7 @@ impl Handler<Deliver> for ShardActor {
                 rank,
                 step,
                 have_version,
+                rate,
                 grad,
             },
             ShardRequest::NormTotal {

@@ -55,7 +55,7 @@ use ps_net::transport::{
     TransportError,
 };
 use ps_shared::bucket::open_bucket;
-use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
+use ps_shared::config::{Balance, ClusterConfig, CompressionKind, SyncMode};
 use ps_shared::sampler::Partition;
 use ps_shared::shard::ShardMap;
 
@@ -64,7 +64,7 @@ use crate::actor::{
     ShardStatus, Shutdown,
 };
 use crate::checkpoint::{load_latest, CheckpointError, DataSplit};
-use crate::core::{ConnId, CoreSettings, ShardCore, ShardSetup};
+use crate::core::{Balancer, ConnId, CoreSettings, ShardCore, ShardSetup};
 use crate::membership::{Hello, MemberAction, Membership, MembershipSettings};
 
 #[derive(Debug, thiserror::Error)]
@@ -708,6 +708,16 @@ pub async fn start(
             shared_norm: cfg.optimizer.clip_grad_norm > 0.0 && cfg.total_shards() > 1,
         };
         let core = ShardCore::new(setup, settings.clone(), checkpoint);
+        // data.balance = "throughput": shard 0 decides the splits of the
+        // global batch; a split takes effect balance_every steps after it
+        // is decided (the workers' loaders plan no further).
+        let core = if shard == 0 && cfg.data.balance == Balance::Throughput {
+            let every = cfg.data.balance_every;
+            let global = (cfg.cluster.workers * cfg.data.batch_size) as u64;
+            core.with_balancer(Balancer::new(cfg.cluster.workers, global, every, every))
+        } else {
+            core
+        };
         let (version_tx, version_rx) = watch::channel(0);
         versions.push(version_rx);
         let (waiting_tx, waiting_rx) = watch::channel(0);
@@ -1213,11 +1223,13 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
             shard,
             step,
             have_version,
+            rate,
             grad,
         } => {
             let request = ShardRequest::Step {
                 step,
                 have_version,
+                rate,
                 grad,
             };
             return to_shard(ctx, conn, rank, shard, request).await;

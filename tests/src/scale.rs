@@ -273,6 +273,7 @@ impl ServerIo {
                 shard,
                 step,
                 have_version,
+                rate,
                 grad,
             } if shard == self.shard => {
                 self.entries_in
@@ -280,6 +281,7 @@ impl ServerIo {
                 ShardRequest::Step {
                     step,
                     have_version,
+                    rate,
                     grad,
                 }
             }
@@ -356,6 +358,7 @@ async fn worker_step(
             shard: s as u32,
             step,
             have_version: Some(step),
+            rate: 0.0,
             grad,
         })?;
         bytes.sent += frame.len() as u64;

@@ -680,6 +680,7 @@ fn a_step_the_restarted_server_already_applied_is_not_pushed_again() {
             shard: 0,
             step: 1,
             have_version: Some(1),
+            rate: 0.0,
             grad: ps_net::protocol::WireGrad::Dense(ps_net::protocol::WireValues::F32(vec![
                 1.0;
                 n
@@ -822,6 +823,7 @@ fn huge_pushes_from_one_rank_do_not_poison_the_model() {
                     shard: 0,
                     step: next_step,
                     have_version: None,
+                    rate: 0.0,
                     grad: WireGrad::Dense(WireValues::F32(vec![3.0e38; n])),
                 };
                 let (resp, _) = transport::call(&conn, &push, limit).await.expect("push");

@@ -167,7 +167,7 @@ fn a_worker_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
             shard: 0,
             step: FREEZE,
             have_version: Some(FREEZE),
-            grad: WireGrad::Dense(WireValues::F32(vec![1e3; before[0].params.len()])),
+            rate: 0.0, grad: WireGrad::Dense(WireValues::F32(vec![1e3; before[0].params.len()])),
         };
         let (resp, _) = transport::call(&raw, &stale, limit)
             .await

@@ -81,6 +81,7 @@ fn dense_smallest_configuration_counts_consistently() {
         shard: 0,
         step: 1,
         have_version: Some(1),
+        rate: 0.0,
         grad: WireGrad::Dense(WireValues::F32(vec![0.5; 10_000])),
     })
     .expect("encode");

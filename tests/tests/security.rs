@@ -142,7 +142,7 @@ fn server_refuses_bad_clients_and_keeps_serving() {
         assert_eq!(error_code(&resp), Some(ErrorCode::BadFrame));
         tried += 1;
         refused += 1;
-        let step = |shard, step, grad| Request::Step { shard, step, have_version: Some(0), grad };
+        let step = |shard, step, grad| Request::Step { shard, step, have_version: Some(0), rate: 0.0, grad };
         let sparse = |i: Vec<u32>, v: Vec<f32>| WireGrad::Sparse { indices: i, values: WireValues::F32(v) };
         let before = server.status().await;
         for (req, code) in [
@@ -296,7 +296,7 @@ fn a_parked_reply_is_dropped_when_its_connection_closes() {
             shard: 0,
             step: 0,
             have_version: Some(0),
-            grad: WireGrad::Sparse { indices: vec![grad_at], values: WireValues::F32(vec![1.0]) },
+            rate: 0.0, grad: WireGrad::Sparse { indices: vec![grad_at], values: WireValues::F32(vec![1.0]) },
         };
         // Rank 0 pushes step 0; its reply waits for rank 1 at the barrier.
         let conn0 = conns[0].clone();

@@ -60,7 +60,7 @@
 //! assert!(matches!(acts[..], [.., Action::Reply { to: 1, .. }]));
 //! // One push completes the barrier; the reply carries version 1.
 //! let grad = WireGrad::Sparse { indices: vec![2], values: WireValues::F32(vec![2.0]) };
-//! let acts = core.handle(Event::Step { reply: 2, conn: 7, rank: 0, step: 0, have_version: Some(0), grad }, now);
+//! let acts = core.handle(Event::Step { reply: 2, conn: 7, rank: 0, step: 0, have_version: Some(0), rate: 0.0, grad }, now);
 //! assert!(acts.iter().any(|a| matches!(a, Action::Reply { to: 2, response } if matches!(**response, Response::Params { version: 1, .. }))));
 //! assert_eq!(core.params(), &[1.0, 1.0, 0.0, 1.0]);
 //! ```
@@ -75,6 +75,7 @@ use ps_shared::config::{GradNormPolicy, OptimizerSection, SyncMode};
 
 use crate::checkpoint::{DataSplit, ShardCheckpoint};
 
+mod balance;
 mod checkpoints;
 mod guard;
 mod membership;
@@ -86,6 +87,7 @@ mod rounding;
 mod tests;
 mod update;
 
+pub use balance::Balancer;
 pub use guard::{push_norm, NormWindow, NORM_WINDOW};
 use recovery::Recovery;
 pub use recovery::{RecoveryReport, RecoverySource};
@@ -246,13 +248,15 @@ pub enum Event {
         next_step: u64,
         values: Vec<f32>,
     },
-    /// The push of `step` plus the version the worker holds.
+    /// The push of `step` plus the version the worker holds and its
+    /// measured samples per second (0: not measured).
     Step {
         reply: ReplyId,
         conn: ConnId,
         rank: u32,
         step: u64,
         have_version: Option<u64>,
+        rate: f32,
         grad: WireGrad,
     },
     /// Global-norm clipping across shards: the squared norm of the whole
@@ -465,6 +469,9 @@ pub struct ShardCore {
     norm_clip: f32,
     norm_round: Option<NormRound>,
     norm_applied: Option<NormApplied>,
+    /// Throughput balancing (shard 0 with `data.balance = "throughput"`):
+    /// the split decisions, announced in every `Params` reply.
+    balance: Option<Balancer>,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Arc<Response> {
@@ -536,6 +543,7 @@ impl ShardCore {
             norm_clip,
             norm_round: None,
             norm_applied: None,
+            balance: None,
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -544,6 +552,18 @@ impl ShardCore {
             setup,
             settings,
         }
+    }
+
+    /// This shard decides the splits of the global batch (shard 0 with
+    /// `data.balance = "throughput"`, BSP): see [`Balancer`].
+    pub fn with_balancer(mut self, balancer: Balancer) -> Self {
+        self.balance = Some(balancer);
+        self
+    }
+
+    /// The splits this shard announces (empty without a balancer).
+    pub fn announced_splits(&self) -> &[ps_shared::sampler::Split] {
+        self.balance.as_ref().map_or(&[], Balancer::announced)
     }
 
     pub fn id(&self) -> u32 {
@@ -651,8 +671,14 @@ impl ShardCore {
                 rank,
                 step,
                 have_version,
+                rate,
                 grad,
-            } => self.step(reply, conn, rank, step, have_version, grad, now, &mut out),
+            } => {
+                if let Some(b) = self.balance.as_mut() {
+                    b.report(rank, rate);
+                }
+                self.step(reply, conn, rank, step, have_version, grad, now, &mut out)
+            }
             Event::NormTotal {
                 reply,
                 conn,

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use ps_net::protocol::{ErrorCode, ParamUpdate, Response};
+use ps_net::protocol::{ErrorCode, ParamUpdate, Response, WireSplit};
 use ps_shared::config::SyncMode;
 
 use super::{checksum, refusal, Action, Parked, ReplyId, ShardCore, Wait};
@@ -60,6 +60,14 @@ impl ShardCore {
             next_step: self.next_step(rank),
             live_workers: self.connected_workers() as u32,
             update,
+            splits: self
+                .announced_splits()
+                .iter()
+                .map(|s| WireSplit {
+                    from: s.from,
+                    sizes: s.sizes.clone(),
+                })
+                .collect(),
         })
     }
 

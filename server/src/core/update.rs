@@ -395,6 +395,17 @@ impl ShardCore {
         self.agg_peak = 0.0;
         self.version += 1;
         self.stats.updates += 1;
+        if let Some(split) = self
+            .balance
+            .as_mut()
+            .and_then(|b| b.after_update(self.version))
+        {
+            tracing::info!(
+                from = split.from,
+                sizes = ?split.sizes,
+                "throughput balancing: new split of the global batch"
+            );
+        }
         out.push(Action::Applied {
             version: self.version,
             entries,

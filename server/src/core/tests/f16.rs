@@ -98,6 +98,7 @@ fn a_worker_further_behind_gets_f32_values_of_the_rounded_copy() {
             rank: 1,
             step: 1,
             have_version: Some(0),
+            rate: 0.0,
             grad: sparse(vec![3], vec![0.2]),
         },
         t0,

@@ -29,6 +29,7 @@ fn bad_pushes_are_refused_without_side_effects() {
             rank: 1,
             step: 0,
             have_version: None,
+            rate: 0.0,
             grad: sparse(vec![1], vec![1.0]),
         },
         t0,

@@ -137,6 +137,7 @@ fn a_worker_that_crashed_after_pushing_rejoins_with_the_same_step() {
             rank: 1,
             step: 0,
             have_version: Some(1),
+            rate: 0.0,
             grad: sparse(vec![0], vec![1.0]),
         },
         t0,
@@ -152,6 +153,7 @@ fn a_worker_that_crashed_after_pushing_rejoins_with_the_same_step() {
             rank: 1,
             step: 1,
             have_version: Some(1),
+            rate: 0.0,
             grad: sparse(vec![0], vec![1.0])
         },
         t0
@@ -187,6 +189,7 @@ fn a_rank_declared_dead_is_fenced_and_rejoins_at_the_clusters_step() {
             rank: 1,
             step,
             have_version: Some(0),
+            rate: 0.0,
             grad: sparse(vec![0], vec![50.0]),
         };
         let acts = c.handle(stale(3, 0), t0);

@@ -7,6 +7,7 @@ use ps_shared::sparse::SparseGrad;
 use super::*;
 
 mod backup;
+mod balance;
 mod checkpoints;
 mod f16;
 mod guard;
@@ -110,6 +111,7 @@ fn step(reply: ReplyId, rank: u32, step: u64, grad: WireGrad) -> Event {
         rank,
         step,
         have_version: Some(step),
+        rate: 0.0,
         grad,
     }
 }

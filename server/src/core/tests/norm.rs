@@ -204,6 +204,7 @@ fn a_push_after_the_shares_went_out_gets_the_share_and_is_not_counted() {
             rank: 1,
             step: 0,
             have_version: Some(0),
+            rate: 0.0,
             grad: dense(b),
         },
         t0,

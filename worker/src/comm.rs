@@ -29,6 +29,7 @@ use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -48,6 +49,7 @@ use ps_shared::link::{LinkLimiter, LinkSection};
 use ps_shared::shard::ShardMap;
 use ps_shared::sparse::SparseGrad;
 
+use crate::balance::BalanceLink;
 use crate::client::{
     Action, ClientCore, ClientSettings, Delivery, Event, GiveUp, Params, ShardId, Token,
 };
@@ -196,6 +198,9 @@ pub struct Comm {
     params: ParamSource,
     /// Bytes copied since the last exchange's figures were taken.
     copied: std::cell::Cell<Copied>,
+    /// `data.balance = "throughput"`: the rate sent with each push and the
+    /// splits learned from shard 0's replies.
+    balance: Option<Arc<BalanceLink>>,
 }
 
 /// Bytes an update takes on the wire (values, and delta-encoded indices).
@@ -361,7 +366,14 @@ impl Comm {
             link: LinkLimiter::new(link),
             params,
             copied: std::cell::Cell::new(Copied::default()),
+            balance: None,
         })
+    }
+
+    /// Throughput balancing: push `link`'s rate with every step and tell it
+    /// the splits shard 0 announces.
+    pub fn set_balance(&mut self, link: Arc<BalanceLink>) {
+        self.balance = Some(link);
     }
 
     pub fn rank(&self) -> u32 {
@@ -455,12 +467,29 @@ impl Comm {
         self.link.receive(received).await;
         match resp {
             Response::Params {
+                shard: 0,
+                ref splits,
+                ..
+            } if !splits.is_empty() && self.balance.is_none() => Event::Refused {
+                token,
+                shard,
+                code: ErrorCode::Internal,
+                message: format!(
+                    "server {server} balances the global batch across the workers (data.balance = \"throughput\"), this worker has data.balance = \"equal\"; give every process the same [data] section"
+                ),
+            },
+            Response::Params {
+                shard: wire_shard,
                 version,
                 next_step,
                 live_workers,
                 update,
-                ..
-            } => Event::Reply {
+                splits,
+            } => {
+                if let (0, Some(b)) = (wire_shard, &self.balance) {
+                    b.learn(version, &splits);
+                }
+                Event::Reply {
                 token,
                 shard,
                 params: Params {
@@ -471,7 +500,8 @@ impl Comm {
                     update,
                     sent: frame.len() as u64,
                 },
-            },
+            }
+            }
             Response::NormShare {
                 step,
                 sum_sq,
@@ -635,8 +665,10 @@ impl Comm {
                                 let grad = grads.view(&self.map, shard).ok_or_else(|| {
                                     CommError::Layout(format!("no gradient for shard {shard}"))
                                 })?;
-                                let frame = encode_step(shard as u32, step, have_version, grad)
-                                    .map_err(TransportError::from)?;
+                                let rate = self.balance.as_ref().map_or(0.0, |b| b.rate());
+                                let frame =
+                                    encode_step(shard as u32, step, have_version, rate, grad)
+                                        .map_err(TransportError::from)?;
                                 let bytes = self.encoded(frame);
                                 frames[shard] = Some(Frame {
                                     step,

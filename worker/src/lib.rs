@@ -1,6 +1,7 @@
 //! The Stratus worker.
 //!
 //! * [`api`]: train your own candle model (its `Var`s and a closure).
+//! * [`balance`]: throughput balancing: the rate a worker reports and the splits it learns.
 //! * [`launch`]: a worker process: `ps-worker train`'s flags, signals, exit codes.
 //! * [`model`]: the candle model seen through the flat parameter space.
 //! * [`kernels`]: hand-written CPU kernels and the layered models' executor.
@@ -20,6 +21,7 @@
 //! * [`countstore`]: a bucket wrapper that counts GETs and bytes.
 
 pub mod api;
+pub mod balance;
 pub mod cache;
 pub mod client;
 pub mod comm;

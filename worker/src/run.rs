@@ -28,10 +28,11 @@ use ps_dataset::image::{Augment, ImagePipeline};
 use ps_dataset::{DatasetError, DatasetReader, Split};
 use ps_net::cli::ExitCode;
 use ps_net::protocol::ErrorCode;
-use ps_shared::config::{ClusterConfig, CostModel, OnBadSample};
+use ps_shared::config::{Balance, ClusterConfig, CostModel, OnBadSample};
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 
 use crate::peers::{PeerNet, PeerSettings};
+use crate::balance::{BalanceLink, RateMeter};
 
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
@@ -895,12 +896,18 @@ async fn run_rank(
             Some(net) => settings.with_peers(net.clone()),
             None => settings,
         };
+        // data.balance = "throughput": the rate pushed and the splits learned.
+        let balance = (cfg.data.balance == Balance::Throughput)
+            .then(|| BalanceLink::new(cfg.data.balance_every));
         let joining = async {
             match node {
                 None => {
                     let link = &opts.simulation.link;
-                    let comm =
+                    let mut comm =
                         Comm::connect_over(cfg, rank, opts.tls.clone(), params, link).await?;
+                    if let Some(b) = &balance {
+                        comm.set_balance(b.clone());
+                    }
                     let data = comm.data_start();
                     let comm = CommActor::new(comm).start();
                     let (start_params, start_step, _) = comm.send(Join).await??;
@@ -927,11 +934,21 @@ async fn run_rank(
             .map_err(|e| WorkerError::Sampler(e.to_string()))?;
         // A worker declared dead while the cluster went on moves to the
         // cluster's step: a new loader at that place in the sample order.
+        let start_loader = {
+            let balance = balance.clone();
+            move |reader: DatasetReader, sampler: EpochSampler, settings: LoaderSettings| {
+                Ok::<_, WorkerError>(match &balance {
+                    Some(b) => Loader::start_balanced(reader, sampler, settings, b.subscribe())?,
+                    None => Loader::start(reader, sampler, settings)?,
+                })
+            }
+        };
         let restart: LoaderAt = {
             let (reader, sampler, settings) = (reader.clone(), sampler.clone(), settings.clone());
+            let start_loader = start_loader.clone();
             Box::new(move |step| {
                 let settings = settings.clone().resume_from(origin).starting_at(step);
-                Ok(Loader::start(reader.clone(), sampler.clone(), settings)?)
+                start_loader(reader.clone(), sampler.clone(), settings)
             })
         };
         let loader = if start_step > 0 || data.step > 0 || data.samples > 0 {
@@ -944,9 +961,9 @@ async fn run_rank(
                 "rejoining the run"
             );
             let settings = settings.resume_from(origin).starting_at(start_step);
-            Loader::start(reader, sampler, settings)?
+            start_loader(reader, sampler, settings)?
         } else {
-            Loader::start(reader, sampler, settings)?
+            start_loader(reader, sampler, settings)?
         };
         let outage = loader.outage_log();
         let run = Run {
@@ -957,6 +974,7 @@ async fn run_rank(
             restart,
             start_step,
             plan,
+            balance,
             num_params,
             text: manifest.text.is_some(),
         };
@@ -1020,6 +1038,8 @@ struct Run {
     restart: LoaderAt,
     start_step: u64,
     plan: RankPlan,
+    /// Throughput balancing: the rate pushed and the split schedule.
+    balance: Option<Arc<BalanceLink>>,
     num_params: usize,
     /// The dataset is text (evaluations report the perplexity).
     text: bool,
@@ -1041,9 +1061,13 @@ async fn train(
         restart,
         start_step,
         plan,
+        balance,
         num_params,
         text,
     } = run;
+    let mut plan = plan;
+    let mut meter = RateMeter::new(cfg.data.balance_every as usize);
+    let batch_size = cfg.data.batch_size as f32;
     let mut loader = loader;
     // The start-up reads go into the first epoch this worker reports.
     let mut startup = Some(startup);
@@ -1165,18 +1189,32 @@ async fn train(
             samples = pos.samples.len()
         );
         let mut data_wait = waited;
+        // Throughput balancing: this step's planned batch size (from the
+        // splits learned so far, which cover every planned batch) weights
+        // the gradient; exactly 1 with equal batches.
+        let weight = match &balance {
+            Some(b) => {
+                learn_splits(&mut plan, b)?;
+                plan.own_size(pos.step) as f32 / batch_size
+            }
+            None => 1.0,
+        };
         let out = match precomputed.take() {
             Some(out) => out,
             None => {
                 let mut out = trainer
-                    .send(ComputeStep(batch))
+                    .send(ComputeStep(batch, weight))
                     .instrument(span.clone())
                     .await??;
-                slow_compute(&opts.simulation, &mut out).await;
+                slow_compute(&opts.simulation, &mut out, pos.samples.len()).await;
                 acc.compute += out.compute + out.compress;
                 out
             }
         };
+        if let Some(b) = &balance {
+            meter.record(pos.samples.len() as u64, out.compute + out.compress);
+            b.set_rate(meter.rate());
+        }
         let reply = exchange.step(out.grad);
         if overlap && !max_steps_reached(max_steps, step + 1) {
             // The exchange is queued: take the next batch and compute its
@@ -1192,8 +1230,8 @@ async fn train(
             data_wait += t_wait.elapsed();
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {
-                    let mut ahead = trainer.send(ComputeStep(next_batch.clone())).await??;
-                    slow_compute(&opts.simulation, &mut ahead).await;
+                    let mut ahead = trainer.send(ComputeStep(next_batch.clone(), 1.0)).await??;
+                    slow_compute(&opts.simulation, &mut ahead, next_pos.samples.len()).await;
                     acc.compute += ahead.compute + ahead.compress;
                     precomputed = Some(ahead);
                 }
@@ -1563,8 +1601,19 @@ fn short_secs(s: f64) -> String {
 /// Whether a run at `step` has trained `training.max_steps` (0 = no cap).
 /// A simulated slow worker (`[compute]` of the simulation): wait out the
 /// stretch of this step's compute, counted as compute time.
-async fn slow_compute(sim: &Simulation, out: &mut crate::trainer::StepOutput) {
-    let extra = sim.compute.extra(out.compute + out.compress);
+/// Throughput balancing: adds the splits `link` learned to `plan`.
+fn learn_splits(plan: &mut RankPlan, link: &BalanceLink) -> Result<(), WorkerError> {
+    for split in link.news().splits {
+        if plan.splits().last().is_none_or(|l| l.from < split.from) {
+            plan.push_split(split)
+                .map_err(|e| WorkerError::Sampler(e.to_string()))?;
+        }
+    }
+    Ok(())
+}
+
+async fn slow_compute(sim: &Simulation, out: &mut crate::trainer::StepOutput, samples: usize) {
+    let extra = sim.compute.extra_for(out.compute + out.compress, samples);
     if !extra.is_zero() {
         tokio::time::sleep(extra).await;
         out.compute += extra;

@@ -90,6 +90,11 @@ pub struct SimComputeSection {
     /// Fixed compute time added to every step before the factor, in
     /// milliseconds (0 = none).
     pub delay_ms: f64,
+    /// Compute time added per sample of the step's batch before the
+    /// factor, in milliseconds (0 = none): a step's compute then grows with
+    /// its batch, as a real model's does (`data.balance = "throughput"`
+    /// gives a slow worker smaller batches).
+    pub sample_ms: f64,
 }
 
 impl Default for SimComputeSection {
@@ -97,6 +102,7 @@ impl Default for SimComputeSection {
         Self {
             slowdown: 1.0,
             delay_ms: 0.0,
+            sample_ms: 0.0,
         }
     }
 }
@@ -109,20 +115,30 @@ impl SimComputeSection {
         if !(self.delay_ms.is_finite() && (0.0..=600_000.0).contains(&self.delay_ms)) {
             return Err("compute.delay_ms must be in [0, 600000]".into());
         }
+        if !(self.sample_ms.is_finite() && (0.0..=60_000.0).contains(&self.sample_ms)) {
+            return Err("compute.sample_ms must be in [0, 60000]".into());
+        }
         Ok(())
     }
 
     /// Whether compute runs as measured.
     pub fn is_none(&self) -> bool {
-        self.slowdown == 1.0 && self.delay_ms == 0.0
+        self.slowdown == 1.0 && self.delay_ms == 0.0 && self.sample_ms == 0.0
     }
 
     /// How long to wait after a step whose compute took `measured`.
     pub fn extra(&self, measured: std::time::Duration) -> std::time::Duration {
+        self.extra_for(measured, 0)
+    }
+
+    /// How long to wait after a step whose compute of `samples` samples
+    /// took `measured`.
+    pub fn extra_for(&self, measured: std::time::Duration, samples: usize) -> std::time::Duration {
         if self.is_none() {
             return std::time::Duration::ZERO;
         }
-        let stretched = (measured.as_secs_f64() + self.delay_ms / 1000.0) * self.slowdown;
+        let added = (self.delay_ms + self.sample_ms * samples as f64) / 1000.0;
+        let stretched = (measured.as_secs_f64() + added) * self.slowdown;
         std::time::Duration::from_secs_f64((stretched - measured.as_secs_f64()).max(0.0))
     }
 }

@@ -84,9 +84,13 @@ impl Actor for TrainerActor {
     type Context = Context<Self>;
 }
 
+/// Compute the gradient of a batch, scaled by the weight (the batch's
+/// share of the global batch with throughput balancing, `b_r /
+/// data.batch_size`; exactly 1 with equal batches, which leaves the
+/// gradient untouched).
 #[derive(Message)]
 #[rtype(result = "Result<StepOutput, TrainerError>")]
-pub struct ComputeStep(pub Arc<Batch>);
+pub struct ComputeStep(pub Arc<Batch>, pub f32);
 
 impl Handler<ComputeStep> for TrainerActor {
     type Result = Result<StepOutput, TrainerError>;
@@ -97,16 +101,21 @@ impl Handler<ComputeStep> for TrainerActor {
         // thread (RAYON_NUM_THREADS=1) nothing runs here meanwhile. Running
         // the step on a pool thread makes that one hand-over per step; the
         // passes then split over the pool from there, or run inline.
-        rayon::scope(|_| self.compute_step(&msg.0))
+        rayon::scope(|_| self.compute_step(&msg.0, msg.1))
     }
 }
 
 impl TrainerActor {
-    fn compute_step(&mut self, batch: &Batch) -> Result<StepOutput, TrainerError> {
+    fn compute_step(&mut self, batch: &Batch, weight: f32) -> Result<StepOutput, TrainerError> {
         let t0 = Instant::now();
         let loss = self.model.gradient_into(batch, &mut self.grad)?;
         if !loss.is_finite() {
             return Err(TrainerError::Diverged(loss));
+        }
+        if weight != 1.0 {
+            // The servers average the pushes: weighting each mean gradient
+            // by its batch's share keeps the average the global batch's mean.
+            self.grad.iter_mut().for_each(|g| *g *= weight);
         }
         if let Some(moments) = &mut self.moments {
             self.model.flat_params_into(&mut self.params)?;

@@ -79,6 +79,7 @@ use ps_shared::sampler::{EpochSampler, ResumePoint, SamplerError};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::balance::SplitNews;
 use crate::cache::{CacheError, DatasetIdentity, TieredCache};
 
 mod pump;
@@ -312,6 +313,27 @@ impl Loader {
         sampler: EpochSampler,
         settings: LoaderSettings,
     ) -> Result<Self, LoaderError> {
+        Self::start_with(reader, sampler, settings, None)
+    }
+
+    /// [`Loader::start`] with throughput balancing: the batches follow the
+    /// split schedule `news` tells of, and no step past its horizon is
+    /// planned (see [`crate::balance`]).
+    pub fn start_balanced(
+        reader: DatasetReader,
+        sampler: EpochSampler,
+        settings: LoaderSettings,
+        news: watch::Receiver<SplitNews>,
+    ) -> Result<Self, LoaderError> {
+        Self::start_with(reader, sampler, settings, Some(news))
+    }
+
+    fn start_with(
+        reader: DatasetReader,
+        sampler: EpochSampler,
+        settings: LoaderSettings,
+        news: Option<watch::Receiver<SplitNews>>,
+    ) -> Result<Self, LoaderError> {
         if settings.batch_size == 0 {
             return Err(LoaderError::Settings("batch_size must be >= 1".into()));
         }
@@ -327,7 +349,10 @@ impl Loader {
             }
             .into());
         }
-        let schedule = Schedule::new(plan)?;
+        let schedule = match news {
+            Some(news) => Schedule::balanced(plan, news)?,
+            None => Schedule::new(plan)?,
+        };
         let end_step = schedule.end_step();
         if settings.max_inflight_requests == 0 || settings.ready_batches == 0 {
             return Err(LoaderError::Settings(

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 
 use ps_shared::sampler::RankPlan;
+use tokio::sync::watch;
 
+use crate::balance::SplitNews;
 use crate::loader::LoaderError;
 
 /// Next-use value of a sample that may be used in a later epoch but not in
@@ -22,6 +24,14 @@ struct EpochUses {
 /// This worker's part of the sample stream with what the cache needs to
 /// know: the stream position of every use (see [`RankPlan`]) and each
 /// sample's next use. Holds the uses of at most a few epochs.
+///
+/// With throughput balancing the plan's split schedule grows while the run
+/// goes on ([`SplitNews`]): a step is planned only below the schedule's
+/// horizon ([`Schedule::ready`]), where its split is final, so a batch is
+/// never planned with a split that changes later and every stream position
+/// is still taken by exactly one rank. Next uses further ahead are computed
+/// with the splits known so far (the cache's priorities only: they are
+/// computed again when a split arrives).
 pub struct Schedule {
     plan: RankPlan,
     /// Global orders of the epochs batches are being planned from.
@@ -30,6 +40,10 @@ pub struct Schedule {
     /// Where each sample sits in an epoch's global order (inverse
     /// permutations), for the cluster's next uses.
     places: BTreeMap<u64, Vec<u32>>,
+    /// The split schedule as it is learned (throughput balancing).
+    news: Option<watch::Receiver<SplitNews>>,
+    /// Below this step the split is final.
+    known_until: u64,
 }
 
 impl Schedule {
@@ -39,16 +53,86 @@ impl Schedule {
             orders: BTreeMap::new(),
             uses: BTreeMap::new(),
             places: BTreeMap::new(),
+            news: None,
+            known_until: u64::MAX,
         })
+    }
+
+    /// A schedule whose split schedule follows `news`.
+    pub fn balanced(plan: RankPlan, news: watch::Receiver<SplitNews>) -> Result<Self, LoaderError> {
+        let mut schedule = Self::new(plan)?;
+        schedule.known_until = 0;
+        schedule.news = Some(news);
+        schedule.sync()?;
+        Ok(schedule)
     }
 
     pub fn plan(&self) -> &RankPlan {
         &self.plan
     }
 
-    /// The first global step at which this rank has no batch.
+    /// Takes in the splits learned since the last call.
+    fn sync(&mut self) -> Result<(), LoaderError> {
+        let Some(news) = self.news.as_mut() else {
+            return Ok(());
+        };
+        let news = news.borrow_and_update().clone();
+        let mut added = false;
+        for split in news.splits {
+            if self
+                .plan
+                .splits()
+                .last()
+                .is_none_or(|l| l.from < split.from)
+            {
+                self.plan.push_split(split)?;
+                added = true;
+            }
+        }
+        if added {
+            // Next uses were computed with the old splits.
+            self.uses.clear();
+        }
+        self.known_until = self.known_until.max(news.known_until);
+        Ok(())
+    }
+
+    /// Whether the split of `step` is final, so its batch may be planned.
+    pub fn ready(&mut self, step: u64) -> Result<bool, LoaderError> {
+        if step >= self.known_until {
+            self.sync()?;
+        }
+        Ok(step < self.known_until)
+    }
+
+    /// Resolves when more of the split schedule is known (never without
+    /// balancing).
+    pub async fn changed(&mut self) {
+        match self.news.as_mut() {
+            Some(news) => {
+                if news.changed().await.is_err() {
+                    // The sender is gone: nothing more will be learned.
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending::<()>().await,
+        }
+    }
+
+    /// Whether the schedule can still grow.
+    pub fn balanced_run(&self) -> bool {
+        self.news.is_some()
+    }
+
+    /// The first global step at which this rank has no batch (with a split
+    /// schedule still growing: the run's end, a rank may finish one step
+    /// earlier, see [`Schedule::batch`]).
     pub fn end_step(&self) -> u64 {
-        self.plan.end_step()
+        if self.news.is_some() {
+            self.plan.global_end_step()
+        } else {
+            self.plan.end_step()
+        }
     }
 
     fn order(&mut self, epoch: u64) -> &[usize] {

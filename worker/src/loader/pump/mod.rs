@@ -175,10 +175,13 @@ impl Pump {
             if self.next.is_none() && self.slots.is_empty() {
                 return Ok(());
             }
-            if self.next.is_some() && self.window.admits(self.ahead, self.settings.batch_size) {
+            if self.can_plan()? {
                 // Emitting made room: plan more before waiting.
                 continue;
             }
+            // Throughput balancing: the next step is past the split
+            // schedule's horizon; planning goes on once more is known.
+            let horizon = self.next.is_some() && self.schedule.balanced_run();
             let front_complete = self.front_complete();
             // Other ranks are served while the pump waits for something
             // else; with nothing else to wait for, the loader is stuck
@@ -218,6 +221,7 @@ impl Pump {
                         }
                     }
                 },
+                () = self.schedule.changed(), if horizon => {}
                 else => {
                     return Err(LoaderError::Task(
                         "the loader has nothing to wait for but batches are incomplete".into(),
@@ -231,13 +235,27 @@ impl Pump {
         self.slots.front().is_some_and(|s| s.missing == 0)
     }
 
+    /// Whether the next step may be planned now: the window admits it and
+    /// its split is final.
+    fn can_plan(&mut self) -> Result<bool, LoaderError> {
+        match self.next {
+            Some(step) if self.window.admits(self.ahead, self.settings.batch_size) => {
+                self.schedule.ready(step)
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// Plans batches while the window admits them.
     async fn plan(&mut self) -> Result<(), LoaderError> {
-        while let Some(step) = self.next {
-            if !self.window.admits(self.ahead, self.settings.batch_size) {
+        while self.can_plan()? {
+            let Some(step) = self.next else { break };
+            let (first, indices) = self.schedule.batch(step);
+            if indices.is_empty() {
+                // The split of the run's last step left this rank nothing.
+                self.next = None;
                 break;
             }
-            let (first, indices) = self.schedule.batch(step);
             let last = first + (indices.len() as u64).saturating_sub(1);
             let last_epoch = self.schedule.plan().epoch_of(last);
             if self.rekeyed != Some(last_epoch) {

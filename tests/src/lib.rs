@@ -382,14 +382,51 @@ pub fn run_cluster_per_rank(
     run_cluster_counted(cfg, sim, store, prefix, model).map(|(r, s, _)| (r, s))
 }
 
+/// [`run_cluster_per_rank`], also returning every batch each worker
+/// trained ([`WorkerOptions::trained`]), in no particular order.
+pub fn run_cluster_traced(
+    cfg: ClusterConfig,
+    sim: &dyn Fn(u32) -> Simulation,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+) -> anyhow::Result<(
+    Vec<WorkerReport>,
+    Vec<ps_server::actor::ShardStatus>,
+    Vec<ps_worker::run::TrainedBatch>,
+)> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (reports, shards, _) = run_cluster_inner(cfg, sim, store, prefix, None, Some(tx))?;
+    let mut trained = Vec::new();
+    while let Ok(b) = rx.try_recv() {
+        trained.push(b);
+    }
+    Ok((reports, shards, trained))
+}
+
 /// [`run_cluster_per_rank`], also returning the bytes each server process
 /// copied (requests read and decoded, replies encoded).
 pub fn run_cluster_counted(
+    cfg: ClusterConfig,
+    sim: &dyn Fn(u32) -> Simulation,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    model: Option<ModelFactory>,
+) -> anyhow::Result<(
+    Vec<WorkerReport>,
+    Vec<ps_server::actor::ShardStatus>,
+    Vec<ps_net::protocol::Copied>,
+)> {
+    run_cluster_inner(cfg, sim, store, prefix, model, None)
+}
+
+#[allow(clippy::type_complexity)]
+fn run_cluster_inner(
     mut cfg: ClusterConfig,
     sim: &dyn Fn(u32) -> Simulation,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
     model: Option<ModelFactory>,
+    trained: Option<tokio::sync::mpsc::UnboundedSender<ps_worker::run::TrainedBatch>>,
 ) -> anyhow::Result<(
     Vec<WorkerReport>,
     Vec<ps_server::actor::ShardStatus>,
@@ -411,6 +448,7 @@ pub fn run_cluster_counted(
             |rank| WorkerOptions {
                 epoch_lines: true,
                 simulation: sim(rank),
+                trained: trained.clone(),
                 ..pki.options(rank)
             },
             &store,

@@ -17,6 +17,7 @@ fn slow_rank_2(rank: u32) -> Simulation {
         compute: SimComputeSection {
             delay_ms: 20.0,
             slowdown: if rank == 2 { 3.0 } else { 1.0 },
+            ..SimComputeSection::default()
         },
         ..Simulation::default()
     }

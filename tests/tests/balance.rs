@@ -1,0 +1,124 @@
+//! Throughput balancing (`data.balance = "throughput"`) with a simulated
+//! slow worker: 3 workers, rank 2 computing 3x as long per sample, train
+//! the synthetic set on 2 shards. Every sample of every epoch is trained
+//! exactly once across the ranks, every step's batches add up to the
+//! global batch, and the slow rank ends with a smaller batch than the fast
+//! ones.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ps_dataset::SyntheticSpec;
+use ps_shared::config::{Balance, CompressionKind};
+use ps_shared::sampler::EpochSampler;
+use ps_tests::{run_cluster_traced, synthetic_bucket_blocking, test_config};
+use ps_worker::simulate::{SimComputeSection, Simulation};
+
+/// Test accuracy the run must exceed (chance is 10%), as in `straggler.rs`.
+const ACCURACY_BAR: f32 = 0.90;
+const SAMPLES: usize = 4096;
+const BATCH: usize = 32;
+const EPOCHS: u64 = 3;
+
+/// Every rank's step computes 0.5 ms per sample more than measured; rank
+/// 2's three times as long.
+fn slow_rank_2(rank: u32) -> Simulation {
+    Simulation {
+        compute: SimComputeSection {
+            sample_ms: 0.5,
+            slowdown: if rank == 2 { 3.0 } else { 1.0 },
+            ..SimComputeSection::default()
+        },
+        ..Simulation::default()
+    }
+}
+
+#[test]
+fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
+    ps_tests::log_from_env();
+    let spec = SyntheticSpec {
+        train: SAMPLES,
+        test: 1024,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let mut cfg = test_config(CompressionKind::None, 1.0, EPOCHS);
+    cfg.cluster.workers = 3;
+    cfg.cluster.shards_per_server = 2;
+    cfg.data.batch_size = BATCH;
+    cfg.data.balance = Balance::Throughput;
+    cfg.data.balance_every = 5;
+    cfg.validate().expect("valid config");
+    let (reports, status, trained) =
+        run_cluster_traced(cfg.clone(), &slow_rank_2, store, prefix).expect("cluster run");
+    for r in &reports {
+        println!(
+            "worker {}: steps {} accuracy {:.2}%",
+            r.rank,
+            r.steps,
+            100.0 * r.final_accuracy
+        );
+    }
+    for shard in &status {
+        assert_eq!(shard.stats.fenced, 0, "shard {}", shard.shard);
+        assert_eq!(shard.stats.refused, 0, "shard {}", shard.shard);
+    }
+
+    // Every stream position trained once, with the sample of the epoch's
+    // global order at that place.
+    let mut at: HashMap<u64, usize> = HashMap::new();
+    for b in &trained {
+        for (i, &sample) in b.samples.iter().enumerate() {
+            let pos = b.first + i as u64;
+            assert!(
+                at.insert(pos, sample).is_none(),
+                "stream position {pos} (sample {sample}) trained twice"
+            );
+        }
+    }
+    assert_eq!(at.len() as u64, EPOCHS * SAMPLES as u64, "samples missing");
+    let global = EpochSampler::new(SAMPLES, 1, 0, cfg.data.seed).unwrap();
+    for epoch in 0..EPOCHS {
+        let order = global.global_order(epoch, BATCH);
+        let seen: Vec<usize> = (0..SAMPLES as u64)
+            .map(|i| at[&(epoch * SAMPLES as u64 + i)])
+            .collect();
+        assert_eq!(seen, order, "epoch {epoch} is not its global order");
+    }
+
+    // Each step's batches, by rank.
+    let mut steps: BTreeMap<u64, [usize; 3]> = BTreeMap::new();
+    for b in &trained {
+        steps.entry(b.step).or_default()[b.rank as usize] = b.samples.len();
+    }
+    let last = *steps.keys().next_back().expect("steps");
+    let global_batch = 3 * BATCH;
+    for (step, sizes) in &steps {
+        if *step < last {
+            assert_eq!(
+                sizes.iter().sum::<usize>(),
+                global_batch,
+                "step {step}: {sizes:?}"
+            );
+            assert!(sizes.iter().all(|&s| s >= 1), "step {step}: {sizes:?}");
+        }
+    }
+    let first = steps[&0];
+    assert_eq!(first, [BATCH; 3], "the run starts with equal batches");
+    let end = steps[&(last - 1)];
+    println!(
+        "batches at step 0: {first:?}, at step {}: {end:?}",
+        last - 1
+    );
+    assert!(
+        end[2] < end[0] && end[2] < end[1],
+        "the slow rank should end with the smallest batch: {end:?}"
+    );
+    for r in &reports {
+        assert!(
+            r.final_accuracy > ACCURACY_BAR,
+            "worker {} reached only {:.3}",
+            r.rank,
+            r.final_accuracy
+        );
+    }
+}

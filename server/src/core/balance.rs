@@ -99,7 +99,7 @@ impl Balancer {
     /// split (also added to [`Balancer::announced`]) when it differs enough
     /// from the one in effect.
     pub fn after_update(&mut self, version: u64) -> Option<Split> {
-        if version == 0 || version % self.every != 0 {
+        if version == 0 || !version.is_multiple_of(self.every) {
             return None;
         }
         for (s, l) in self.smoothed.iter_mut().zip(&self.latest) {

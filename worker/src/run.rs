@@ -31,8 +31,8 @@ use ps_net::protocol::ErrorCode;
 use ps_shared::config::{Balance, ClusterConfig, CostModel, OnBadSample};
 use ps_shared::sampler::{EpochSampler, RankPlan, ResumePoint};
 
-use crate::peers::{PeerNet, PeerSettings};
 use crate::balance::{BalanceLink, RateMeter};
+use crate::peers::{PeerNet, PeerSettings};
 
 use crate::comm::{
     Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,

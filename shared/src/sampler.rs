@@ -1051,7 +1051,7 @@ mod tests {
         );
         assert_eq!(p2.own_size(5), 2);
         assert_eq!(
-            [24, 29, 30, 34, 35, 15].map(|pos| p0.rank_at(pos)),
+            [24, 29, 30, 34, 35, 16].map(|pos| p0.rank_at(pos)),
             [Some(0), Some(0), Some(1), Some(2), Some(2), Some(1)]
         );
         // 100 samples: step 8 starts at 96 and holds 4, all rank 0's.

@@ -520,6 +520,12 @@ impl ClusterConfig {
                 "\"stable\" (its order interleaves equal runs per rank)".into(),
             );
         }
+        if self.peers.enabled {
+            return why(
+                "peers.enabled",
+                "true (a sample's owner is its first reader, and a split decided later changes who that is: ranks would ask owners that never read the sample)".into(),
+            );
+        }
         if self.cluster.workers as u64 * self.data.batch_size as u64 > u32::MAX as u64 {
             return why(
                 "data.batch_size",
@@ -862,6 +868,14 @@ mod tests {
             (
                 "[data]\nbalance = \"throughput\"\n[optimizer]\nkind = \"adam\"\nmoments = \"worker\"\n",
                 "optimizer.moments",
+            ),
+            (
+                "[data]\nbalance = \"throughput\"\n[peers]\nenabled = true\n",
+                "peers.enabled",
+            ),
+            (
+                "[cluster]\nmax_workers = 4\n[server]\nmode = \"asp\"\n[peers]\nenabled = true\n",
+                "peers.enabled",
             ),
             ("[data]\nbatch_size = 0\n", "data.batch_size"),
             ("[data]\ndecode_threads = 0\n", "data.decode_threads"),

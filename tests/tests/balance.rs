@@ -122,3 +122,66 @@ fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
         );
     }
 }
+
+/// A straggler that comes back: rank 2 computes 3x as long per sample until
+/// step 30, then at the others' pace. The split gives it a smaller batch
+/// while it is slow and an equal share again once it is not, and every
+/// stream position is still trained exactly once.
+#[test]
+fn a_straggler_that_comes_back_gets_its_share_back() {
+    ps_tests::log_from_env();
+    let spec = SyntheticSpec {
+        train: SAMPLES,
+        test: 1024,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let mut cfg = test_config(CompressionKind::None, 1.0, EPOCHS);
+    cfg.cluster.workers = 3;
+    cfg.cluster.shards_per_server = 1;
+    cfg.data.batch_size = BATCH;
+    cfg.data.balance = Balance::Throughput;
+    cfg.data.balance_every = 5;
+    cfg.validate().expect("valid config");
+    const BACK_AT: u64 = 30;
+    let sim = |rank: u32| Simulation {
+        compute: SimComputeSection {
+            sample_ms: 0.5,
+            slowdown: if rank == 2 { 3.0 } else { 1.0 },
+            slow_until_step: BACK_AT,
+            ..SimComputeSection::default()
+        },
+        ..Simulation::default()
+    };
+    let (_, _, trained) = run_cluster_traced(cfg, &sim, store, prefix).expect("cluster run");
+    let mut positions = std::collections::HashSet::new();
+    for b in &trained {
+        for i in 0..b.samples.len() as u64 {
+            assert!(positions.insert(b.first + i), "position trained twice");
+        }
+    }
+    assert_eq!(positions.len() as u64, EPOCHS * SAMPLES as u64);
+    let mut steps: BTreeMap<u64, [usize; 3]> = BTreeMap::new();
+    for b in &trained {
+        steps.entry(b.step).or_default()[b.rank as usize] = b.samples.len();
+    }
+    let last = *steps.keys().next_back().expect("steps");
+    let slowest = steps
+        .range(..BACK_AT + 10)
+        .map(|(_, s)| s[2])
+        .min()
+        .expect("early steps");
+    let end = steps[&(last - 1)];
+    println!(
+        "rank 2's smallest batch while slow: {slowest}; batches at step {}: {end:?}",
+        last - 1
+    );
+    assert!(
+        slowest < BATCH * 3 / 4,
+        "the straggler kept {slowest} of {BATCH}"
+    );
+    assert!(
+        end[2] >= BATCH * 9 / 10,
+        "after coming back the rank should have its share again: {end:?}"
+    );
+}

@@ -1206,7 +1206,7 @@ async fn train(
                     .send(ComputeStep(batch, weight))
                     .instrument(span.clone())
                     .await??;
-                slow_compute(&opts.simulation, &mut out, pos.samples.len()).await;
+                slow_compute(&opts.simulation, &mut out, pos.samples.len(), pos.step).await;
                 acc.compute += out.compute + out.compress;
                 out
             }
@@ -1231,7 +1231,13 @@ async fn train(
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {
                     let mut ahead = trainer.send(ComputeStep(next_batch.clone(), 1.0)).await??;
-                    slow_compute(&opts.simulation, &mut ahead, next_pos.samples.len()).await;
+                    slow_compute(
+                        &opts.simulation,
+                        &mut ahead,
+                        next_pos.samples.len(),
+                        next_pos.step,
+                    )
+                    .await;
                     acc.compute += ahead.compute + ahead.compress;
                     precomputed = Some(ahead);
                 }
@@ -1612,8 +1618,15 @@ fn learn_splits(plan: &mut RankPlan, link: &BalanceLink) -> Result<(), WorkerErr
     Ok(())
 }
 
-async fn slow_compute(sim: &Simulation, out: &mut crate::trainer::StepOutput, samples: usize) {
-    let extra = sim.compute.extra_for(out.compute + out.compress, samples);
+async fn slow_compute(
+    sim: &Simulation,
+    out: &mut crate::trainer::StepOutput,
+    samples: usize,
+    step: u64,
+) {
+    let extra = sim
+        .compute
+        .extra_at(out.compute + out.compress, samples, step);
     if !extra.is_zero() {
         tokio::time::sleep(extra).await;
         out.compute += extra;

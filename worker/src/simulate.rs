@@ -95,6 +95,10 @@ pub struct SimComputeSection {
     /// its batch, as a real model's does (`data.balance = "throughput"`
     /// gives a slow worker smaller batches).
     pub sample_ms: f64,
+    /// The slowdown lasts until this global step, then the worker computes
+    /// at the others' pace again (a straggler that comes back); 0 = the
+    /// whole run.
+    pub slow_until_step: u64,
 }
 
 impl Default for SimComputeSection {
@@ -103,6 +107,7 @@ impl Default for SimComputeSection {
             slowdown: 1.0,
             delay_ms: 0.0,
             sample_ms: 0.0,
+            slow_until_step: 0,
         }
     }
 }
@@ -134,11 +139,27 @@ impl SimComputeSection {
     /// How long to wait after a step whose compute of `samples` samples
     /// took `measured`.
     pub fn extra_for(&self, measured: std::time::Duration, samples: usize) -> std::time::Duration {
+        self.extra_at(measured, samples, 0)
+    }
+
+    /// [`Self::extra_for`] at global step `step` (the slowdown ends at
+    /// `slow_until_step`).
+    pub fn extra_at(
+        &self,
+        measured: std::time::Duration,
+        samples: usize,
+        step: u64,
+    ) -> std::time::Duration {
         if self.is_none() {
             return std::time::Duration::ZERO;
         }
         let added = (self.delay_ms + self.sample_ms * samples as f64) / 1000.0;
-        let stretched = (measured.as_secs_f64() + added) * self.slowdown;
+        let slowdown = if self.slow_until_step > 0 && step >= self.slow_until_step {
+            1.0
+        } else {
+            self.slowdown
+        };
+        let stretched = (measured.as_secs_f64() + added) * slowdown;
         std::time::Duration::from_secs_f64((stretched - measured.as_secs_f64()).max(0.0))
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use ps_dataset::SyntheticSpec;
-use ps_shared::config::{Balance, CompressionKind};
+use ps_shared::config::{Balance, ClusterConfig, CompressionKind};
 use ps_shared::sampler::EpochSampler;
 use ps_tests::{run_cluster_traced, synthetic_bucket_blocking, test_config};
 use ps_worker::simulate::{SimComputeSection, Simulation};
@@ -20,20 +20,27 @@ const BATCH: usize = 32;
 const EPOCHS: u64 = 3;
 
 /// Every rank's step computes 0.5 ms per sample more than measured; rank
-/// 2's three times as long.
-fn slow_rank_2(rank: u32) -> Simulation {
+/// 2's three times as long until global step `until` (0: the whole run).
+fn slow_rank_2_until(rank: u32, until: u64) -> Simulation {
     Simulation {
         compute: SimComputeSection {
             sample_ms: 0.5,
             slowdown: if rank == 2 { 3.0 } else { 1.0 },
+            slow_until_step: until,
             ..SimComputeSection::default()
         },
         ..Simulation::default()
     }
 }
 
-#[test]
-fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
+/// Rank 2 slow for the whole run.
+fn slow_rank_2(rank: u32) -> Simulation {
+    slow_rank_2_until(rank, 0)
+}
+
+/// The synthetic set trained by 3 workers with throughput balancing
+/// (re-split every 5 steps) on `shards` shards, under `sim`.
+fn balanced_run(shards: usize, sim: &dyn Fn(u32) -> Simulation) -> (ClusterConfig, Traced) {
     ps_tests::log_from_env();
     let spec = SyntheticSpec {
         train: SAMPLES,
@@ -43,13 +50,24 @@ fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
     let (store, prefix) = synthetic_bucket_blocking(&spec);
     let mut cfg = test_config(CompressionKind::None, 1.0, EPOCHS);
     cfg.cluster.workers = 3;
-    cfg.cluster.shards_per_server = 2;
+    cfg.cluster.shards_per_server = shards;
     cfg.data.batch_size = BATCH;
     cfg.data.balance = Balance::Throughput;
     cfg.data.balance_every = 5;
     cfg.validate().expect("valid config");
-    let (reports, status, trained) =
-        run_cluster_traced(cfg.clone(), &slow_rank_2, store, prefix).expect("cluster run");
+    let traced = run_cluster_traced(cfg.clone(), sim, store, prefix).expect("cluster run");
+    (cfg, traced)
+}
+
+type Traced = (
+    Vec<ps_worker::run::WorkerReport>,
+    Vec<ps_server::actor::ShardStatus>,
+    Vec<ps_worker::run::TrainedBatch>,
+);
+
+#[test]
+fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
+    let (cfg, (reports, status, trained)) = balanced_run(2, &slow_rank_2);
     for r in &reports {
         println!(
             "worker {}: steps {} accuracy {:.2}%",
@@ -129,31 +147,8 @@ fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
 /// stream position is still trained exactly once.
 #[test]
 fn a_straggler_that_comes_back_gets_its_share_back() {
-    ps_tests::log_from_env();
-    let spec = SyntheticSpec {
-        train: SAMPLES,
-        test: 1024,
-        ..SyntheticSpec::default()
-    };
-    let (store, prefix) = synthetic_bucket_blocking(&spec);
-    let mut cfg = test_config(CompressionKind::None, 1.0, EPOCHS);
-    cfg.cluster.workers = 3;
-    cfg.cluster.shards_per_server = 1;
-    cfg.data.batch_size = BATCH;
-    cfg.data.balance = Balance::Throughput;
-    cfg.data.balance_every = 5;
-    cfg.validate().expect("valid config");
     const BACK_AT: u64 = 30;
-    let sim = |rank: u32| Simulation {
-        compute: SimComputeSection {
-            sample_ms: 0.5,
-            slowdown: if rank == 2 { 3.0 } else { 1.0 },
-            slow_until_step: BACK_AT,
-            ..SimComputeSection::default()
-        },
-        ..Simulation::default()
-    };
-    let (_, _, trained) = run_cluster_traced(cfg, &sim, store, prefix).expect("cluster run");
+    let (_, (_, _, trained)) = balanced_run(1, &|rank| slow_rank_2_until(rank, BACK_AT));
     let mut positions = std::collections::HashSet::new();
     for b in &trained {
         for i in 0..b.samples.len() as u64 {

@@ -22,7 +22,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use ps_shared::sparse::{f16_to_f32, values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -416,6 +416,25 @@ pub enum Request {
         have_version: Option<u64>,
         total_sum_sq: Option<f64>,
     },
+    /// Backup workers (`server.backup_workers`): this worker's sample
+    /// stream is done; `skipped` are the steps of its plan whose batch was
+    /// never applied (steps the cluster made without it, and a push
+    /// refused as fenced), ascending, and `trained` the batches it trained.
+    /// The reply ([`Response::MakeUp`]) comes once every live rank asked,
+    /// and from then on the shard's steps wait for every live rank.
+    MakeUp {
+        shard: u32,
+        skipped: Vec<u64>,
+        trained: u64,
+    },
+}
+
+/// A batch of one rank's plan that was never applied: made up after the
+/// last regular step ([`Request::MakeUp`]).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct WireOrphan {
+    pub step: u64,
+    pub rank: u32,
 }
 
 /// A split of the global batch across the ranks from global step `from`
@@ -517,6 +536,16 @@ pub enum Response {
         step: u64,
         sum_sq: f64,
         total_sum_sq: Option<f64>,
+    },
+    /// The answer to [`Request::MakeUp`] once every live rank asked: every
+    /// rank's batches never applied, ascending by step then rank, the
+    /// batches each rank trained (by rank; 0 for a rank that did not ask),
+    /// and the step this shard expects next.
+    MakeUp {
+        shard: u32,
+        next_step: u64,
+        orphans: Vec<WireOrphan>,
+        trained: Vec<u64>,
     },
 }
 
@@ -656,6 +685,7 @@ pub fn request_vector_bytes(req: &Request) -> usize {
         Request::Offer { values, .. } => 4 * values.len(),
         Request::Step { grad, .. } => grad_bytes(grad),
         Request::Abort { reason } => reason.len(),
+        Request::MakeUp { skipped, .. } => 8 * skipped.len(),
         Request::Bye { .. } | Request::Heartbeat | Request::NormTotal { .. } => 0,
     }
 }
@@ -666,6 +696,9 @@ pub fn response_vector_bytes(resp: &Response) -> usize {
         Response::Welcome { shards, .. } => 24 * shards.len(),
         Response::Params { update, .. } => update.wire_bytes(),
         Response::Error { message, .. } => message.len(),
+        Response::MakeUp {
+            orphans, trained, ..
+        } => 16 * orphans.len() + 8 * trained.len(),
         Response::ByeAck | Response::HeartbeatAck | Response::NormShare { .. } => 0,
     }
 }

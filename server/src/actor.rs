@@ -290,6 +290,8 @@ pub enum ShardRequest {
         have_version: Option<u64>,
         total: Option<f64>,
     },
+    /// Backup workers: the rank's stream is done (make-up round).
+    MakeUp { skipped: Vec<u64>, trained: u64 },
 }
 
 /// A shard's answer to one request: the response and its encoded frame.
@@ -379,6 +381,13 @@ impl Handler<Deliver> for ShardActor {
                 step,
                 have_version,
                 total,
+            },
+            ShardRequest::MakeUp { skipped, trained } => Event::MakeUp {
+                reply,
+                conn,
+                rank,
+                skipped,
+                trained,
             },
         };
         self.feed(event, ctx);

@@ -1158,6 +1158,7 @@ fn request_kind(req: &Request) -> &'static str {
         Request::Offer { .. } => "offer",
         Request::Step { .. } => "step",
         Request::NormTotal { .. } => "norm_total",
+        Request::MakeUp { .. } => "make_up",
         Request::Bye { .. } => "bye",
         Request::Heartbeat => "heartbeat",
         Request::Abort { .. } => "abort",
@@ -1245,6 +1246,14 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
                 have_version,
                 total: total_sum_sq,
             };
+            return to_shard(ctx, conn, rank, shard, request).await;
+        }
+        Request::MakeUp {
+            shard,
+            skipped,
+            trained,
+        } => {
+            let request = ShardRequest::MakeUp { skipped, trained };
             return to_shard(ctx, conn, rank, shard, request).await;
         }
         Request::Heartbeat => Response::HeartbeatAck,

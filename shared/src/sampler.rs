@@ -447,6 +447,18 @@ impl RankPlan {
         &self.sampler
     }
 
+    /// The same run's plan for another rank of the world (same origin,
+    /// splits and orders): which samples `rank` takes at each step.
+    pub fn for_rank(&self, rank: usize) -> Result<RankPlan, SamplerError> {
+        let world = self.sampler.world;
+        if rank >= world {
+            return Err(SamplerError::RankOutOfRange { rank, world });
+        }
+        let mut plan = self.clone();
+        plan.sampler.rank = rank;
+        Ok(plan)
+    }
+
     pub fn batch_size(&self) -> usize {
         self.batch as usize
     }

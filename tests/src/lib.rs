@@ -382,6 +382,45 @@ pub fn run_cluster_per_rank(
     run_cluster_counted(cfg, sim, store, prefix, model).map(|(r, s, _)| (r, s))
 }
 
+/// Checks that `trained` covers every position of the run's sample stream
+/// (`epochs` × `samples`) exactly once, each with the sample the epoch's
+/// global order puts there (`seed`, `batch`: the run's `data.seed` and
+/// `data.batch_size`). Panics naming the first position trained twice, or
+/// how many are missing.
+pub fn assert_each_position_once(
+    trained: &[ps_worker::run::TrainedBatch],
+    samples: usize,
+    epochs: u64,
+    seed: u64,
+    batch: usize,
+) {
+    let mut at: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    for b in trained {
+        for (i, &sample) in b.samples.iter().enumerate() {
+            let pos = b.first + i as u64;
+            assert!(
+                at.insert(pos, sample).is_none(),
+                "stream position {pos} (sample {sample}) trained twice"
+            );
+        }
+    }
+    let want = epochs * samples as u64;
+    assert_eq!(
+        at.len() as u64,
+        want,
+        "{} of {want} stream positions never trained",
+        want.saturating_sub(at.len() as u64)
+    );
+    let global = ps_shared::sampler::EpochSampler::new(samples, 1, 0, seed).expect("sampler");
+    for epoch in 0..epochs {
+        let order = global.global_order(epoch, batch);
+        let seen: Vec<usize> = (0..samples as u64)
+            .map(|i| at[&(epoch * samples as u64 + i)])
+            .collect();
+        assert_eq!(seen, order, "epoch {epoch} is not its global order");
+    }
+}
+
 /// [`run_cluster_per_rank`], also returning every batch each worker
 /// trained ([`WorkerOptions::trained`]), in no particular order.
 pub fn run_cluster_traced(

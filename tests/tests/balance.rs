@@ -5,12 +5,13 @@
 //! global batch, and the slow rank ends with a smaller batch than the fast
 //! ones.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::{Balance, ClusterConfig, CompressionKind};
-use ps_shared::sampler::EpochSampler;
-use ps_tests::{run_cluster_traced, synthetic_bucket_blocking, test_config};
+use ps_tests::{
+    assert_each_position_once, run_cluster_traced, synthetic_bucket_blocking, test_config,
+};
 use ps_worker::simulate::{SimComputeSection, Simulation};
 
 /// Test accuracy the run must exceed (chance is 10%), as in `straggler.rs`.
@@ -83,25 +84,7 @@ fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
 
     // Every stream position trained once, with the sample of the epoch's
     // global order at that place.
-    let mut at: HashMap<u64, usize> = HashMap::new();
-    for b in &trained {
-        for (i, &sample) in b.samples.iter().enumerate() {
-            let pos = b.first + i as u64;
-            assert!(
-                at.insert(pos, sample).is_none(),
-                "stream position {pos} (sample {sample}) trained twice"
-            );
-        }
-    }
-    assert_eq!(at.len() as u64, EPOCHS * SAMPLES as u64, "samples missing");
-    let global = EpochSampler::new(SAMPLES, 1, 0, cfg.data.seed).unwrap();
-    for epoch in 0..EPOCHS {
-        let order = global.global_order(epoch, BATCH);
-        let seen: Vec<usize> = (0..SAMPLES as u64)
-            .map(|i| at[&(epoch * SAMPLES as u64 + i)])
-            .collect();
-        assert_eq!(seen, order, "epoch {epoch} is not its global order");
-    }
+    assert_each_position_once(&trained, SAMPLES, EPOCHS, cfg.data.seed, BATCH);
 
     // Each step's batches, by rank.
     let mut steps: BTreeMap<u64, [usize; 3]> = BTreeMap::new();
@@ -148,14 +131,8 @@ fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {
 #[test]
 fn a_straggler_that_comes_back_gets_its_share_back() {
     const BACK_AT: u64 = 30;
-    let (_, (_, _, trained)) = balanced_run(1, &|rank| slow_rank_2_until(rank, BACK_AT));
-    let mut positions = std::collections::HashSet::new();
-    for b in &trained {
-        for i in 0..b.samples.len() as u64 {
-            assert!(positions.insert(b.first + i), "position trained twice");
-        }
-    }
-    assert_eq!(positions.len() as u64, EPOCHS * SAMPLES as u64);
+    let (cfg, (_, _, trained)) = balanced_run(1, &|rank| slow_rank_2_until(rank, BACK_AT));
+    assert_each_position_once(&trained, SAMPLES, EPOCHS, cfg.data.seed, BATCH);
     let mut steps: BTreeMap<u64, [usize; 3]> = BTreeMap::new();
     for b in &trained {
         steps.entry(b.step).or_default()[b.rank as usize] = b.samples.len();

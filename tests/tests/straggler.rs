@@ -1,14 +1,21 @@
 //! Backup workers (`server.backup_workers`) with a simulated slow worker: a
 //! cluster of 3 workers, one of them 3x slower, trains with backup 1 to the
-//! accuracy of the fast cluster, and every push is counted exactly once.
+//! accuracy of the fast cluster, every push is counted exactly once, and
+//! every sample of every epoch is trained exactly once (the batches the
+//! cluster made without the straggler in make-up steps after the last
+//! regular step).
 
 use ps_dataset::SyntheticSpec;
 use ps_shared::config::CompressionKind;
-use ps_tests::{run_cluster_per_rank, synthetic_bucket_blocking, test_config};
+use ps_tests::{
+    assert_each_position_once, run_cluster_traced, synthetic_bucket_blocking, test_config,
+};
 use ps_worker::simulate::{SimComputeSection, Simulation};
 
 /// Test accuracy the run must exceed (chance is 10%), as in `cluster.rs`.
 const ACCURACY_BAR: f32 = 0.90;
+const SAMPLES: usize = 4096;
+const EPOCHS: u64 = 4;
 
 /// Rank 2 is the straggler: every rank's step computes for 20 ms more than
 /// measured, rank 2's three times as long.
@@ -34,24 +41,26 @@ fn train_with_a_straggler(
 ) {
     ps_tests::log_from_env();
     let spec = SyntheticSpec {
-        train: 4096,
+        train: SAMPLES,
         test: 1024,
         ..SyntheticSpec::default()
     };
     let (store, prefix) = synthetic_bucket_blocking(&spec);
-    let mut cfg = test_config(CompressionKind::None, 1.0, 4);
+    let mut cfg = test_config(CompressionKind::None, 1.0, EPOCHS);
     cfg.cluster.workers = 3;
     cfg.cluster.shards_per_server = shards;
     cfg.server.backup_workers = 1;
     cfg.validate().expect("valid config");
-    let (reports, status) =
-        run_cluster_per_rank(cfg, &slow_rank_2, store, prefix, None).expect("cluster run");
+    let (reports, status, batches) =
+        run_cluster_traced(cfg.clone(), &slow_rank_2, store, prefix).expect("cluster run");
     for r in &reports {
         println!(
-            "{shards} shard(s): worker {}: steps {} trained {} accuracy {:.2}%",
+            "{shards} shard(s): worker {}: steps {} trained {} (make-up: {} steps, {} samples) accuracy {:.2}%",
             r.rank,
             r.steps,
             trained(r),
+            r.makeup_steps,
+            r.makeup_samples,
             100.0 * r.final_accuracy
         );
     }
@@ -68,10 +77,21 @@ fn train_with_a_straggler(
         // The straggler was late at least once (it is 3x slower).
         assert!(shard.stats.late_pushes > 0, "{:?}", shard.stats);
     }
-    // The straggler trained fewer batches than the fast workers (it
-    // skipped the steps the cluster made without it), none twice.
-    let steps = reports[0].steps.min(reports[1].steps);
-    assert!(trained(&reports[2]) < steps);
+    // Every stream position of every epoch was trained exactly once: the
+    // steps the cluster made without the straggler were made up.
+    assert_each_position_once(
+        &batches,
+        SAMPLES,
+        EPOCHS,
+        cfg.data.seed,
+        cfg.data.batch_size,
+    );
+    // Every rank took part in the same make-up steps, the straggler with
+    // the smallest share of their samples.
+    let makeup = reports[0].makeup_steps;
+    assert!(makeup > 0, "the straggler skipped steps: some were made up");
+    assert!(reports.iter().all(|r| r.makeup_steps == makeup));
+    assert!(reports[2].makeup_samples < reports[0].makeup_samples.min(reports[1].makeup_samples));
     for r in &reports {
         assert!(
             r.final_accuracy > ACCURACY_BAR,

@@ -457,6 +457,15 @@ impl ClientCore {
             .unwrap_or(0)
     }
 
+    /// `shard` expects `step` next (a make-up round said so, after an
+    /// update made without this worker's push): the next push goes there.
+    /// Never moves a shard's step back.
+    pub fn follow(&mut self, shard: usize, step: u64) {
+        if let Some(next) = self.next_steps.get_mut(shard) {
+            *next = (*next).max(step);
+        }
+    }
+
     /// The step the worker continues from (the lowest over the shards).
     pub fn start_step(&self) -> u64 {
         self.next_steps.iter().copied().min().unwrap_or(0)

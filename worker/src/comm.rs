@@ -41,7 +41,7 @@ use ps_net::pki::CertPair;
 use ps_net::protocol::{
     close, encode_offer, encode_request_frame, encode_step, response_vector_bytes, Copied,
     EncodedFrame, ErrorCode, GradView, ParamUpdate, Request, Response, ShardRange, ValuesView,
-    WireGrad, PROTOCOL_VERSION,
+    WireGrad, WireOrphan, PROTOCOL_VERSION,
 };
 use ps_net::transport::{self, EndpointLimits, TransportError};
 use ps_shared::config::ClusterConfig;
@@ -140,6 +140,20 @@ pub struct Traffic {
     /// Bytes this worker copied encoding its requests and receiving and
     /// decoding the replies (every attempt of the exchange).
     pub copied: Copied,
+    /// Shards that refused the push as fenced: it was not applied there.
+    pub fenced: usize,
+}
+
+/// The make-up round of backup workers, as the servers decided it
+/// ([`Comm::make_up`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MakeUpRound {
+    /// Every rank's batches never applied, ascending by step then rank.
+    pub orphans: Vec<WireOrphan>,
+    /// The batches each rank trained (0: not in the round).
+    pub trained: Vec<u64>,
+    /// The step the cluster expects next (the lowest over the shards).
+    pub next_step: u64,
 }
 
 /// The worker's current flat parameters (what it offers a restarted server).
@@ -753,6 +767,7 @@ impl Comm {
             density: None,
             next_step: d.next_step,
             copied: self.copied.take(),
+            fenced: d.fenced,
         };
         let updates = d
             .updates
@@ -822,6 +837,89 @@ impl Comm {
     /// The trainer applies what the last call returned: remember it as held.
     pub(crate) fn commit(&self) {
         self.core.borrow_mut().handle(Event::Applied, now());
+    }
+
+    /// Backup workers: this worker's sample stream is done. Asks every
+    /// shard for the make-up round with the steps of its plan never applied
+    /// (`skipped`) and the batches it trained, and waits until every live
+    /// rank asked. A wait that outlasts a request deadline (the slowest
+    /// rank still trains) asks again, within the exchange's budget twice
+    /// over; the shards must agree on the batches to make up.
+    pub async fn make_up(&self, skipped: &[u64], trained: u64) -> Result<MakeUpRound, CommError> {
+        let budget = self.core.borrow().settings().budget * 2;
+        let started = tokio::time::Instant::now();
+        let shards = self.route.len();
+        let ask = |shard: usize| {
+            let request = Request::MakeUp {
+                shard: shard as u32,
+                skipped: skipped.to_vec(),
+                trained,
+            };
+            async move {
+                loop {
+                    let (server, conn) = self.conn_of(self.route[shard]);
+                    let call = transport::call(&conn, &request, self.dialer.max_frame);
+                    let waited = tokio::time::timeout(self.dialer.request_timeout, call).await;
+                    let retry = match waited {
+                        Ok(Ok((
+                            Response::MakeUp {
+                                next_step,
+                                orphans,
+                                trained,
+                                ..
+                            },
+                            _,
+                        ))) => {
+                            return Ok(MakeUpRound {
+                                orphans,
+                                trained,
+                                next_step,
+                            })
+                        }
+                        Ok(Ok((
+                            Response::Error {
+                                code: ErrorCode::Timeout,
+                                ..
+                            },
+                            _,
+                        )))
+                        | Err(_) => true,
+                        Ok(Ok((other, _))) => return Err(refused("make_up", other)),
+                        Ok(Err(e)) => return Err(e.into()),
+                    };
+                    if retry && started.elapsed() > budget {
+                        return Err(CommError::Deadline {
+                            addr: server,
+                            what: "make_up",
+                            secs: budget.as_secs_f64(),
+                        });
+                    }
+                }
+            }
+        };
+        let rounds = futures::future::join_all((0..shards).map(ask)).await;
+        let mut decided: Option<MakeUpRound> = None;
+        for (shard, round) in rounds.into_iter().enumerate() {
+            let round = round?;
+            // An update may have been made after this worker's last reply
+            // (a straggler's late push): the make-up steps start there.
+            self.core.borrow_mut().follow(shard, round.next_step);
+            match &mut decided {
+                None => decided = Some(round),
+                Some(first) => {
+                    if (&first.orphans, &first.trained) != (&round.orphans, &round.trained) {
+                        return Err(CommError::Unexpected {
+                            what: "make_up",
+                            reply: format!(
+                                "shard {shard} decided another make-up round than shard 0"
+                            ),
+                        });
+                    }
+                    first.next_step = first.next_step.min(round.next_step);
+                }
+            }
+        }
+        decided.ok_or_else(|| CommError::Layout("no shard to ask for the make-up round".into()))
     }
 
     /// Stop (`true`) or resume heartbeats: fault injection, what a paused
@@ -1055,6 +1153,22 @@ impl Handler<StepExchange> for CommActor {
     fn handle(&mut self, msg: StepExchange, _: &mut Context<Self>) -> Self::Result {
         let comm = self.comm.clone();
         Box::pin(async move { comm.step(msg.grad).await })
+    }
+}
+
+/// Backup workers: ask for the make-up round ([`Comm::make_up`]).
+#[derive(Message)]
+#[rtype(result = "Result<MakeUpRound, CommError>")]
+pub struct MakeUp {
+    pub skipped: Vec<u64>,
+    pub trained: u64,
+}
+
+impl Handler<MakeUp> for CommActor {
+    type Result = ResponseFuture<Result<MakeUpRound, CommError>>;
+    fn handle(&mut self, msg: MakeUp, _: &mut Context<Self>) -> Self::Result {
+        let comm = self.comm.clone();
+        Box::pin(async move { comm.make_up(&msg.skipped, msg.trained).await })
     }
 }
 

@@ -32,6 +32,7 @@ pub mod kernels;
 pub mod launch;
 pub mod layers;
 pub mod loader;
+pub mod makeup;
 pub mod model;
 pub mod moments;
 pub mod node;

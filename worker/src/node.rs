@@ -692,6 +692,7 @@ mod tests {
             density: Some(0.01),
             next_step: 7,
             copied: Default::default(),
+            fenced: 0,
         };
         let replies = fan_out(Ok((updates, traffic)), 3);
         assert_eq!(replies.len(), 3);

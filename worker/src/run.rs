@@ -35,8 +35,8 @@ use crate::balance::{BalanceLink, RateMeter};
 use crate::peers::{PeerNet, PeerSettings};
 
 use crate::comm::{
-    Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, Outgoing, ParamSource,
-    ShardUpdate, Silence, StepExchange, StopJob, Traffic, WorkerTls,
+    Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, MakeUp, MakeUpRound, Outgoing,
+    ParamSource, ShardUpdate, Silence, StepExchange, StopJob, Traffic, WorkerTls,
 };
 use crate::loader::{
     BatchPos, EpochDataStats, Loader, LoaderError, LoaderSettings, Outage, OutageLog, RetryFailure,
@@ -509,6 +509,26 @@ pub struct WorkerReport {
     /// loader's tasks are finished; the epochs' counters cover only the
     /// GETs whose batches were reached.
     pub bucket_gets_sent: u64,
+    /// Backup workers: the make-up steps after the last regular step (every
+    /// rank's batches the cluster applied without), and the samples this
+    /// worker trained in them (also counted in the last epoch's figures).
+    pub makeup_steps: u64,
+    pub makeup_samples: u64,
+}
+
+/// Backup workers (`server.backup_workers`): what this rank owes the
+/// make-up round (see [`crate::makeup`]).
+struct Owing {
+    /// The round is still to come: backups on, in BSP, on this rank's own
+    /// connections (a node aggregator's ranks have none).
+    due: bool,
+    /// Steps of its plan whose batch was never applied, ascending.
+    skipped: Vec<u64>,
+    /// Batches it trained that were applied.
+    trained: u64,
+    /// What the round made it do.
+    steps: u64,
+    samples: u64,
 }
 
 #[derive(Default)]
@@ -678,6 +698,19 @@ impl Exchange {
                 let _ = comm.send(StopJob(reason.to_string())).await;
             }
             Exchange::Node(member) => member.stop_job(reason).await,
+        }
+    }
+
+    /// Backup workers: the make-up round, once every live rank asked
+    /// (`None` through a node aggregator, which has no make-up round).
+    async fn make_up(
+        &self,
+        skipped: Vec<u64>,
+        trained: u64,
+    ) -> Result<Option<MakeUpRound>, WorkerError> {
+        match self {
+            Exchange::Flat(comm) => Ok(Some(comm.send(MakeUp { skipped, trained }).await??)),
+            Exchange::Node(_) => Ok(None),
         }
     }
 
@@ -951,6 +984,7 @@ async fn run_rank(
                 start_loader(reader.clone(), sampler.clone(), settings)
             })
         };
+        let makeup_reader = reader.clone();
         let loader = if start_step > 0 || data.step > 0 || data.samples > 0 {
             let point = plan.resume_point(start_step.max(data.step));
             tracing::info!(
@@ -977,6 +1011,7 @@ async fn run_rank(
             balance,
             num_params,
             text: manifest.text.is_some(),
+            reader: makeup_reader,
         };
         let mut report = train(cfg, &opts, &trainer, test, run).await?;
         // The loader has stopped (its tasks are finished or aborted): no
@@ -1043,6 +1078,8 @@ struct Run {
     num_params: usize,
     /// The dataset is text (evaluations report the perplexity).
     text: bool,
+    /// Reads the samples of make-up steps (backup workers).
+    reader: DatasetReader,
 }
 
 async fn train(
@@ -1064,8 +1101,18 @@ async fn train(
         balance,
         num_params,
         text,
+        reader,
     } = run;
     let mut plan = plan;
+    let mut owing = Owing {
+        due: cfg.server.backup_workers > 0
+            && cfg.server.mode == ps_shared::config::SyncMode::Bsp
+            && matches!(exchange, Exchange::Flat(_)),
+        skipped: Vec::new(),
+        trained: 0,
+        steps: 0,
+        samples: 0,
+    };
     let mut meter = RateMeter::new(cfg.data.balance_every as usize);
     let batch_size = cfg.data.batch_size as f32;
     let mut loader = loader;
@@ -1134,6 +1181,24 @@ async fn train(
             },
         };
         let waited = t_wait.elapsed();
+        if next.is_none() && stopping.is_none() && owing.due {
+            // The stream is done: the batches the cluster applied without
+            // some rank are made up now, before the last epoch closes.
+            owing.due = false;
+            acc.wait += waited;
+            let mut ctx = MakeUpCtx {
+                cfg,
+                opts,
+                trainer,
+                exchange: &exchange,
+                reader: &reader,
+                plan: &plan,
+                acc: &mut acc,
+                evals: &mut evals,
+            };
+            step = ctx.run(&mut owing, step).await?;
+            bar.set_position(step);
+        }
         let finished_epoch = match &next {
             Some((pos, _)) => pos.epoch != epoch && acc.steps > 0,
             None => acc.steps > 0,
@@ -1264,13 +1329,21 @@ async fn train(
         };
         let exchange_time = t_comm.elapsed();
         acc.comm += exchange_time;
-        if let Some(tx) = &opts.trained {
-            let _ = tx.send(TrainedBatch {
-                rank,
-                step: pos.step,
-                first: pos.first,
-                samples: pos.samples.clone(),
-            });
+        // With backups, a push refused as fenced was applied nowhere: its
+        // batch is made up after the last step.
+        let applied = !(owing.due && traffic.fenced > 0);
+        if applied {
+            owing.trained += 1;
+            if let Some(tx) = &opts.trained {
+                let _ = tx.send(TrainedBatch {
+                    rank,
+                    step: pos.step,
+                    first: pos.first,
+                    samples: pos.samples.clone(),
+                });
+            }
+        } else {
+            owing.skipped.push(pos.step);
         }
         let workers = cfg.cluster.workers as u32;
         if traffic.live_workers < workers {
@@ -1351,7 +1424,14 @@ async fn train(
             // cluster's step and samples from here, up to the same end.
             if cfg.server.backup_workers > 0 {
                 // A straggler's late push (server.backup_workers): the
-                // steps in between were made without it.
+                // steps in between were made without it; their batches
+                // are made up after the last step.
+                if owing.due {
+                    let end = plan.end_step();
+                    owing
+                        .skipped
+                        .extend(step.min(end)..traffic.next_step.min(end));
+                }
                 tracing::debug!(
                     rank,
                     from = step,
@@ -1460,7 +1540,134 @@ async fn train(
         stop_reason: stopping.unwrap_or(StopReason::Epochs),
         train_s,
         bucket_gets_sent: 0,
+        makeup_steps: owing.steps,
+        makeup_samples: owing.samples,
     })
+}
+
+/// What a make-up round needs of the training loop.
+struct MakeUpCtx<'a> {
+    cfg: &'a ClusterConfig,
+    opts: &'a WorkerOptions,
+    trainer: &'a Addr<TrainerActor>,
+    exchange: &'a Exchange,
+    reader: &'a DatasetReader,
+    plan: &'a RankPlan,
+    acc: &'a mut EpochAcc,
+    evals: &'a mut Evals,
+}
+
+impl MakeUpCtx<'_> {
+    /// Asks for the make-up round and trains this rank's share of its
+    /// steps; returns the step counter after them. A round that cannot be
+    /// had (a server gone) is reported and skipped: the training is done,
+    /// and the batches stay untrained.
+    async fn run(&mut self, owing: &mut Owing, step: u64) -> Result<u64, WorkerError> {
+        let rank = self.opts.rank;
+        let skipped = std::mem::take(&mut owing.skipped);
+        let round = match self.exchange.make_up(skipped, owing.trained.max(1)).await {
+            Ok(Some(round)) => round,
+            Ok(None) => return Ok(step),
+            Err(e) => {
+                tracing::warn!(
+                    rank,
+                    "no make-up round ({e}): the batches the cluster applied without some rank stay untrained"
+                );
+                return Ok(step);
+            }
+        };
+        let batch = self.cfg.data.batch_size;
+        let steps = crate::makeup::deal(self.plan, &round.orphans, &round.trained, batch)
+            .map_err(|e| WorkerError::Sampler(format!("make-up round: {e}")))?;
+        if steps.is_empty() {
+            return Ok(step);
+        }
+        tracing::info!(
+            rank,
+            batches = round.orphans.len(),
+            steps = steps.len(),
+            "making up the batches the cluster applied without some rank"
+        );
+        let reader = self.reader.clone();
+        let fetch = move |samples: Vec<usize>| {
+            let reader = reader.clone();
+            actix::spawn(
+                async move { reader.fetch_batch(ps_dataset::Split::Train, &samples).await },
+            )
+        };
+        // The samples this rank trains in a make-up step: its piece, or one
+        // sample at weight 0 when its piece is empty (it still pushes).
+        let of = |s: &crate::makeup::MakeUpStep| -> (Vec<usize>, f32) {
+            let piece = s.piece(rank as usize);
+            match (piece.is_empty(), s.any()) {
+                (true, Some(any)) => (vec![any.sample], 0.0),
+                _ => (
+                    piece.iter().map(|o| o.sample).collect(),
+                    piece.len() as f32 / batch as f32,
+                ),
+            }
+        };
+        let mut step = step.max(round.next_step);
+        let mut ahead = steps.first().map(|s| fetch(of(s).0));
+        for (j, s) in steps.iter().enumerate() {
+            let t_wait = Instant::now();
+            let fetched = match ahead.take() {
+                Some(task) => task
+                    .await
+                    .map_err(|e| WorkerError::Mismatch(format!("make-up read stopped: {e}")))??,
+                None => break,
+            };
+            ahead = steps.get(j + 1).map(|next| fetch(of(next).0));
+            self.acc.wait += t_wait.elapsed();
+            let (samples, weight) = of(s);
+            let mut out = self
+                .trainer
+                .send(ComputeStep(Arc::new(fetched), weight))
+                .await??;
+            slow_compute(&self.opts.simulation, &mut out, samples.len(), step).await;
+            self.acc.compute += out.compute + out.compress;
+            let t_comm = Instant::now();
+            let (updates, traffic) = self.exchange.step(out.grad).await?;
+            self.acc.comm += t_comm.elapsed();
+            let t_apply = Instant::now();
+            self.trainer.send(ApplyUpdates(updates)).await??;
+            self.acc.compute += t_apply.elapsed();
+            self.acc.steps += 1;
+            self.acc.loss_sum += f64::from(out.loss);
+            self.acc.pushed += traffic.pushed;
+            self.acc.pulled += traffic.pulled;
+            self.acc.density_sum += traffic.density.unwrap_or(out.density);
+            self.evals.pushed += traffic.pushed;
+            self.evals.pulled += traffic.pulled;
+            self.evals.copied.add(traffic.copied);
+            step += 1;
+            owing.steps += 1;
+            if weight > 0.0 && traffic.fenced == 0 {
+                owing.samples += samples.len() as u64;
+                if let Some(tx) = &self.opts.trained {
+                    for (first, samples) in crate::makeup::runs(s.piece(rank as usize)) {
+                        let _ = tx.send(TrainedBatch {
+                            rank,
+                            step: step - 1,
+                            first,
+                            samples: samples.into(),
+                        });
+                    }
+                }
+            }
+            if traffic.next_step > step {
+                // Declared dead in a make-up step: the others went on.
+                tracing::warn!(
+                    rank,
+                    from = step,
+                    to = traffic.next_step,
+                    "the cluster went on without this worker in the make-up steps"
+                );
+                return Ok(traffic.next_step);
+            }
+        }
+        Ok(step)
+    }
 }
 
 /// Keeps the progress bar's message on a bucket outage while it lasts

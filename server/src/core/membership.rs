@@ -56,10 +56,13 @@ impl ShardCore {
             self.maybe_decide(now, out);
             return;
         }
-        // Leaving can complete a barrier or relax the SSP bound.
+        // Leaving can complete a barrier or the make-up round, or relax the
+        // SSP bound.
+        self.makeup.leave(rank);
         if self.maybe_apply_bsp(out) {
             self.maybe_checkpoint(out);
         }
+        self.maybe_decide_make_up(out);
         self.release(out);
     }
 

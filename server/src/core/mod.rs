@@ -78,6 +78,7 @@ use crate::checkpoint::{DataSplit, ShardCheckpoint};
 mod balance;
 mod checkpoints;
 mod guard;
+mod makeup;
 mod membership;
 mod norm;
 mod recovery;
@@ -259,6 +260,15 @@ pub enum Event {
         rate: f32,
         grad: WireGrad,
     },
+    /// Backup workers: `rank`'s sample stream is done; it asks for the
+    /// make-up round with its skipped steps and trained batches.
+    MakeUp {
+        reply: ReplyId,
+        conn: ConnId,
+        rank: u32,
+        skipped: Vec<u64>,
+        trained: u64,
+    },
     /// Global-norm clipping across shards: the squared norm of the whole
     /// mean gradient of `step` (`None`: the worker could not sum the
     /// shares and waits for another worker's total).
@@ -313,6 +323,8 @@ enum Wait {
     /// Until the barrier of `step` is complete and its norm share is known
     /// (global-norm clipping across shards): the reply is the share.
     Share { step: u64 },
+    /// Until the make-up round is decided (backup workers).
+    MakeUp,
 }
 
 /// Global-norm clipping across shards: the barrier of `step` is complete,
@@ -472,6 +484,8 @@ pub struct ShardCore {
     /// Throughput balancing (shard 0 with `data.balance = "throughput"`):
     /// the split decisions, announced in every `Params` reply.
     balance: Option<Balancer>,
+    /// Backup workers: the make-up round after the last regular step.
+    makeup: makeup::MakeUpRound,
 }
 
 fn refusal(code: ErrorCode, message: impl Into<String>) -> Arc<Response> {
@@ -544,6 +558,7 @@ impl ShardCore {
             norm_round: None,
             norm_applied: None,
             balance: None,
+            makeup: makeup::MakeUpRound::default(),
             recovery: Some(Recovery {
                 offers: Vec::new(),
                 first_offer: None,
@@ -644,6 +659,7 @@ impl ShardCore {
         if self.stopping {
             if let Event::Offer { reply, .. }
             | Event::Step { reply, .. }
+            | Event::MakeUp { reply, .. }
             | Event::NormTotal { reply, .. } = event
             {
                 out.push(Action::Reply {
@@ -679,6 +695,13 @@ impl ShardCore {
                 }
                 self.step(reply, conn, rank, step, have_version, grad, now, &mut out)
             }
+            Event::MakeUp {
+                reply,
+                conn,
+                rank,
+                skipped,
+                trained,
+            } => self.make_up(reply, conn, rank, skipped, trained, now, &mut out),
             Event::NormTotal {
                 reply,
                 conn,

@@ -85,6 +85,7 @@ impl ShardCore {
             Wait::Share { step } => {
                 self.version > step || self.norm_round.is_some_and(|r| r.step == step)
             }
+            Wait::MakeUp => self.makeup.decided().is_some(),
         }
     }
 
@@ -115,6 +116,13 @@ impl ShardCore {
                 out.push(Action::Reply {
                     to: p.reply,
                     response,
+                });
+                continue;
+            }
+            if let (Wait::MakeUp, Some(response)) = (p.wait, self.makeup.decided()) {
+                out.push(Action::Reply {
+                    to: p.reply,
+                    response: response.clone(),
                 });
                 continue;
             }

@@ -216,21 +216,26 @@ impl ShardCore {
         let complete = if self.setup.backup == 0 {
             !self.pushed.is_empty() && self.live.keys().all(|w| self.pushed.contains(w))
         } else {
-            // All but `backup` live ranks (at least one) pushed this step,
-            // or every live rank has a push in this update (the others
-            // left: a late push is not left waiting for pushes that will
-            // never come).
-            let on_time = self.live.keys().filter(|w| self.pushed.contains(w)).count();
-            let need = self
+            // All but `backup` live ranks still training (at least one)
+            // pushed this step, or every one of them has a push in this
+            // update (the others left, or wait for the make-up round: a
+            // late push is not left waiting for pushes that will never
+            // come).
+            let training: Vec<u32> = self
                 .live
+                .keys()
+                .copied()
+                .filter(|w| !self.makeup.waiting(*w))
+                .collect();
+            let on_time = training.iter().filter(|w| self.pushed.contains(w)).count();
+            let need = training
                 .len()
                 .saturating_sub(self.setup.backup as usize)
                 .max(1);
             (!self.pushed.is_empty() && on_time >= need)
                 || (!self.folded.is_empty()
-                    && self
-                        .live
-                        .keys()
+                    && training
+                        .iter()
                         .all(|w| self.pushed.contains(w) || self.folded.contains(w)))
         };
         if !complete {

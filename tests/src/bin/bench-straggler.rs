@@ -12,15 +12,21 @@
 //!   default), and every step waits for it;
 //! * `slow, backup 1`: the same straggler, with one backup worker: a step is
 //!   applied after 2 of the 3 pushes and a late push joins the next update;
+//!   the batches of the steps made without the straggler are trained in
+//!   make-up steps after the last regular one;
 //! * `slow, balanced`: the same straggler with `data.balance = "throughput"`
 //!   (backup 0): the global batch is re-split every `--balance-every` steps
 //!   in proportion to the workers' measured throughput, so the straggler
 //!   takes a smaller batch and every sample is still trained once.
 //!
 //! For each it prints the mean BSP step time of the fast ranks (0 and 1:
-//! training wall time over the cluster steps they made), its ratio to the
-//! `fast` run's, the final test accuracy, the late pushes the server folded
-//! and the batches (and samples) the straggler trained. The targets (a step
+//! training wall time over the cluster steps they made, make-up steps
+//! included), its ratio to the `fast` run's, the ratio of the whole
+//! training time, the final test accuracy, the late pushes the server
+//! folded, the make-up steps, the batches (and samples) the straggler
+//! trained, and how many stream positions of the run were trained exactly
+//! once (from every batch the workers report, so a skipped or repeated
+//! sample shows). The targets (a step
 //! at most 1.2x the fast run's, and an accuracy within 0.5 point of it) are
 //! printed as PASS/MISS for backup 1 and for the balanced run; the exit
 //! status only says whether every run completed.
@@ -71,6 +77,11 @@ struct Args {
 struct Run {
     name: &'static str,
     step_s: f64,
+    train_s: f64,
+    makeup_steps: u64,
+    /// Stream positions trained exactly once, and those trained more.
+    once: u64,
+    repeated: u64,
     accuracy: f32,
     late_pushes: u64,
     fenced: u64,
@@ -110,6 +121,7 @@ fn run(
         .build()?
         .block_on(synthetic_bucket(spec));
     let cfg = config(args, backup, balanced)?;
+    let positions = cfg.training.epochs * spec.train as u64;
     let sample_ms = args.delay_ms / cfg.data.batch_size as f64;
     let slowdown = args.slowdown;
     let sim = move |rank: u32| Simulation {
@@ -135,12 +147,26 @@ fn run(
         .map(|r| r.train_s / r.steps.saturating_sub(r.start_step).max(1) as f64)
         .sum::<f64>()
         / fast.len() as f64;
+    let train_s = fast.iter().map(|r| r.train_s).sum::<f64>() / fast.len() as f64;
+    let mut times: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+    for b in &batches {
+        for i in 0..b.samples.len() as u64 {
+            *times.entry(b.first + i).or_default() += 1;
+        }
+    }
+    let once = times.values().filter(|&&n| n == 1).count() as u64;
+    let repeated = times.values().filter(|&&n| n > 1).count() as u64;
+    debug_assert!(once + repeated <= positions);
     let stats = shards.iter().map(|s| s.stats).fold((0, 0, 0), |a, s| {
         (a.0 + s.late_pushes, a.1 + s.fenced, a.2 + s.updates)
     });
     Ok(Run {
         name,
         step_s,
+        train_s,
+        makeup_steps: reports[0].makeup_steps,
+        once,
+        repeated,
         accuracy: reports[0].final_accuracy,
         late_pushes: stats.0,
         fenced: stats.1,
@@ -182,32 +208,45 @@ fn main() -> anyhow::Result<()> {
         run(&args, &spec, "slow, balanced", true, 0, true)?,
     ];
     let base = &runs[0];
+    let positions = args.epochs * args.train as u64;
     println!(
-        "{:<16} {:>10} {:>8} {:>9} {:>8} {:>7} {:>8} {:>16} {:>20}",
+        "{:<16} {:>10} {:>8} {:>9} {:>9} {:>8} {:>7} {:>8} {:>8} {:>16} {:>20} {:>22}",
         "run",
         "step (ms)",
         "x fast",
+        "run x fast",
         "accuracy",
         "updates",
         "late",
         "fenced",
+        "make-up",
         "rank 2 trained",
-        "rank 2 samples"
+        "rank 2 samples",
+        "positions trained once"
     );
     for r in &runs {
         println!(
-            "{:<16} {:>10.1} {:>8.2} {:>8.2}% {:>8} {:>7} {:>8} {:>9} of {:>4} {:>9} of {:>8}",
+            "{:<16} {:>10.1} {:>8.2} {:>9.2} {:>8.2}% {:>8} {:>7} {:>8} {:>8} {:>9} of {:>4} {:>9} of {:>8} {:>10} of {:>8}{}",
             r.name,
             1e3 * r.step_s,
             r.step_s / base.step_s,
+            r.train_s / base.train_s,
             100.0 * r.accuracy,
             r.updates,
             r.late_pushes,
             r.fenced,
+            r.makeup_steps,
             r.straggler_trained,
             r.fast_trained,
             r.straggler_samples,
-            r.fast_samples
+            r.fast_samples,
+            r.once,
+            positions,
+            if r.repeated > 0 {
+                format!(" ({} repeated)", r.repeated)
+            } else {
+                String::new()
+            }
         );
     }
     for (which, r) in [("backup 1", &runs[2]), ("balanced", &runs[3])] {
@@ -221,14 +260,21 @@ fn main() -> anyhow::Result<()> {
             "target: {which} accuracy within {TARGET_ACCURACY_POINTS} point of the fast run's: {gap:+.2} points {}",
             pass(gap.abs() <= TARGET_ACCURACY_POINTS)
         );
+        println!(
+            "target: {which} trains every sample of every epoch exactly once: {} of {positions} positions {}",
+            r.once,
+            pass(r.once == positions && r.repeated == 0)
+        );
     }
     // With the straggler at 1/slowdown of a fast worker's speed, the best
     // a split can do is the cluster's total throughput over the global
     // batch: workers / (fast workers + 1 / slowdown) times the fast step.
     let ideal = 3.0 / (2.0 + 1.0 / args.slowdown);
     println!(
-        "(without backups the straggler sets the pace: {:.2}x; a perfect split would take {ideal:.2}x)",
-        runs[1].step_s / base.step_s
+        "(without backups the straggler sets the pace: {:.2}x; a perfect split of the work would take {ideal:.2}x the fast run's time; backup 1's whole run took {:.2}x, with {} make-up steps)",
+        runs[1].step_s / base.step_s,
+        runs[2].train_s / base.train_s,
+        runs[2].makeup_steps
     );
     Ok(())
 }

@@ -197,3 +197,123 @@ fn a_late_push_after_the_others_left_is_applied_at_once() {
     assert_eq!(c.params()[1], -4.0);
     assert_eq!(c.stats().late_pushes, 1);
 }
+
+fn make_up(reply: ReplyId, rank: u32, skipped: Vec<u64>, trained: u64) -> Event {
+    Event::MakeUp {
+        reply,
+        conn: 100 + u64::from(rank),
+        rank,
+        skipped,
+        trained,
+    }
+}
+
+fn round_of(r: &Response) -> (u64, Vec<(u64, u32)>, Vec<u64>) {
+    match r {
+        Response::MakeUp {
+            next_step,
+            orphans,
+            trained,
+            ..
+        } => (
+            *next_step,
+            orphans.iter().map(|o| (o.step, o.rank)).collect(),
+            trained.clone(),
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_make_up_round_waits_for_every_rank_and_applies_the_last_late_push() {
+    let (mut c, t0) = backed(3, 1);
+    // Step 0 without rank 2, whose push is late.
+    c.handle(step(1, 0, 0, sparse(vec![1], vec![2.0])), t0);
+    c.handle(step(2, 1, 0, sparse(vec![1], vec![2.0])), t0);
+    assert_eq!(c.version(), 1);
+    // The fast ranks' streams are done: they ask for the round (rank 0
+    // had missed step 3 of an earlier epoch, say).
+    assert!(replies(&c.handle(make_up(3, 0, vec![], 4), t0)).is_empty());
+    assert!(replies(&c.handle(make_up(4, 1, vec![], 4), t0)).is_empty());
+    // Rank 2's late push of step 0 is folded into an update nobody else
+    // will push to: it is applied at once, with rank 2's push alone.
+    let acts = c.handle(step(5, 2, 0, sparse(vec![1], vec![2.0])), t0);
+    assert_eq!(c.version(), 2);
+    assert_eq!(params_of(replies(&acts)[0].1), (2, 2));
+    assert_eq!(c.stats().late_pushes, 1);
+    // Rank 2 skipped step 1 (the cluster made it without it) and asks:
+    // the round is decided and everyone gets the same answer.
+    let acts = c.handle(make_up(6, 2, vec![1], 1), t0);
+    let mut r = replies(&acts);
+    r.sort_by_key(|(to, _)| *to);
+    assert_eq!(
+        r.iter().map(|(to, _)| *to).collect::<Vec<_>>(),
+        vec![3, 4, 6]
+    );
+    for (_, resp) in &r {
+        assert_eq!(round_of(resp), (2, vec![(1, 2)], vec![4, 4, 1]));
+    }
+    // A retry gets the same round.
+    let acts = c.handle(make_up(7, 0, vec![], 4), t0);
+    assert_eq!(round_of(replies(&acts)[0].1).1, vec![(1, 2)]);
+    // The make-up steps wait for every live rank: no backups any more.
+    c.handle(step(8, 0, 2, sparse(vec![1], vec![1.0])), t0);
+    c.handle(step(9, 1, 2, sparse(vec![1], vec![1.0])), t0);
+    assert_eq!(c.version(), 2, "the slow rank's make-up push is awaited");
+    let acts = c.handle(step(10, 2, 2, sparse(vec![1], vec![1.0])), t0);
+    assert_eq!(c.version(), 3);
+    assert_eq!(replies(&acts).len(), 3);
+}
+
+#[test]
+fn a_rank_that_leaves_before_the_round_has_its_batches_made_up_by_the_others() {
+    let (mut c, t0) = backed(3, 1);
+    // Ranks 0 and 1 make five steps without rank 2.
+    for s in 0..5u64 {
+        c.handle(step(20 + 2 * s, 0, s, sparse(vec![1], vec![1.0])), t0);
+        c.handle(step(21 + 2 * s, 1, s, sparse(vec![1], vec![1.0])), t0);
+    }
+    assert_eq!(c.version(), 5);
+    c.handle(make_up(1, 0, vec![4], 9), t0);
+    c.handle(make_up(2, 2, vec![0, 2], 3), t0);
+    // Rank 2 asked, then left: its skipped steps stay in the round, its
+    // weight goes (nobody deals it a batch).
+    c.handle(
+        Event::Left {
+            rank: 2,
+            conn: Some(102),
+        },
+        t0,
+    );
+    assert_eq!(
+        c.parked(),
+        1,
+        "rank 2's parked ask went with its connection"
+    );
+    let acts = c.handle(make_up(3, 1, vec![], 10), t0);
+    let r = replies(&acts);
+    assert_eq!(r.len(), 2);
+    for (_, resp) in r {
+        assert_eq!(
+            round_of(resp),
+            (5, vec![(0, 2), (2, 2), (4, 0)], vec![9, 10, 0])
+        );
+    }
+}
+
+#[test]
+fn make_up_asks_are_checked() {
+    let (mut c, t0) = backed(2, 0);
+    let acts = c.handle(make_up(1, 0, vec![], 1), t0);
+    assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::WrongStep));
+    let (mut c, t0) = backed(2, 1);
+    let acts = c.handle(make_up(1, 0, vec![2, 1], 1), t0);
+    assert_eq!(code(replies(&acts)[0].1), Some(ErrorCode::OutOfRange));
+    let acts = c.handle(make_up(2, 0, vec![0], 1), t0);
+    assert_eq!(
+        code(replies(&acts)[0].1),
+        Some(ErrorCode::OutOfRange),
+        "step 0 was not made yet"
+    );
+    assert_eq!(c.parked(), 0);
+}

@@ -55,7 +55,7 @@ use ps_net::transport::{
     TransportError,
 };
 use ps_shared::bucket::open_bucket;
-use ps_shared::config::{Balance, ClusterConfig, CompressionKind, SyncMode};
+use ps_shared::config::{Balance, ClusterConfig, SyncMode};
 use ps_shared::sampler::Partition;
 use ps_shared::shard::ShardMap;
 
@@ -699,8 +699,7 @@ pub async fn start(
             workers: cfg.nodes() as u32,
             mode: s.mode,
             staleness: s.staleness,
-            global_topk: cfg.compression.kind == CompressionKind::Topk
-                && cfg.compression.global_topk,
+            global_topk: cfg.compression.global_topk_for(cfg.nodes() as u32),
             backup: s.backup_workers,
             f16_replies: cfg.compression.f16_replies,
             // One shard sees the whole gradient and clips in one pass;

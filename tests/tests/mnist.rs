@@ -68,7 +68,7 @@ fn topk_0_1_percent_matches_dense_on_mnist() {
         cfg.training.metrics_dir = String::new();
         cfg.compression.kind = kind;
         cfg.compression.density = density;
-        cfg.compression.global_topk = global_topk;
+        cfg.compression.global_topk = global_topk.into();
         cfg.optimizer.momentum = momentum;
         cfg.validate().expect("valid config");
         let reports = run_cluster(cfg, store.clone(), prefix.clone()).expect("cluster run");

@@ -145,7 +145,7 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
         cfg.compression.momentum_masking = true;
         cfg.compression.error_feedback = true;
         cfg.compression.method = TopKMethod::Exact;
-        cfg.compression.global_topk = args.global_topk;
+        cfg.compression.global_topk = args.global_topk.into();
         cfg.compression.f16_values = args.f16_values;
         if recipe {
             cfg.compression.momentum_correction = args.momentum_correction;

@@ -39,8 +39,10 @@ pub struct ServerSection {
     pub staleness: u64,
     /// BSP only: backup workers. A step is applied once all but this many
     /// live workers pushed it; a push that arrives after its step was
-    /// applied is folded into the next update (docs/failures.md). 0 = wait
-    /// for every live worker. Must be below the barrier's size.
+    /// applied is folded into the next update, and the batches of the steps
+    /// made without a worker are trained in make-up steps after the last
+    /// one (docs/failures.md). 0 = wait for every live worker. Must be
+    /// below the barrier's size.
     pub backup_workers: u32,
     /// A worker silent for this long (no request, no heartbeat) is dropped from
     /// the barrier; it may rejoin later.

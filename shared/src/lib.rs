@@ -17,4 +17,5 @@ pub mod rng;
 pub mod sampler;
 pub mod shard;
 pub mod sparse;
+pub mod sync;
 pub mod telemetry;

@@ -108,10 +108,7 @@ impl TokenBucket {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Tokens> {
-        match self.state.lock() {
-            Ok(s) => s,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        crate::sync::lock(&self.state)
     }
 
     /// Bytes per second.

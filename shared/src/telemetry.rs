@@ -115,10 +115,7 @@ pub struct Registry {
 
 impl Registry {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        match self.inner.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        crate::sync::lock(&self.inner)
     }
 
     fn register(&self, key: &Key, make: impl FnOnce() -> Series) -> Series {

@@ -10,7 +10,6 @@
 //! Each test ends in a summary line computed from what happened. Nothing
 //! waits on a sleep: tests wait on a worker's step counter.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +20,8 @@ use ps_dataset::SyntheticSpec;
 use ps_shared::config::{ClusterConfig, CompressionKind, SyncMode};
 use ps_shared::sampler::EpochSampler;
 use ps_tests::{
-    log_from_env, rank_runs, start_loopback_server, synthetic_bucket_blocking, test_config, TestPki,
+    assert_each_position_once, log_from_env, rank_runs, start_loopback_server,
+    synthetic_bucket_blocking, test_config, TestPki,
 };
 use ps_worker::run::{run_worker, StopReason, TrainedBatch, WorkerReport};
 
@@ -96,32 +96,7 @@ async fn run_phase(
 /// Every stream position of `0..epochs × SAMPLES` was trained exactly
 /// once, with the sample the epoch's global order has there.
 fn assert_exactly_once(cfg: &ClusterConfig, trained: &[TrainedBatch]) {
-    let mut at: HashMap<u64, usize> = HashMap::new();
-    for b in trained {
-        for (i, &sample) in b.samples.iter().enumerate() {
-            let pos = b.first + i as u64;
-            assert!(
-                at.insert(pos, sample).is_none(),
-                "stream position {pos} (sample {sample}) trained twice"
-            );
-        }
-    }
-    let epochs = cfg.training.epochs;
-    assert_eq!(
-        at.len() as u64,
-        epochs * SAMPLES as u64,
-        "samples missing from the epochs"
-    );
-    let global = EpochSampler::new(SAMPLES, 1, 0, cfg.data.seed).unwrap();
-    for epoch in 0..epochs {
-        let order = global.global_order(epoch, BATCH);
-        let mut seen: Vec<usize> = (0..SAMPLES as u64)
-            .map(|i| at[&(epoch * SAMPLES as u64 + i)])
-            .collect();
-        assert_eq!(seen, order, "epoch {epoch} is not its global order");
-        seen.sort_unstable();
-        assert!(seen.iter().enumerate().all(|(i, &s)| i == s));
-    }
+    assert_each_position_once(trained, SAMPLES, cfg.training.epochs, cfg.data.seed, BATCH);
 }
 
 /// Trains `cut` steps with `before` workers, stops the server cleanly

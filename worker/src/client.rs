@@ -1134,6 +1134,24 @@ mod tests {
         }
     }
 
+    /// The reply `params` of `shard` to the request `token`.
+    fn reply(token: Token, shard: ShardId, params: Params) -> Event {
+        Event::Reply {
+            token,
+            shard,
+            params,
+        }
+    }
+
+    /// The request `token` to `shard` got no reply (`error` says why).
+    fn lost(token: Token, shard: ShardId, error: &str) -> Event {
+        Event::ConnLost {
+            token,
+            shard,
+            error: error.into(),
+        }
+    }
+
     fn core(route: Vec<LinkId>) -> ClientCore {
         ClientCore::new(ClientSettings::new(
             route,
@@ -1152,14 +1170,7 @@ mod tests {
     fn joined_at(mut c: ClientCore, at: &[u64], t0: Instant) -> ClientCore {
         for a in c.handle(Event::JoinRequested, t0) {
             if let Action::Offer { token, shard, .. } = a {
-                c.handle(
-                    Event::Reply {
-                        token,
-                        shard,
-                        params: params(at[shard], at[shard]),
-                    },
-                    t0,
-                );
+                c.handle(reply(token, shard, params(at[shard], at[shard])), t0);
             }
         }
         c.handle(Event::Applied, t0);
@@ -1210,22 +1221,8 @@ mod tests {
         let s = sends(&acts);
         assert_eq!(s.len(), 3);
         // Shard 0 answers, then link 0 dies under shard 1.
-        c.handle(
-            Event::Reply {
-                token: s[0].0,
-                shard: 0,
-                params: params(1, 1),
-            },
-            t0,
-        );
-        let acts = c.handle(
-            Event::ConnLost {
-                token: s[1].0,
-                shard: 1,
-                error: "reset".into(),
-            },
-            t0,
-        );
+        c.handle(reply(s[0].0, 0, params(1, 1)), t0);
+        let acts = c.handle(lost(s[1].0, 1, "reset"), t0);
         let [Action::Reconnect { link: 0, at, .. }] = acts[..] else {
             panic!("{acts:?}")
         };
@@ -1236,16 +1233,7 @@ mod tests {
             "the reply of a lost link is forgotten"
         );
         // A late reply on the dead link is ignored.
-        assert!(c
-            .handle(
-                Event::Reply {
-                    token: s[1].0,
-                    shard: 1,
-                    params: params(1, 1),
-                },
-                at,
-            )
-            .is_empty());
+        assert!(c.handle(reply(s[1].0, 1, params(1, 1)), at,).is_empty());
         let acts = c.handle(
             Event::Reconnected {
                 link: 0,
@@ -1271,23 +1259,9 @@ mod tests {
         // Shard 0 had applied step 0 (the offer's reply is past it); shard 1
         // had not: only shard 1 is pushed again.
         assert!(c
-            .handle(
-                Event::Reply {
-                    token: offers[0].0,
-                    shard: 0,
-                    params: params(1, 1),
-                },
-                at,
-            )
+            .handle(reply(offers[0].0, 0, params(1, 1)), at,)
             .is_empty());
-        let acts = c.handle(
-            Event::Reply {
-                token: offers[1].0,
-                shard: 1,
-                params: params(0, 0),
-            },
-            at,
-        );
+        let acts = c.handle(reply(offers[1].0, 1, params(0, 0)), at);
         let [Action::Send {
             token,
             shard: 1,
@@ -1297,22 +1271,8 @@ mod tests {
         else {
             panic!("{acts:?}")
         };
-        c.handle(
-            Event::Reply {
-                token: s[2].0,
-                shard: 2,
-                params: params(1, 1),
-            },
-            at,
-        );
-        let acts = c.handle(
-            Event::Reply {
-                token,
-                shard: 1,
-                params: params(1, 1),
-            },
-            at,
-        );
+        c.handle(reply(s[2].0, 2, params(1, 1)), at);
+        let acts = c.handle(reply(token, 1, params(1, 1)), at);
         let [Action::Deliver(d)] = &acts[..] else {
             panic!("{acts:?}")
         };
@@ -1366,14 +1326,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = joined(vec![0], t0);
         let s = sends(&c.handle(Event::StepRequested, t0));
-        c.handle(
-            Event::ConnLost {
-                token: s[0].0,
-                shard: 0,
-                error: "reset".into(),
-            },
-            t0,
-        );
+        c.handle(lost(s[0].0, 0, "reset"), t0);
         let acts = c.handle(
             Event::Reconnected {
                 link: 0,
@@ -1384,14 +1337,7 @@ mod tests {
         let offers = sends(&acts);
         assert_eq!(offers.len(), 1, "{acts:?}");
         // The shard had not applied step 0: push it again after the offer.
-        let acts = c.handle(
-            Event::Reply {
-                token: offers[0].0,
-                shard: 0,
-                params: params(0, 0),
-            },
-            t0,
-        );
+        let acts = c.handle(reply(offers[0].0, 0, params(0, 0)), t0);
         let [Action::Send {
             token,
             have_version: Some(0),
@@ -1402,14 +1348,14 @@ mod tests {
         };
         let change = change16(0, Some(vec![3]), vec![0.5]);
         let acts = c.handle(
-            Event::Reply {
+            reply(
                 token,
-                shard: 0,
-                params: Params {
+                0,
+                Params {
                     update: change.clone(),
                     ..params(1, 1)
                 },
-            },
+            ),
             t0,
         );
         let [Action::Deliver(d)] = &acts[..] else {
@@ -1425,14 +1371,14 @@ mod tests {
         let mut c = joined(vec![0], t0);
         let s = sends(&c.handle(Event::StepRequested, t0));
         let acts = c.handle(
-            Event::Reply {
-                token: s[0].0,
-                shard: 0,
-                params: Params {
+            reply(
+                s[0].0,
+                0,
+                Params {
                     update: change16(5, None, vec![0.5; 2]),
                     ..params(6, 1)
                 },
-            },
+            ),
             t0,
         );
         let [Action::Send {
@@ -1445,14 +1391,14 @@ mod tests {
             panic!("{acts:?}")
         };
         let acts = c.handle(
-            Event::Reply {
+            reply(
                 token,
-                shard: 0,
-                params: Params {
+                0,
+                Params {
                     update: ParamUpdate::Dense(vec![0.5; 2]),
                     ..params(1, 1)
                 },
-            },
+            ),
             t0,
         );
         let [Action::Deliver(d)] = &acts[..] else {
@@ -1484,14 +1430,7 @@ mod tests {
         else {
             panic!("{acts:?}")
         };
-        let acts = c.handle(
-            Event::Reply {
-                token,
-                shard: 0,
-                params: params(40, 40),
-            },
-            t0,
-        );
+        let acts = c.handle(reply(token, 0, params(40, 40)), t0);
         let [Action::Deliver(d)] = &acts[..] else {
             panic!("{acts:?}")
         };
@@ -1520,24 +1459,8 @@ mod tests {
             }] => (*p, *o),
             other => panic!("{other:?}"),
         };
-        assert!(c
-            .handle(
-                Event::Reply {
-                    token: offer,
-                    shard: 1,
-                    params: params(31, 31),
-                },
-                t0,
-            )
-            .is_empty());
-        let acts = c.handle(
-            Event::Reply {
-                token: push,
-                shard: 0,
-                params: params(31, 31),
-            },
-            t0,
-        );
+        assert!(c.handle(reply(offer, 1, params(31, 31)), t0,).is_empty());
+        let acts = c.handle(reply(push, 0, params(31, 31)), t0);
         let [Action::Deliver(d)] = &acts[..] else {
             panic!("{acts:?}")
         };
@@ -1568,23 +1491,9 @@ mod tests {
             })
             .collect();
         assert!(c
-            .handle(
-                Event::Reply {
-                    token: tokens[1],
-                    shard: 1,
-                    params: params(32, 32),
-                },
-                t0,
-            )
+            .handle(reply(tokens[1], 1, params(32, 32)), t0,)
             .is_empty());
-        let acts = c.handle(
-            Event::Reply {
-                token: tokens[0],
-                shard: 0,
-                params: params(31, 31),
-            },
-            t0,
-        );
+        let acts = c.handle(reply(tokens[0], 0, params(31, 31)), t0);
         let [Action::Deliver(d)] = &acts[..] else {
             panic!("{acts:?}")
         };
@@ -1670,14 +1579,7 @@ mod tests {
         let budget = c.settings().budget;
         assert_eq!(budget, Duration::from_secs(50), "10 s + 2 x 20 s");
         let s = sends(&c.handle(Event::StepRequested, t0));
-        c.handle(
-            Event::Reply {
-                token: s[0].0,
-                shard: 0,
-                params: params(1, 1),
-            },
-            t0,
-        );
+        c.handle(reply(s[0].0, 0, params(1, 1)), t0);
         assert!(c.handle(Event::Tick, t0 + budget).is_empty());
         let acts = c.handle(Event::Tick, t0 + budget + Duration::from_millis(1));
         assert!(
@@ -1692,11 +1594,7 @@ mod tests {
         );
         assert_eq!(c.start_step(), 0);
         // A late reply of the exchange given up changes nothing.
-        let late = Event::Reply {
-            token: s[1].0,
-            shard: 1,
-            params: params(1, 1),
-        };
+        let late = reply(s[1].0, 1, params(1, 1));
         assert!(c.handle(late, t0 + budget * 2).is_empty());
     }
 
@@ -1705,14 +1603,7 @@ mod tests {
         let t0 = Instant::now();
         let mut c = joined(vec![0, 1], t0);
         let s = sends(&c.handle(Event::StepRequested, t0));
-        let mut acts = c.handle(
-            Event::ConnLost {
-                token: s[1].0,
-                shard: 1,
-                error: "timed out".into(),
-            },
-            t0,
-        );
+        let mut acts = c.handle(lost(s[1].0, 1, "timed out"), t0);
         let mut dials = 0;
         let why = loop {
             match &acts[..] {
@@ -1784,14 +1675,7 @@ mod tests {
             .all(|&(_, _, step, total)| step == 0 && total == Some(4.75)));
         let mut acts = Vec::new();
         for (token, shard, _, _) in t {
-            acts = c.handle(
-                Event::Reply {
-                    token,
-                    shard,
-                    params: params(1, 1),
-                },
-                t0,
-            );
+            acts = c.handle(reply(token, shard, params(1, 1)), t0);
         }
         let [Action::Deliver(d)] = &acts[..] else {
             panic!("{acts:?}")
@@ -1819,25 +1703,11 @@ mod tests {
         let mut c = joined(vec![0, 1], t0);
         let s = sends(&c.handle(Event::StepRequested, t0));
         // Shard 0 applied the step without this worker: parameters, no share.
-        c.handle(
-            Event::Reply {
-                token: s[0].0,
-                shard: 0,
-                params: params(1, 1),
-            },
-            t0,
-        );
+        c.handle(reply(s[0].0, 0, params(1, 1)), t0);
         let t = totals(&c.handle(share(s[1].0, 1, 2.0, None), t0));
         assert_eq!(t.len(), 1);
         assert_eq!((t[0].1, t[0].3), (1, None));
-        let acts = c.handle(
-            Event::Reply {
-                token: t[0].0,
-                shard: 1,
-                params: params(1, 1),
-            },
-            t0,
-        );
+        let acts = c.handle(reply(t[0].0, 1, params(1, 1)), t0);
         assert!(matches!(acts[..], [Action::Deliver(_)]));
     }
 
@@ -1893,22 +1763,8 @@ mod tests {
         c.handle(share(s[0].0, 0, 1.0, None), t0);
         let t = totals(&c.handle(share(s[1].0, 1, 2.0, None), t0));
         // Shard 0 applies; shard 1's server restarts under its total.
-        c.handle(
-            Event::Reply {
-                token: t[0].0,
-                shard: 0,
-                params: params(1, 1),
-            },
-            t0,
-        );
-        let acts = c.handle(
-            Event::ConnLost {
-                token: t[1].0,
-                shard: 1,
-                error: "reset".into(),
-            },
-            t0,
-        );
+        c.handle(reply(t[0].0, 0, params(1, 1)), t0);
+        let acts = c.handle(lost(t[1].0, 1, "reset"), t0);
         let [Action::Reconnect { link: 1, at, .. }] = acts[..] else {
             panic!("{acts:?}")
         };
@@ -1926,14 +1782,7 @@ mod tests {
             panic!("{acts:?}")
         };
         // The restarted shard has not applied the step: push it again.
-        let acts = c.handle(
-            Event::Reply {
-                token,
-                shard: 1,
-                params: params(0, 0),
-            },
-            at,
-        );
+        let acts = c.handle(reply(token, 1, params(0, 0)), at);
         let p = pushes(&acts);
         assert_eq!(p, vec![(1, 0)]);
         let token = sends(&acts)[0].0;
@@ -1942,14 +1791,7 @@ mod tests {
         let t = totals(&c.handle(share(token, 1, 2.5, None), at));
         assert_eq!(t.len(), 1);
         assert_eq!((t[0].1, t[0].3), (1, Some(3.5)));
-        let acts = c.handle(
-            Event::Reply {
-                token: t[0].0,
-                shard: 1,
-                params: params(1, 1),
-            },
-            at,
-        );
+        let acts = c.handle(reply(t[0].0, 1, params(1, 1)), at);
         assert!(matches!(acts[..], [Action::Deliver(_)]));
     }
 
@@ -2164,11 +2006,7 @@ mod tests {
                         match how {
                             1 => self.refuse(token, shard, ErrorCode::RateLimited),
                             2 => self.refuse(token, shard, ErrorCode::Timeout),
-                            3 => self.feed(Event::ConnLost {
-                                token,
-                                shard,
-                                error: "lost".into(),
-                            }),
+                            3 => self.feed(lost(token, shard, "lost")),
                             4 => self.refuse(token, shard, ErrorCode::NotInitialized),
                             _ => {
                                 let v = self.version[shard];
@@ -2186,11 +2024,7 @@ mod tests {
                         self.now = self.now.max(at);
                         match how {
                             1 => self.refuse(token, shard, ErrorCode::RateLimited),
-                            3 => self.feed(Event::ConnLost {
-                                token,
-                                shard,
-                                error: "lost".into(),
-                            }),
+                            3 => self.feed(lost(token, shard, "lost")),
                             _ => self.answer(token, shard),
                         }
                     }

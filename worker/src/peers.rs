@@ -45,6 +45,7 @@ use ps_net::pki::worker_dns_name;
 use ps_net::transport::{self, EndpointLimits, TransportError};
 use ps_shared::config::PeersSection;
 use ps_shared::sampler::RankPlan;
+use ps_shared::sync::lock;
 use quinn::{Connection, Endpoint};
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::JoinHandle;
@@ -414,13 +415,6 @@ impl PeerNet {
         .await?;
         conns.insert(owner, conn.clone());
         Ok(conn)
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(poisoned) => poisoned.into_inner(),
     }
 }
 

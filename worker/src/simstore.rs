@@ -283,10 +283,7 @@ impl SimStore {
     }
 
     fn lock_faults(&self) -> std::sync::MutexGuard<'_, Faults> {
-        match self.faults.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        ps_shared::sync::lock(&self.faults)
     }
 
     fn take_fault(&self, location: &Path) -> Fault {

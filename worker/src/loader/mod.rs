@@ -281,17 +281,11 @@ struct Shared {
 
 impl Shared {
     fn failure(&self) -> Option<String> {
-        match self.failure.lock() {
-            Ok(g) => g.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
+        ps_shared::sync::lock(&self.failure).clone()
     }
 
     fn set_failure(&self, message: String) {
-        match self.failure.lock() {
-            Ok(mut g) => *g = Some(message),
-            Err(poisoned) => *poisoned.into_inner() = Some(message),
-        }
+        *ps_shared::sync::lock(&self.failure) = Some(message);
     }
 }
 

@@ -244,10 +244,7 @@ impl OutageLog {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, (Option<Instant>, bool)> {
-        match self.state.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        ps_shared::sync::lock(&self.state)
     }
 
     fn failing(&self, object: &str, failing: Duration, budget: Duration, e: &DatasetError) {

@@ -154,10 +154,7 @@ impl LoaderStats {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, EpochDataStats>> {
-        match self.per_epoch.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
-        }
+        ps_shared::sync::lock(&self.per_epoch)
     }
 }
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Stratus side by side with PyTorch DDP and DDP+PowerSGD over real,
-# kernel-shaped links: the same MLP (256-1024-1024-10, 1.32M parameters), the
-# same synthetic data files, 2 workers, batch 64 per worker, one compute
-# thread per process, each run trained until its test accuracy reaches 97% or
-# a step cap.
+# kernel-shaped links: the same model (--model: the MLP 256-1024-1024-10,
+# 1.32M parameters, or ResNet-20, 0.27M parameters, on 3x32x32 inputs,
+# started from the same weights through one safetensors file), the same
+# synthetic data files, 2 workers, batch 64 per worker, one compute thread
+# per process, each run trained until its test accuracy reaches the target
+# (97% by default) or a step cap.
 #
 # Topology: one network namespace per node (worker nodes w0 10.232.0.10 and
 # w1 10.232.0.11, server node s0 10.232.0.1) plus a "switch" namespace holding
@@ -64,7 +66,7 @@
 # torch from PyPI (large). The namespaces, veths, processes, the dataset and
 # the certificates are removed at the end, also on failure or Ctrl-C.
 #
-# Usage: sudo scripts/bench-peers.sh [--rate 100mbit|1gbit|10gbit|none]
+# Usage: sudo scripts/bench-peers.sh [--model mlp|resnet20] [--rate 100mbit|1gbit|10gbit|none]
 #            [--seeds N|LIST] [--python PY]
 #            [--max-steps S] [--eval-every N] [--target ACC]
 #            [--modes ddp,powersgd,dense,dense16,topk1,topk01]
@@ -73,6 +75,10 @@
 #            [--powersgd-start STEPS] [--topk-correction M] [--topk-masking true|false]
 #            [--topk-f16 true|false]
 #            [--global-topk true|false] [--quick]
+#   --model      mlp (default; data of 256 features) or resnet20 (the
+#                worker's ResNet-20 preset; data of 3072 features read as
+#                3x32x32 images, channel-major; both sides load the
+#                initial weights one Python run wrote for the seed)
 #   --quick      tiny data set and a few steps: a smoke test of the script
 #   --seeds      N runs seeds 1..N; a comma list (4,5,6,7) runs those seeds
 #                (one seed S alone: "S,").
@@ -111,6 +117,7 @@ cd "$(dirname "$0")/.."
 export PYTHONDONTWRITEBYTECODE=1  # no __pycache__ in scripts/bench_peers
 
 rate=100mbit
+model=mlp
 seeds=1
 python_bin=${PYTHON:-}
 max_steps=300
@@ -129,6 +136,7 @@ quick=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --rate) rate=${2:?--rate needs a value}; shift 2 ;;
+        --model) model=${2:?--model needs a value}; shift 2 ;;
         --seeds) seeds=${2:?--seeds needs a value}; shift 2 ;;
         --python) python_bin=${2:?--python needs a value}; shift 2 ;;
         --max-steps) max_steps=${2:?--max-steps needs a value}; shift 2 ;;
@@ -166,6 +174,11 @@ fi
 [[ $global_topk =~ ^(true|false)$ ]] || die "--global-topk must be true or false"
 [[ $topk_masking =~ ^(true|false)$ ]] || die "--topk-masking must be true or false"
 [[ $topk_f16 =~ ^(true|false)$ ]] || die "--topk-f16 must be true or false"
+case "$model" in
+    mlp) features=256 ;;
+    resnet20) features=3072 ;;
+    *) die "--model must be mlp or resnet20" ;;
+esac
 rate_bits=0
 case "$rate" in
     none) ;;
@@ -270,8 +283,19 @@ bin="${CARGO_TARGET_DIR:-$PWD/target}/release"
 rm -rf "$work/runs" "$work/data" "$work/certs"
 mkdir -p "$work/runs" "$work/configs"
 data="$PWD/$work/data/synthetic"
-"$bin/ps-data" synthetic --out "file://$data" --features 256 --classes 10 \
+"$bin/ps-data" synthetic --out "file://$data" --features "$features" --classes 10 \
     --train "$train" --test "$test" --label-noise "$label_noise" >/dev/null
+# ResNet-20: one file of initial weights per seed, read by both sides.
+init_of() { echo "$PWD/$work/data/init-seed$1.safetensors"; }
+# The init file of a seed's runs ("" for the MLP, which both sides draw
+# from the seed alike).
+init_for() { [[ $model == mlp ]] || init_of "$1"; }
+if [[ $model != mlp ]]; then
+    for seed in ${seed_list//,/ }; do
+        "$py" scripts/bench_peers/ddp_train.py --data "file://$data" --model "$model" \
+            --seed "$seed" --write-init "$(init_of "$seed")"
+    done
+fi
 
 # --- Network ------------------------------------------------------------------
 # tbf bucket: 2 ms of the rate, at least 32 kbit; a queue of 50 ms.
@@ -374,6 +398,7 @@ run_ddp() { # mode seed
             timeout "$run_timeout" "$py" scripts/bench_peers/ddp_train.py \
             --data "file://$data" --rank "$r" --world 2 --master-addr "${ip[w0]}" --master-port "$port" \
             --mode "$mode" --seed "$seed" --lr 0.05 --momentum 0.9 --batch 64 \
+            --model "$model" --init "$(init_for "$seed")" \
             --powersgd-rank 4 --powersgd-start "$powersgd_start" \
             --eval-every "$eval_every" --target "$target" --max-steps "$max_steps" \
             --timeout-s "$run_timeout" --report "$dir/worker-$r.json" >"$dir/worker-$r.log" 2>&1 &
@@ -381,6 +406,14 @@ run_ddp() { # mode seed
         pids+=($!)
     done
     finish_run "$dir" ddp "$mode" peer "$seed" "$t0" "${workers[@]}"
+}
+
+model_toml() {
+    if [[ $model == mlp ]]; then
+        printf '[model]\nkind = "mlp"\ninput = 256\nhidden = [1024, 1024]\nclasses = 10\n'
+    else
+        printf '[model]\nkind = "%s"\ninput = %d\nin_channels = 3\nclasses = 10\n' "$model" "$features"
+    fi
 }
 
 write_config() { # mode topology seed file run-dir
@@ -415,11 +448,7 @@ worker_key = "$PWD/$work/certs/worker-{rank}.key"
 server_name = "localhost"
 generate_if_missing = false
 
-[model]
-kind = "mlp"
-input = 256
-hidden = [1024, 1024]
-classes = 10
+$(model_toml)
 
 [data]
 url = "file://$data"
@@ -429,6 +458,7 @@ seed = $3
 [training]
 epochs = 1000
 init_seed = $3
+init_weights = "$(init_for "$3")"
 metrics_dir = "$5"
 step_metrics_every = 1
 eval_every = $eval_every
@@ -502,7 +532,7 @@ done
     --rate "$rate" --target "$target" --eval-every "$eval_every" --max-steps "$max_steps" \
     --seeds "$seed_list" --torch "$torch_version" --topk-warmup "$topk_warmup" --powersgd-start "$powersgd_start" \
     --topk-recipe "warm-up from density $topk_warmup_start, momentum correction $topk_correction, masking $topk_masking, f16 values $topk_f16, global top-k $global_topk" \
-    --data "train=$train test=$test label_noise=$label_noise" $([[ $quick -eq 1 ]] && echo --quick)
+    --model "$model" --data "train=$train test=$test label_noise=$label_noise" $([[ $quick -eq 1 ]] && echo --quick)
 if [[ $completed -ne 1 ]]; then
     say "some runs did not complete (see above)"
     exit 1

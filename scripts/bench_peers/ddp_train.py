@@ -47,6 +47,7 @@ What is measured, and how it lines up with Stratus:
   interfaces, not from these.
 """
 import argparse
+import collections
 import copy
 import json
 import os
@@ -61,18 +62,24 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
 import stratus_dataset  # noqa: E402
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="dataset folder or file:// URL")
-    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--master-addr", default="127.0.0.1")
     ap.add_argument("--master-port", type=int, default=29500)
     ap.add_argument("--mode", choices=["dense", "powersgd"], default="dense")
-    ap.add_argument("--hidden", default="1024,1024")
+    ap.add_argument("--model", choices=["mlp", "resnet20"], default="mlp")
+    ap.add_argument("--hidden", default="1024,1024", help="mlp: hidden widths")
+    ap.add_argument("--init", default="",
+                    help="safetensors of the initial weights, by Stratus's names (resnet20: required)")
+    ap.add_argument("--write-init", default="",
+                    help="write the model's initial weights for --seed to this file and exit")
     ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
@@ -87,7 +94,7 @@ def parse_args():
     ap.add_argument("--compute-ref-steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=300.0)
-    ap.add_argument("--report", required=True)
+    ap.add_argument("--report", default="")
     return ap.parse_args()
 
 
@@ -123,6 +130,10 @@ class Sampler:
             yield part[b * self.batch:(b + 1) * self.batch]
 
 
+# Training batches the batch-norm statistics are recomputed from before each
+# evaluation: the Stratus worker's default `model.bn_calibration_batches`.
+BN_CALIBRATION_BATCHES = 8
+
 # The all-reduce as torch ships it, for collectives that are not training traffic.
 UNCOUNTED_ALL_REDUCE = dist.all_reduce
 
@@ -144,11 +155,39 @@ class AllReduceBytes:
         dist.all_reduce = self._inner
 
 
-def evaluate(module, x, y):
+def calibrate_bn(module, batches):
+    """Batch-norm running statistics recomputed as the plain mean over
+    `batches` (the last few training batches), as the Stratus worker does
+    before each evaluation (`model.bn_calibration_batches`): both sides then
+    evaluate on the statistics of the current weights, not on torch's slow
+    running average of earlier ones."""
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    if not norms or not batches:
+        return
+    saved = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative mean over the batches below
+    was_training = module.training
+    module.train()
     with torch.no_grad():
-        logits = module(x)
+        for xb in batches:
+            module(xb)
+    for m, mom in zip(norms, saved):
+        m.momentum = mom
+    module.train(was_training)
+
+
+def evaluate(module, x, y, chunk=512):
+    """Test accuracy and mean loss, in eval mode (batch norm on its running
+    statistics), in chunks so a conv net's activations stay small."""
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        logits = torch.cat([module(x[i:i + chunk]) for i in range(0, len(x), chunk)])
         loss = F.cross_entropy(logits, y).item()
         acc = (logits.argmax(dim=1) == y).float().mean().item()
+    module.train(was_training)
     return acc, loss
 
 
@@ -183,6 +222,14 @@ def main():
     hidden = [int(h) for h in args.hidden.split(",") if h]
 
     manifest = stratus_dataset.read_manifest(args.data)
+    if args.write_init:
+        features, classes = int(manifest["features"]), int(manifest["classes"])
+        if args.model != "resnet20":
+            raise SystemExit("--write-init is for --model resnet20")
+        models.save_init(models.resnet20(features, classes, args.seed), args.write_init)
+        return
+    if not args.report:
+        raise SystemExit("--report is required")
     xtr, ytr = stratus_dataset.load_split(args.data, "train")
     xte, yte = stratus_dataset.load_split(args.data, "test")
     x, y = torch.from_numpy(xtr), torch.from_numpy(ytr)
@@ -197,7 +244,13 @@ def main():
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     world = dist.get_world_size()
 
-    model = build_model(features, hidden, classes, args.seed)
+    if args.model == "resnet20":
+        model = models.resnet20(features, classes, args.seed)
+        if not args.init:
+            raise SystemExit("--model resnet20 needs --init (the weights Stratus starts from)")
+        models.load_init(model, args.init)
+    else:
+        model = build_model(features, hidden, classes, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
     sampler = Sampler(len(ytr), world, args.rank, args.seed, args.batch)
     if sampler.steps_per_epoch == 0:
@@ -238,6 +291,8 @@ def main():
         return int(raw * ring)
 
     evals = []
+    # The last training batches, for the batch-norm calibration.
+    recent = collections.deque(maxlen=BN_CALIBRATION_BATCHES)
     step_train_s = []
     step = 0
     epoch = 0
@@ -255,6 +310,7 @@ def main():
             return
         at = train_s_now()
         t0 = time.perf_counter()
+        calibrate_bn(model, list(recent))
         acc, loss = evaluate(model, xt, yt)
         app = wire_app_bytes(step)
         evals.append({"step": step, "train_s": at, "test_accuracy": acc, "test_loss": loss,
@@ -272,6 +328,7 @@ def main():
             if started is None:
                 started = t0
             xb, yb = x[idx], y[idx]
+            recent.append(xb)
             t1 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(ddp(xb), yb)
@@ -323,7 +380,8 @@ def main():
         "startup_steps": args.powersgd_start if args.mode == "powersgd" else 1,
         "settings": {
             "lr": args.lr, "momentum": args.momentum, "batch": args.batch, "seed": args.seed,
-            "hidden": hidden, "threads": args.threads, "torch": torch.__version__,
+            "model": args.model, "hidden": hidden if args.model == "mlp" else None,
+            "threads": args.threads, "torch": torch.__version__,
             "powersgd_rank": args.powersgd_rank if args.mode == "powersgd" else None,
             "powersgd_start": args.powersgd_start if args.mode == "powersgd" else None,
         },

@@ -47,6 +47,13 @@ MODE_NAME = {("ddp", "dense"): "dense", ("ddp", "powersgd"): "PowerSGD r4",
 TOPOLOGY_NAME = {"peer": "peers (gloo)", "server": "1 server node", "colocated": "colocated"}
 
 
+# The model each --model names, as the table's summary line says it.
+MODELS = {
+    "mlp": "MLP 256-1024-1024-10 (1.32M parameters)",
+    "resnet20": "ResNet-20 on 3x32x32 (0.27M parameters)",
+}
+
+
 def load_json(path):
     with open(path) as f:
         return json.load(f)
@@ -179,6 +186,7 @@ def parse_args():
     ap.add_argument("--powersgd-start", type=int, default=2)
     ap.add_argument("--topk-recipe", default="")
     ap.add_argument("--data", default="")
+    ap.add_argument("--model", default="mlp", choices=["mlp", "resnet20"])
     ap.add_argument("--quick", action="store_true")
     return ap.parse_args()
 
@@ -328,7 +336,7 @@ def main():
             targets.append(("PASS" if ratio <= 1.0 else "MISS",
                             f"{label} <= 1.0x DDP's: "
                             f"{dense_col['steady_ms']['mean']:.1f} ms vs {ddp['steady_ms']['mean']:.1f} ms = {ratio:.2f}x"))
-    settings = (f"link {ARGS.rate} each way per node (tc tbf), 2 workers x batch 64, MLP 256-1024-1024-10, "
+    settings = (f"link {ARGS.rate} each way per node (tc tbf), 2 workers x batch 64, {MODELS[ARGS.model]}, "
                 f"SGD lr 0.05 momentum 0.9, eval every {ARGS.eval_every} steps, target {tgt}, "
                 f"cap {ARGS.max_steps} steps, seeds {ARGS.seeds}, data {ARGS.data}, torch {ARGS.torch}, "
                 f"PowerSGD rank 4 from step {ARGS.powersgd_start}"

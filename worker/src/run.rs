@@ -1588,12 +1588,22 @@ impl MakeUpCtx<'_> {
             steps = steps.len(),
             "making up the batches the cluster applied without some rank"
         );
+        // Read like the loader: a failed or slow GET is retried within the
+        // loader's outage budget (`loader.retry_*`, `loader.outage_budget_s`).
         let reader = self.reader.clone();
+        let retry = RetryPolicy::from_config(self.cfg, rank);
         let fetch = move |samples: Vec<usize>| {
             let reader = reader.clone();
-            actix::spawn(
-                async move { reader.fetch_batch(ps_dataset::Split::Train, &samples).await },
-            )
+            actix::spawn(async move {
+                let outage = OutageLog::default();
+                let what = format!("{} (make-up samples)", reader.prefix());
+                let (read, attempts) = retry
+                    .run(&what, &outage, || {
+                        reader.fetch_batch(ps_dataset::Split::Train, &samples)
+                    })
+                    .await;
+                startup_read(read, &what, attempts)
+            })
         };
         // The samples this rank trains in a make-up step: its piece, or one
         // sample at weight 0 when its piece is empty (it still pushes).
@@ -1610,6 +1620,10 @@ impl MakeUpCtx<'_> {
         let mut step = step.max(round.next_step);
         let mut ahead = steps.first().map(|s| fetch(of(s).0));
         for (j, s) in steps.iter().enumerate() {
+            if self.opts.stop.as_ref().is_some_and(|s| *s.borrow()) {
+                self.exchange.leave(false).await?;
+                return Err(WorkerError::Interrupted(step));
+            }
             let t_wait = Instant::now();
             let fetched = match ahead.take() {
                 Some(task) => task

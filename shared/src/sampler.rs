@@ -428,6 +428,13 @@ pub struct PlannedBatch {
     pub samples: Vec<usize>,
 }
 
+impl PlannedBatch {
+    /// Each sample with its stream position: `(first + i, samples[i])`.
+    pub fn positions(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
+        (self.first..).zip(self.samples.iter().copied())
+    }
+}
+
 /// Which samples one rank takes at each global step of a run (see the
 /// module documentation).
 #[derive(Debug, Clone, PartialEq)]
@@ -749,12 +756,7 @@ mod tests {
             for step in plan.origin_step()..end {
                 let b = plan.batch(step);
                 assert_eq!(b.epoch, plan.epoch_of(b.first));
-                out.extend(
-                    b.samples
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &x)| (b.first + i as u64, x)),
-                );
+                out.extend(b.positions());
             }
         }
         out
@@ -1007,12 +1009,7 @@ mod tests {
             for b in plan.batches_from(0) {
                 assert_eq!(b.epoch, plan.epoch_of(b.first));
                 assert!(b.samples.len() as u64 <= plan.own_size(b.step));
-                out.extend(
-                    b.samples
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &x)| (b.first + i as u64, x)),
-                );
+                out.extend(b.positions());
             }
         }
         out

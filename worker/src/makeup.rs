@@ -112,10 +112,7 @@ pub fn deal(
         }
         if let Some(p) = &plans[r] {
             let b = p.batch(o.step);
-            pool.extend(b.samples.iter().enumerate().map(|(i, &sample)| Owed {
-                pos: b.first + i as u64,
-                sample,
-            }));
+            pool.extend(b.positions().map(|(pos, sample)| Owed { pos, sample }));
         }
     }
     let members: Vec<usize> = (0..world)

@@ -1361,7 +1361,6 @@ async fn train(
             acc.min_live
                 .map_or(traffic.live_workers, |m| m.min(traffic.live_workers)),
         );
-        acc.round_trips += traffic.round_trips;
         let t_apply = Instant::now();
         trainer
             .send(ApplyUpdates(updates))
@@ -1369,15 +1368,7 @@ async fn train(
             .await??;
         let apply_time = t_apply.elapsed();
         acc.compute += apply_time;
-        acc.steps += 1;
-        acc.loss_sum += f64::from(out.loss);
-        acc.pushed += traffic.pushed;
-        acc.pulled += traffic.pulled;
-        evals.pushed += traffic.pushed;
-        evals.pulled += traffic.pulled;
-        evals.copied.add(traffic.copied);
-        let density = traffic.density.unwrap_or(out.density);
-        acc.density_sum += density;
+        let density = count_step(&mut acc, &mut evals, out.loss, out.density, &traffic);
         step += 1;
         let figures = StepFigures {
             step,
@@ -1545,6 +1536,29 @@ async fn train(
     })
 }
 
+/// One applied step in the epoch's and the run's totals (steps, loss,
+/// bytes, round trips, density); returns the step's push density (the
+/// node aggregator's when it compressed, else `computed_density`).
+fn count_step(
+    acc: &mut EpochAcc,
+    evals: &mut Evals,
+    loss: f32,
+    computed_density: f64,
+    traffic: &Traffic,
+) -> f64 {
+    let density = traffic.density.unwrap_or(computed_density);
+    acc.steps += 1;
+    acc.loss_sum += f64::from(loss);
+    acc.pushed += traffic.pushed;
+    acc.pulled += traffic.pulled;
+    acc.round_trips += traffic.round_trips;
+    acc.density_sum += density;
+    evals.pushed += traffic.pushed;
+    evals.pulled += traffic.pulled;
+    evals.copied.add(traffic.copied);
+    density
+}
+
 /// What a make-up round needs of the training loop.
 struct MakeUpCtx<'a> {
     cfg: &'a ClusterConfig,
@@ -1646,14 +1660,7 @@ impl MakeUpCtx<'_> {
             let t_apply = Instant::now();
             self.trainer.send(ApplyUpdates(updates)).await??;
             self.acc.compute += t_apply.elapsed();
-            self.acc.steps += 1;
-            self.acc.loss_sum += f64::from(out.loss);
-            self.acc.pushed += traffic.pushed;
-            self.acc.pulled += traffic.pulled;
-            self.acc.density_sum += traffic.density.unwrap_or(out.density);
-            self.evals.pushed += traffic.pushed;
-            self.evals.pulled += traffic.pulled;
-            self.evals.copied.add(traffic.copied);
+            count_step(self.acc, self.evals, out.loss, out.density, &traffic);
             step += 1;
             owing.steps += 1;
             if weight > 0.0 && traffic.fenced == 0 {

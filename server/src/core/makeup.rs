@@ -111,7 +111,13 @@ impl ShardCore {
         }
         self.makeup.asked.insert(rank, (skipped, trained));
         self.park(reply, conn, rank, None, Wait::MakeUp, now, out);
-        self.maybe_decide_make_up(out);
+        // A late push of a rank still training may complete its update now
+        // that this rank no longer counts in the barrier.
+        if self.maybe_apply_bsp(out) {
+            self.maybe_checkpoint(out);
+        }
+        self.maybe_decide_make_up();
+        self.release(out);
     }
 
     /// Whether the make-up round was decided (the shard then runs without
@@ -120,20 +126,15 @@ impl ShardCore {
         self.makeup.decided().is_some()
     }
 
-    /// Decide the round once every live rank asked; also completes a
-    /// barrier that only waited for ranks now waiting here.
-    pub(super) fn maybe_decide_make_up(&mut self, out: &mut Vec<Action>) {
-        if (self.makeup.asked.is_empty() && self.makeup.left.is_empty()) || self.made_up() {
+    /// Decide the round once every live rank asked and no update is under
+    /// way (the caller applies a barrier the askers completed first, and
+    /// releases the parked asks after).
+    pub(super) fn maybe_decide_make_up(&mut self) {
+        if self.makeup.asked.is_empty() || self.made_up() {
             return;
         }
-        // A late push of a rank still training may complete its update now
-        // that the others wait here.
-        if self.maybe_apply_bsp(out) {
-            self.maybe_checkpoint(out);
-        }
         let all_asked = self.live.keys().all(|r| self.makeup.asked.contains_key(r));
-        let someone = !self.makeup.asked.is_empty();
-        if someone && all_asked && self.pushed.is_empty() && self.folded.is_empty() {
+        if all_asked && self.pushed.is_empty() && self.folded.is_empty() {
             let mut orphans: Vec<WireOrphan> = self
                 .makeup
                 .asked
@@ -161,6 +162,5 @@ impl ShardCore {
             // The make-up steps wait for every live rank.
             self.setup.backup = 0;
         }
-        self.release(out);
     }
 }

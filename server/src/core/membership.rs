@@ -62,7 +62,7 @@ impl ShardCore {
         if self.maybe_apply_bsp(out) {
             self.maybe_checkpoint(out);
         }
-        self.maybe_decide_make_up(out);
+        self.maybe_decide_make_up();
         self.release(out);
     }
 

@@ -382,6 +382,43 @@ pub fn run_cluster_per_rank(
     run_cluster_counted(cfg, sim, store, prefix, model).map(|(r, s, _)| (r, s))
 }
 
+/// What [`run_cluster_traced`] returns: the reports, the shards' status and
+/// every batch the workers trained.
+pub type Traced = (
+    Vec<WorkerReport>,
+    Vec<ps_server::actor::ShardStatus>,
+    Vec<ps_worker::run::TrainedBatch>,
+);
+
+/// A dense run of `workers` workers on `shards` shards of one server over a
+/// synthetic set of `train` samples (1024 test) for `epochs`, with
+/// `configure` applied to [`test_config`]'s config before it is validated
+/// and each rank under `sim(rank)`; returns the config and what the run
+/// traced. Panics when the config is invalid or the run fails.
+pub fn train_synthetic_traced(
+    train: usize,
+    epochs: u64,
+    workers: usize,
+    shards: usize,
+    configure: impl FnOnce(&mut ClusterConfig),
+    sim: &dyn Fn(u32) -> Simulation,
+) -> (ClusterConfig, Traced) {
+    log_from_env();
+    let spec = SyntheticSpec {
+        train,
+        test: 1024,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = synthetic_bucket_blocking(&spec);
+    let mut cfg = test_config(CompressionKind::None, 1.0, epochs);
+    cfg.cluster.workers = workers;
+    cfg.cluster.shards_per_server = shards;
+    configure(&mut cfg);
+    cfg.validate().expect("valid config");
+    let traced = run_cluster_traced(cfg.clone(), sim, store, prefix).expect("cluster run");
+    (cfg, traced)
+}
+
 /// Checks that `trained` covers every position of the run's sample stream
 /// (`epochs` × `samples`) exactly once, each with the sample the epoch's
 /// global order puts there (`seed`, `batch`: the run's `data.seed` and
@@ -428,11 +465,7 @@ pub fn run_cluster_traced(
     sim: &dyn Fn(u32) -> Simulation,
     store: Arc<dyn ObjectStore>,
     prefix: Path,
-) -> anyhow::Result<(
-    Vec<WorkerReport>,
-    Vec<ps_server::actor::ShardStatus>,
-    Vec<ps_worker::run::TrainedBatch>,
-)> {
+) -> anyhow::Result<Traced> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let (reports, shards, _) = run_cluster_inner(cfg, sim, store, prefix, None, Some(tx))?;
     let mut trained = Vec::new();

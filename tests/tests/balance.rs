@@ -7,11 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use ps_dataset::SyntheticSpec;
-use ps_shared::config::{Balance, ClusterConfig, CompressionKind};
-use ps_tests::{
-    assert_each_position_once, run_cluster_traced, synthetic_bucket_blocking, test_config,
-};
+use ps_shared::config::{Balance, ClusterConfig};
+use ps_tests::{assert_each_position_once, train_synthetic_traced, Traced};
 use ps_worker::simulate::{SimComputeSection, Simulation};
 
 /// Test accuracy the run must exceed (chance is 10%), as in `straggler.rs`.
@@ -42,29 +39,13 @@ fn slow_rank_2(rank: u32) -> Simulation {
 /// The synthetic set trained by 3 workers with throughput balancing
 /// (re-split every 5 steps) on `shards` shards, under `sim`.
 fn balanced_run(shards: usize, sim: &dyn Fn(u32) -> Simulation) -> (ClusterConfig, Traced) {
-    ps_tests::log_from_env();
-    let spec = SyntheticSpec {
-        train: SAMPLES,
-        test: 1024,
-        ..SyntheticSpec::default()
+    let balance = |cfg: &mut ClusterConfig| {
+        cfg.data.batch_size = BATCH;
+        cfg.data.balance = Balance::Throughput;
+        cfg.data.balance_every = 5;
     };
-    let (store, prefix) = synthetic_bucket_blocking(&spec);
-    let mut cfg = test_config(CompressionKind::None, 1.0, EPOCHS);
-    cfg.cluster.workers = 3;
-    cfg.cluster.shards_per_server = shards;
-    cfg.data.batch_size = BATCH;
-    cfg.data.balance = Balance::Throughput;
-    cfg.data.balance_every = 5;
-    cfg.validate().expect("valid config");
-    let traced = run_cluster_traced(cfg.clone(), sim, store, prefix).expect("cluster run");
-    (cfg, traced)
+    train_synthetic_traced(SAMPLES, EPOCHS, 3, shards, balance, sim)
 }
-
-type Traced = (
-    Vec<ps_worker::run::WorkerReport>,
-    Vec<ps_server::actor::ShardStatus>,
-    Vec<ps_worker::run::TrainedBatch>,
-);
 
 #[test]
 fn a_slow_worker_gets_a_smaller_batch_and_every_sample_is_trained_once() {

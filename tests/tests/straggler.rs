@@ -5,11 +5,8 @@
 //! cluster made without the straggler in make-up steps after the last
 //! regular step).
 
-use ps_dataset::SyntheticSpec;
-use ps_shared::config::CompressionKind;
-use ps_tests::{
-    assert_each_position_once, run_cluster_traced, synthetic_bucket_blocking, test_config,
-};
+use ps_shared::config::ClusterConfig;
+use ps_tests::{assert_each_position_once, train_synthetic_traced};
 use ps_worker::simulate::{SimComputeSection, Simulation};
 
 /// Test accuracy the run must exceed (chance is 10%), as in `cluster.rs`.
@@ -39,20 +36,9 @@ fn train_with_a_straggler(
     Vec<ps_worker::run::WorkerReport>,
     Vec<ps_server::actor::ShardStatus>,
 ) {
-    ps_tests::log_from_env();
-    let spec = SyntheticSpec {
-        train: SAMPLES,
-        test: 1024,
-        ..SyntheticSpec::default()
-    };
-    let (store, prefix) = synthetic_bucket_blocking(&spec);
-    let mut cfg = test_config(CompressionKind::None, 1.0, EPOCHS);
-    cfg.cluster.workers = 3;
-    cfg.cluster.shards_per_server = shards;
-    cfg.server.backup_workers = 1;
-    cfg.validate().expect("valid config");
-    let (reports, status, batches) =
-        run_cluster_traced(cfg.clone(), &slow_rank_2, store, prefix).expect("cluster run");
+    let backup = |cfg: &mut ClusterConfig| cfg.server.backup_workers = 1;
+    let (cfg, (reports, status, batches)) =
+        train_synthetic_traced(SAMPLES, EPOCHS, 3, shards, backup, &slow_rank_2);
     for r in &reports {
         println!(
             "{shards} shard(s): worker {}: steps {} trained {} (make-up: {} steps, {} samples) accuracy {:.2}%",

@@ -19,6 +19,7 @@ is taken out, and zeroed in v and u (STEP = all of it).
 A new network is one builder in BUILDERS under the name bench-compute uses.
 """
 import argparse
+import os
 import sys
 import time
 
@@ -27,47 +28,21 @@ import torch
 # The GPT preset's torch twin (the same module gpt_torch.rs's fixture comes from).
 from torch_gpt import Gpt
 
+# The ResNet presets' torch twin, shared with bench-peers.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_peers"))
+from models import ResNet  # noqa: E402
+
 nn = torch.nn
 
 DENSITY = 0.01
 MOMENTUM_CORRECTION = 0.9
 
 
-class Block(nn.Module):
-    """Basic block: conv-bn-relu-conv-bn plus the input (or a 1x1 conv-bn
-    projection of it when the shape changes), then relu."""
-
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = None
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, 0, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        h = torch.relu(self.bn1(self.conv1(x)))
-        h = self.bn2(self.conv2(h))
-        skip = x if self.shortcut is None else self.shortcut(x)
-        return torch.relu(h + skip)
-
-
 def resnet(widths, blocks, strides, width, classes):
     """CIFAR-style ResNet: 3x3 stem conv-bn-relu, stages of basic blocks,
-    global average pool, linear (the worker's resnet presets)."""
-    widths = [max(1, round(w * width)) for w in widths]
-    layers = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()]
-    cin = widths[0]
-    for w, stride in zip(widths, strides):
-        for b in range(blocks):
-            layers.append(Block(cin, w, stride if b == 0 else 1))
-            cin = w
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
-    return nn.Sequential(*layers)
+    global average pool, linear (the worker's resnet presets; the network
+    of bench-peers, named as the worker names its parameters)."""
+    return ResNet([max(1, round(w * width)) for w in widths], blocks, strides, classes)
 
 
 def mlp(widths):

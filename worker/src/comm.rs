@@ -860,7 +860,7 @@ impl Comm {
                     let (server, conn) = self.conn_of(self.route[shard]);
                     let call = transport::call(&conn, &request, self.dialer.max_frame);
                     let waited = tokio::time::timeout(self.dialer.request_timeout, call).await;
-                    let retry = match waited {
+                    match waited {
                         Ok(Ok((
                             Response::MakeUp {
                                 next_step,
@@ -883,11 +883,12 @@ impl Comm {
                             },
                             _,
                         )))
-                        | Err(_) => true,
+                        | Err(_) => {}
                         Ok(Ok((other, _))) => return Err(refused("make_up", other)),
                         Ok(Err(e)) => return Err(e.into()),
-                    };
-                    if retry && started.elapsed() > budget {
+                    }
+                    // Not decided within a request deadline: ask again.
+                    if started.elapsed() > budget {
                         return Err(CommError::Deadline {
                             addr: server,
                             what: "make_up",

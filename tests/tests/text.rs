@@ -19,6 +19,7 @@ use ps_shared::config::{
 use ps_shared::sampler::EpochSampler;
 use ps_tests::{run_cluster, test_config};
 use ps_worker::loader::{BatchPos, Loader, LoaderError, LoaderSettings, RetryPolicy};
+use ps_worker::run::StopReason;
 use ps_worker::simstore::{SimSettings, SimStore};
 
 const SEQ_LEN: usize = 15;
@@ -270,6 +271,51 @@ fn a_tiny_gpt_learns_generated_text_on_two_workers() {
     assert_eq!(x.test_loss.to_bits(), y.test_loss.to_bits());
     assert_eq!(x.test_accuracy.to_bits(), y.test_accuracy.to_bits());
     assert_eq!(a.final_accuracy.to_bits(), b.final_accuracy.to_bits());
+}
+
+/// `training.target_loss`: both ranks stop together after the first
+/// evaluation whose validation loss is at most the target, well before the
+/// step cap; no earlier evaluation had reached it.
+#[test]
+fn a_tiny_gpt_stops_at_its_validation_loss_target() {
+    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime to write the dataset")
+        .block_on(text_bucket(600, Layout::Shards));
+    let steps = 400;
+    let mut cfg = tiny_gpt_config(100, steps);
+    cfg.training.max_steps = steps;
+    cfg.training.eval_every = 5;
+    // Halfway from uniform (ln 256 = 5.5 nats) to where the run above ends
+    // (below 2.5): reached early in the run.
+    let target = 0.6 * (256f32).ln();
+    cfg.training.target_loss = target;
+    cfg.validate().expect("a valid config");
+    let reports = run_cluster(cfg, raw, prefix).expect("the GPT trains");
+    assert_eq!(reports.len(), 2);
+    for r in &reports {
+        let losses: Vec<(u64, f32)> = r.evals.iter().map(|e| (e.step, e.test_loss)).collect();
+        println!(
+            "rank {}: stopped by {:?} at step {}, evaluations {losses:?}",
+            r.rank, r.stop_reason, r.steps
+        );
+        assert_eq!(r.stop_reason, StopReason::TargetLoss, "rank {}", r.rank);
+        let (last, before) = r.evals.split_last().expect("evaluations");
+        assert!(last.test_loss <= target, "{losses:?}");
+        assert_eq!(
+            last.step, r.steps,
+            "the run stops at the evaluation that reached it"
+        );
+        assert!(r.steps < steps, "stopped before the cap: {}", r.steps);
+        assert!(
+            before.iter().all(|e| e.test_loss > target),
+            "an earlier evaluation reached {target}: {losses:?}"
+        );
+    }
+    assert_eq!(
+        reports[0].steps, reports[1].steps,
+        "both ranks stop together"
+    );
 }
 
 /// `training.init_weights`: every worker loads the safetensors file, so the

@@ -452,6 +452,8 @@ pub enum StopReason {
     Epochs,
     /// An evaluation reached `training.target_accuracy`.
     TargetAccuracy,
+    /// An evaluation's test loss fell to `training.target_loss`.
+    TargetLoss,
     /// `training.max_steps` steps were trained.
     MaxSteps,
 }
@@ -811,10 +813,15 @@ async fn run_rank(
     let test = Arc::new(startup_read(test, "the test split", attempts)?);
     // A dataset without a test split trains, but is never reported as 0%
     // accurate: its evaluations say "no test split" (see `accuracy_text`).
-    if test.is_empty() && cfg.training.target_accuracy > 0.0 {
+    if test.is_empty() && cfg.training.has_target() {
+        let (field, value) = if cfg.training.target_accuracy > 0.0 {
+            ("target_accuracy", cfg.training.target_accuracy)
+        } else {
+            ("target_loss", cfg.training.target_loss)
+        };
         return Err(WorkerError::Mismatch(format!(
-            "training.target_accuracy = {} needs a test split, and dataset `{}` has none",
-            cfg.training.target_accuracy, manifest.name
+            "training.{field} = {value} needs a test split, and dataset `{}` has none",
+            manifest.name
         )));
     }
     let startup = StartupGets {
@@ -1150,7 +1157,10 @@ async fn train(
     bar.set_position(start_step);
     let mut evals = Evals::new(
         cfg.training.eval_every,
-        cfg.training.target_accuracy,
+        Target {
+            accuracy: cfg.training.target_accuracy,
+            loss: cfg.training.target_loss,
+        },
         if cfg.model.has_batch_norm() {
             cfg.model.bn_calibration_batches
         } else {
@@ -1215,8 +1225,8 @@ async fn train(
                 tested,
                 evals.text,
             );
-            if stopping.is_none() && evals.reached_target() {
-                stopping = Some(StopReason::TargetAccuracy);
+            if stopping.is_none() {
+                stopping = evals.reached_target();
             }
             let data = loader.stats().epoch(epoch);
             report.set_data_plane(&data, startup.take(), &cfg.cost.cost_model());
@@ -1479,8 +1489,8 @@ async fn train(
         if evals.every > 0 && step % evals.every == 0 {
             let (loss, accuracy) = evals.at(step, trainer, &test).await?;
             series.evaluated(loss, accuracy);
-            if evals.reached_target() {
-                stopping = Some(StopReason::TargetAccuracy);
+            if let Some(reached) = evals.reached_target() {
+                stopping = Some(reached);
             }
         }
         if stopping.is_none() && max_steps_reached(max_steps, step) {
@@ -1920,9 +1930,30 @@ fn close_epoch(
 }
 
 /// Evaluations of one run, and the training clock they are kept off.
+/// The evaluation targets of a run: `training.target_accuracy` and
+/// `training.target_loss` (0 = none).
+#[derive(Debug, Clone, Copy, Default)]
+struct Target {
+    accuracy: f32,
+    loss: f32,
+}
+
+impl Target {
+    /// Why an evaluation with these results ends the run, if it does.
+    fn reached(&self, test_loss: f32, test_accuracy: f32) -> Option<StopReason> {
+        if self.accuracy > 0.0 && test_accuracy >= self.accuracy {
+            Some(StopReason::TargetAccuracy)
+        } else if self.loss > 0.0 && test_loss <= self.loss {
+            Some(StopReason::TargetLoss)
+        } else {
+            None
+        }
+    }
+}
+
 struct Evals {
     every: u64,
-    target: f32,
+    target: Target,
     points: Vec<EvalPoint>,
     /// Time of the first step.
     started: Option<Instant>,
@@ -1946,7 +1977,7 @@ struct Evals {
 impl Evals {
     /// Evaluations every `every` steps (0: at epoch ends) towards `target`,
     /// keeping the last `keep` training batches for batch-norm calibration.
-    fn new(every: u64, target: f32, keep: usize, text: bool) -> Self {
+    fn new(every: u64, target: Target, keep: usize, text: bool) -> Self {
         Self {
             text,
             every,
@@ -2014,12 +2045,10 @@ impl Evals {
         Ok((test_loss, test_accuracy))
     }
 
-    fn reached_target(&self) -> bool {
-        self.target > 0.0
-            && self
-                .points
-                .last()
-                .is_some_and(|p| p.test_accuracy >= self.target)
+    /// The last evaluation reached a target: why the run stops.
+    fn reached_target(&self) -> Option<StopReason> {
+        let last = self.points.last()?;
+        self.target.reached(last.test_loss, last.test_accuracy)
     }
 }
 
@@ -2236,7 +2265,40 @@ mod tests {
     }
 
     fn evals(keep: usize) -> Evals {
-        Evals::new(0, 0.0, keep, false)
+        Evals::new(0, Target::default(), keep, false)
+    }
+
+    #[test]
+    fn a_target_is_reached_by_accuracy_or_by_loss() {
+        let none = Target::default();
+        assert_eq!(none.reached(0.0, 1.0), None, "no target, no stop");
+        let acc = Target {
+            accuracy: 0.97,
+            loss: 0.0,
+        };
+        assert_eq!(acc.reached(0.1, 0.969), None);
+        assert_eq!(acc.reached(9.0, 0.97), Some(StopReason::TargetAccuracy));
+        let loss = Target {
+            accuracy: 0.0,
+            loss: 1.5,
+        };
+        assert_eq!(
+            loss.reached(1.501, 1.0),
+            None,
+            "accuracy alone is no target"
+        );
+        assert_eq!(loss.reached(1.5, 0.0), Some(StopReason::TargetLoss));
+        assert_eq!(
+            loss.reached(f32::NAN, 0.0),
+            None,
+            "a NaN loss never reaches"
+        );
+        let both = Target {
+            accuracy: 0.9,
+            loss: 1.0,
+        };
+        assert_eq!(both.reached(0.5, 0.1), Some(StopReason::TargetLoss));
+        assert_eq!(both.reached(3.0, 0.95), Some(StopReason::TargetAccuracy));
     }
 
     /// A report with every figure at a large but possible value.

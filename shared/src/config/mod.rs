@@ -890,6 +890,8 @@ mod tests {
                 "[training]\ntarget_accuracy = 97.0\n",
                 "training.target_accuracy",
             ),
+            ("[training]\ntarget_loss = -1.0\n", "training.target_loss"),
+            ("[training]\ntarget_loss = nan\n", "training.target_loss"),
             ("[model]\nhidden = [0]\n", "model"),
             (
                 "[model]\nkind = \"cnn\"\ninput = 63\nconv = [4]\n",

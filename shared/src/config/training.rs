@@ -27,6 +27,10 @@ pub struct TrainingSection {
     /// Stop (saying goodbye) after the evaluation that reaches this test
     /// accuracy, in [0, 1] (0 = train every epoch).
     pub target_accuracy: f32,
+    /// Stop (saying goodbye) after the evaluation whose mean test loss is
+    /// at most this (a language model's validation loss; 0 = no loss
+    /// target). With `target_accuracy` too, whichever is reached first.
+    pub target_loss: f32,
     /// Stop after this many steps of the run (0 = no cap).
     pub max_steps: u64,
     /// asp/ssp only: compute the next step's gradient while this step's
@@ -58,6 +62,7 @@ impl Default for TrainingSection {
             eval_every: 0,
             step_metrics_every: 10,
             target_accuracy: 0.0,
+            target_loss: 0.0,
             max_steps: 0,
             overlap: false,
             compute_threads: 0,
@@ -86,9 +91,15 @@ impl TrainingSection {
         )
     }
 
-    /// Counts in range, a known device and a target accuracy in [0, 1].
-    /// Whether `overlap` fits the sync mode is a rule across sections
-    /// ([`super::ClusterConfig::validate`]).
+    /// Some evaluation target (accuracy or loss) is set: the run needs a
+    /// test split.
+    pub fn has_target(&self) -> bool {
+        self.target_accuracy > 0.0 || self.target_loss > 0.0
+    }
+
+    /// Counts in range, a known device, a target accuracy in [0, 1] and a
+    /// target loss >= 0. Whether `overlap` fits the sync mode is a rule
+    /// across sections ([`super::ClusterConfig::validate`]).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.check_ranges()?;
         if self.epochs == 0 {
@@ -104,6 +115,12 @@ impl TrainingSection {
             return Err(invalid(
                 "training.target_accuracy",
                 format!("must be in [0, 1], got {}", self.target_accuracy),
+            ));
+        }
+        if !(self.target_loss.is_finite() && self.target_loss >= 0.0) {
+            return Err(invalid(
+                "training.target_loss",
+                format!("must be a finite loss >= 0, got {}", self.target_loss),
             ));
         }
         let init = self.init_weights.trim();

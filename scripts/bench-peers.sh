@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # Stratus side by side with PyTorch DDP and DDP+PowerSGD over real,
 # kernel-shaped links: the same model (--model: the MLP 256-1024-1024-10,
-# 1.32M parameters, or ResNet-20, 0.27M parameters, on 3x32x32 inputs,
-# started from the same weights through one safetensors file), the same
-# synthetic data files, 2 workers, batch 64 per worker, one compute thread
-# per process, each run trained until its test accuracy reaches the target
-# (97% by default) or a step cap.
+# 1.32M parameters; ResNet-20, 0.27M parameters, on 3x32x32 inputs; or a
+# GPT of 0.83M parameters on byte tokens; ResNet-20 and the GPT started
+# from the same weights through one safetensors file), the same data files
+# (synthetic samples; for the GPT a text corpus of the repository's own
+# README, docs and Rust sources, no download), --workers workers (2 or 4),
+# one compute thread per process, each run trained until its evaluation
+# reaches the target (test accuracy 97% by default; the GPT: validation
+# loss 2.3) or a step cap.
 #
-# Topology: one network namespace per node (worker nodes w0 10.232.0.10 and
-# w1 10.232.0.11, server node s0 10.232.0.1) plus a "switch" namespace holding
+# Per model: the MLP and ResNet-20 train with SGD (lr 0.05, momentum 0.9),
+# batch 64 per worker; the GPT (vocabulary 256, context 64, d_model 128, 4
+# layers, 4 heads) with AdamW (lr 0.003 after a 20-step linear warm-up from
+# 0, then constant; betas 0.9/0.999, weight decay 0.01 but not on biases and
+# LayerNorm), batch 16 windows per worker, evaluated on the corpus's last 5%.
+#
+# Topology: one network namespace per node (worker nodes w0 10.232.0.10,
+# w1 10.232.0.11, ..., server node s0 10.232.0.1) plus a "switch" namespace holding
 # a Linux bridge; each node is joined to the bridge by a veth pair shaped with
 # `tc ... tbf` on both ends (node egress and the bridge port towards the
 # node), so every node's link is limited to --rate in each direction. Traffic
@@ -28,8 +37,11 @@
 #               server     one ps-server (2 shards) alone on node s0
 #               colocated  one ps-server (1 shard) on each worker node; a worker
 #                          reaches its own over loopback, the other over the link
-# Every optimizer is SGD, lr 0.05; momentum 0.9 (DDP: torch SGD, Stratus
-# dense: on the server; top-k: on the workers as DGC momentum correction).
+# MLP and ResNet-20: every optimizer is SGD, lr 0.05; momentum 0.9 (DDP:
+# torch SGD, Stratus dense: on the server; top-k: on the workers as DGC
+# momentum correction). GPT: AdamW everywhere (DDP: torch AdamW; Stratus
+# dense: on the server; top-k: each worker's own AdamW direction, top-k
+# compressed with error feedback, optimizer.moments = "worker").
 # Everyone evaluates the whole test split every --eval-every steps (and at
 # epoch ends); evaluation time is not training time.
 #
@@ -66,19 +78,30 @@
 # torch from PyPI (large). The namespaces, veths, processes, the dataset and
 # the certificates are removed at the end, also on failure or Ctrl-C.
 #
-# Usage: sudo scripts/bench-peers.sh [--model mlp|resnet20] [--rate 100mbit|1gbit|10gbit|none]
-#            [--seeds N|LIST] [--python PY]
-#            [--max-steps S] [--eval-every N] [--target ACC]
+# Usage: sudo scripts/bench-peers.sh [--model mlp|resnet20|gpt] [--rate 100mbit|1gbit|10gbit|none]
+#            [--workers 2|4] [--seeds N|LIST] [--python PY]
+#            [--max-steps S] [--eval-every N] [--target ACC|LOSS]
 #            [--modes ddp,powersgd,dense,dense16,topk1,topk01]
 #            [--topologies server,colocated] [--topk-warmup STEPS]
 #            [--topk-warmup-start DENSITY]
 #            [--powersgd-start STEPS] [--topk-correction M] [--topk-masking true|false]
 #            [--topk-f16 true|false]
 #            [--global-topk true|false] [--quick]
-#   --model      mlp (default; data of 256 features) or resnet20 (the
+#   --model      mlp (default; data of 256 features), resnet20 (the
 #                worker's ResNet-20 preset; data of 3072 features read as
-#                3x32x32 images, channel-major; both sides load the
-#                initial weights one Python run wrote for the seed)
+#                3x32x32 images, channel-major) or gpt (the worker's GPT
+#                preset on windows of 65 byte tokens); resnet20 and gpt:
+#                both sides load the initial weights one Python run wrote
+#                for the seed
+#   --workers    worker nodes and ranks (default 2): DDP's world size,
+#                Stratus's cluster.workers; colocated puts a ps-server on
+#                every worker node
+#   --target     the evaluation that ends a run: a test accuracy in (0, 1)
+#                for mlp and resnet20 (default 0.97), a validation loss
+#                (mean next-token cross-entropy, nats) for gpt (default 2.3:
+#                torch reaches it in about 420 steps at a global batch of 32)
+#   --max-steps  the step cap of every run (default 300; gpt 1000)
+#   --eval-every evaluate every N steps (default 5; resnet20 10; gpt 20)
 #   --quick      tiny data set and a few steps: a smoke test of the script
 #   --seeds      N runs seeds 1..N; a comma list (4,5,6,7) runs those seeds
 #                (one seed S alone: "S,").
@@ -87,7 +110,8 @@
 #   --python     a Python with torch and numpy (default $PYTHON, else the
 #                venv above)
 #   --topk-correction  DGC momentum correction of the top-k modes (default
-#                0.95, with masking the best of bench-convergence's sweeps)
+#                0.95, with masking the best of bench-convergence's sweeps;
+#                gpt: 0, AdamW's moments are the workers')
 #   --topk-masking  DGC momentum factor masking of the top-k modes (default
 #                true: without it, and correction 0.9, most seeds reach 97%
 #                sooner, but in bench-convergence one seed of five stalled
@@ -100,8 +124,9 @@
 #                k entries; false applies and returns the union of the pushes
 #   --topk-warmup  DGC density warm-up for the top-k modes (exponential from
 #                --topk-warmup-start down to the mode's density over STEPS
-#                steps; default 300, as bench-convergence; 0 = top-k from the
-#                first step)
+#                steps; default 300, as bench-convergence; gpt: 20 from 0.25,
+#                the warm-up of docs/gpt.md's convergence runs; 0 = top-k
+#                from the first step)
 #   --topk-warmup-start  density the warm-up starts from (default 0.015: in
 #                bench-convergence's sweeps it reached 97% in about as many
 #                steps as from 2-5%, with a third to a half of the bytes;
@@ -118,17 +143,18 @@ export PYTHONDONTWRITEBYTECODE=1  # no __pycache__ in scripts/bench_peers
 
 rate=100mbit
 model=mlp
+workers=2
 seeds=1
 python_bin=${PYTHON:-}
-max_steps=300
-eval_every=5
-target=0.97
+max_steps=
+eval_every=
+target=
 modes=ddp,powersgd,dense,dense16,topk1,topk01
 topologies=server,colocated
-topk_warmup=300
-topk_warmup_start=0.015
-topk_correction=0.95
-topk_masking=true
+topk_warmup=
+topk_warmup_start=
+topk_correction=
+topk_masking=
 topk_f16=true
 global_topk=true
 powersgd_start=2
@@ -137,6 +163,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --rate) rate=${2:?--rate needs a value}; shift 2 ;;
         --model) model=${2:?--model needs a value}; shift 2 ;;
+        --workers) workers=${2:?--workers needs a value}; shift 2 ;;
         --seeds) seeds=${2:?--seeds needs a value}; shift 2 ;;
         --python) python_bin=${2:?--python needs a value}; shift 2 ;;
         --max-steps) max_steps=${2:?--max-steps needs a value}; shift 2 ;;
@@ -157,6 +184,20 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 die() { echo "bench-peers: $*" >&2; exit 2; }
+# Per-model defaults of the options not given.
+case "$model" in
+    mlp | resnet20)
+        : "${max_steps:=300}" "${target:=0.97}" "${topk_warmup:=300}" "${topk_warmup_start:=0.015}"
+        : "${topk_correction:=0.95}" "${topk_masking:=true}"
+        if [[ $model == mlp ]]; then : "${eval_every:=5}"; else : "${eval_every:=10}"; fi
+        ;;
+    gpt)
+        : "${max_steps:=1000}" "${target:=2.3}" "${eval_every:=20}" "${topk_warmup:=20}"
+        : "${topk_warmup_start:=0.25}" "${topk_correction:=0}" "${topk_masking:=false}"
+        ;;
+    *) die "--model must be mlp, resnet20 or gpt" ;;
+esac
+[[ $workers =~ ^[1-9][0-9]?$ && $workers -ge 2 && $workers -le 8 ]] || die "--workers must be 2 to 8"
 if [[ $seeds =~ ^[1-9][0-9]*$ ]]; then
     seed_list=$(seq -s, 1 "$seeds")
 elif [[ $seeds =~ ^[0-9]+,([0-9]+(,[0-9]+)*)?$ ]]; then
@@ -169,15 +210,19 @@ fi
 [[ $topk_warmup =~ ^[0-9]+$ ]] || die "--topk-warmup must be a non-negative integer"
 [[ $topk_warmup_start =~ ^(0?\.[0-9]+|1(\.0*)?)$ ]] || die "--topk-warmup-start must be a density in (0, 1], such as 0.015"
 [[ $powersgd_start =~ ^[0-9]+$ && $powersgd_start -ge 2 ]] || die "--powersgd-start must be an integer >= 2"
-[[ $target =~ ^0?\.[0-9]+$ ]] || die "--target must be a fraction such as 0.97"
+if [[ $model == gpt ]]; then
+    [[ $target =~ ^[0-9]*\.?[0-9]+$ && ! $target =~ ^0*\.?0*$ ]] || die "--target must be a validation loss above 0 for gpt, such as 2.3"
+else
+    [[ $target =~ ^0?\.[0-9]+$ ]] || die "--target must be a fraction such as 0.97"
+fi
 [[ $topk_correction =~ ^0?\.[0-9]+$|^0$ ]] || die "--topk-correction must be in [0, 1), such as 0.95"
 [[ $global_topk =~ ^(true|false)$ ]] || die "--global-topk must be true or false"
 [[ $topk_masking =~ ^(true|false)$ ]] || die "--topk-masking must be true or false"
 [[ $topk_f16 =~ ^(true|false)$ ]] || die "--topk-f16 must be true or false"
 case "$model" in
-    mlp) features=256 ;;
-    resnet20) features=3072 ;;
-    *) die "--model must be mlp or resnet20" ;;
+    mlp) features=256 batch=64 ;;
+    resnet20) features=3072 batch=64 ;;
+    gpt) features=65 batch=16 ;;
 esac
 rate_bits=0
 case "$rate" in
@@ -201,9 +246,11 @@ has_topology() { [[ ",$topologies," == *",$1,"* ]]; }
 train=16384
 test=2048
 label_noise=0.0
+corpus_bytes=1000000
 if [[ $quick -eq 1 ]]; then
     train=2048
     test=512
+    corpus_bytes=150000
     max_steps=12
     eval_every=4
 fi
@@ -221,12 +268,15 @@ work="target/bench-peers"
 venv="$work/venv"
 tag=$$
 ns_sw="bp-sw-$tag"
-nodes=(w0 w1 s0)
+nodes=()
 declare -A ns ip
-for n in "${nodes[@]}"; do ns[$n]="bp-$n-$tag"; done
-ip[w0]=10.232.0.10
-ip[w1]=10.232.0.11
+for ((r = 0; r < workers; r++)); do
+    nodes+=("w$r")
+    ip[w$r]=10.232.0.$((10 + r))
+done
+nodes+=(s0)
 ip[s0]=10.232.0.1
+for n in "${nodes[@]}"; do ns[$n]="bp-$n-$tag"; done
 pids=()
 
 cleanup() {
@@ -282,10 +332,25 @@ bin="${CARGO_TARGET_DIR:-$PWD/target}/release"
 
 rm -rf "$work/runs" "$work/data" "$work/certs"
 mkdir -p "$work/runs" "$work/configs"
-data="$PWD/$work/data/synthetic"
-"$bin/ps-data" synthetic --out "file://$data" --features "$features" --classes 10 \
-    --train "$train" --test "$test" --label-noise "$label_noise" >/dev/null
-# ResNet-20: one file of initial weights per seed, read by both sides.
+if [[ $model == gpt ]]; then
+    # The repository's README, docs and Rust sources as one corpus (whole
+    # files, at most $corpus_bytes bytes), cut into windows of 65 byte tokens;
+    # the last 5% are the validation split.
+    data="$PWD/$work/data/text"
+    mkdir -p "$work/data"
+    "$py" -c 'import sys; sys.path.insert(0, "scripts"); from gpt_convergence import build_corpus
+corpus, files = build_corpus(".", sys.argv[1], int(sys.argv[2]))
+print(f"bench-peers: corpus of {len(corpus)} bytes from {files} files")' "$work/data/corpus.txt" "$corpus_bytes"
+    "$bin/ps-data" text --in "$work/data/corpus.txt" --seq-len $((features - 1)) --tokenizer bytes \
+        --out "file://$data" >/dev/null
+    read -r train test < <("$py" -c 'import json, sys; m = json.load(open(sys.argv[1]))
+print(m["train"]["num_samples"], m["test"]["num_samples"])' "$data/manifest.json")
+else
+    data="$PWD/$work/data/synthetic"
+    "$bin/ps-data" synthetic --out "file://$data" --features "$features" --classes 10 \
+        --train "$train" --test "$test" --label-noise "$label_noise" >/dev/null
+fi
+# ResNet-20 and the GPT: one file of initial weights per seed, read by both sides.
 init_of() { echo "$PWD/$work/data/init-seed$1.safetensors"; }
 # The init file of a seed's runs ("" for the MLP, which both sides draw
 # from the seed alike).
@@ -326,7 +391,7 @@ done
 ip netns exec "${ns[w0]}" tc qdisc show dev eth0 | sed 's/^/  w0 eth0: /'
 ip netns exec "$ns_sw" tc qdisc show dev w0 | sed 's/^/  switch port w0: /'
 if command -v ping >/dev/null 2>&1; then
-    for n in w1 s0; do
+    for n in "${nodes[@]:1}"; do
         ip netns exec "${ns[w0]}" ping -c 1 -W 5 "${ip[$n]}" >/dev/null ||
             { say "node w0 cannot reach $n (${ip[$n]})" >&2; exit 1; }
     done
@@ -371,7 +436,7 @@ finish_run() {
     write_wire "$dir"
     local ok=true
     [[ $status -eq 0 ]] || ok=false
-    for r in 0 1; do [[ -s $dir/worker-$r.json ]] || ok=false; done
+    for ((r = 0; r < workers; r++)); do [[ -s $dir/worker-$r.json ]] || ok=false; done
     printf '{"system": "%s", "mode": "%s", "topology": "%s", "seed": %d, "completed": %s, "exit_status": %d, "wall_s": %s}\n' \
         "$system" "$mode" "$topology" "$seed" "$ok" "$status" \
         "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", (b - a) / 1e9 }')" >"$dir/meta.json"
@@ -391,29 +456,47 @@ run_ddp() { # mode seed
     local port=$((29400 + run_no))
     say "seed $seed: DDP $mode (gloo, rank r on node w<r>)"
     snapshot
-    local t0 workers=()
+    local t0 procs=()
     t0=$(date +%s%N)
-    for r in 0 1; do
+    local optim=(--lr 0.05 --momentum 0.9 --target "$target")
+    if [[ $model == gpt ]]; then
+        optim=(--optimizer adamw --lr 0.003 --weight-decay 0.01 --warmup-steps 20 --target 0 --target-loss "$target")
+    fi
+    for ((r = 0; r < workers; r++)); do
         ip netns exec "${ns[w$r]}" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
             timeout "$run_timeout" "$py" scripts/bench_peers/ddp_train.py \
-            --data "file://$data" --rank "$r" --world 2 --master-addr "${ip[w0]}" --master-port "$port" \
-            --mode "$mode" --seed "$seed" --lr 0.05 --momentum 0.9 --batch 64 \
+            --data "file://$data" --rank "$r" --world "$workers" --master-addr "${ip[w0]}" --master-port "$port" \
+            --mode "$mode" --seed "$seed" --batch "$batch" "${optim[@]}" \
             --model "$model" --init "$(init_for "$seed")" \
             --powersgd-rank 4 --powersgd-start "$powersgd_start" \
-            --eval-every "$eval_every" --target "$target" --max-steps "$max_steps" \
+            --eval-every "$eval_every" --max-steps "$max_steps" \
             --timeout-s "$run_timeout" --report "$dir/worker-$r.json" >"$dir/worker-$r.log" 2>&1 &
-        workers+=($!)
+        procs+=($!)
         pids+=($!)
     done
-    finish_run "$dir" ddp "$mode" peer "$seed" "$t0" "${workers[@]}"
+    finish_run "$dir" ddp "$mode" peer "$seed" "$t0" "${procs[@]}"
 }
 
 model_toml() {
-    if [[ $model == mlp ]]; then
-        printf '[model]\nkind = "mlp"\ninput = 256\nhidden = [1024, 1024]\nclasses = 10\n'
-    else
-        printf '[model]\nkind = "%s"\ninput = %d\nin_channels = 3\nclasses = 10\n' "$model" "$features"
+    case "$model" in
+        mlp) printf '[model]\nkind = "mlp"\ninput = 256\nhidden = [1024, 1024]\nclasses = 10\n' ;;
+        resnet20) printf '[model]\nkind = "%s"\ninput = %d\nin_channels = 3\nclasses = 10\n' "$model" "$features" ;;
+        gpt) printf '[model]\nkind = "gpt"\n\n[model.gpt]\nvocab = 256\nseq_len = %d\nd_model = 128\nn_layer = 4\nn_head = 4\nd_ff = 0\ndropout = 0.0\n' $((features - 1)) ;;
+    esac
+}
+
+# The optimizer sections of a Stratus run: $1 = the server momentum (SGD),
+# $2 = the compression kind.
+optimizer_toml() {
+    if [[ $model != gpt ]]; then
+        printf '[optimizer]\nlr = 0.05\nmomentum = %s\n' "$1"
+        return
     fi
+    # Dense: AdamW on the servers. Top-k: each worker's AdamW direction.
+    local moments=server
+    [[ $2 == topk ]] && moments=worker
+    printf '[optimizer]\nkind = "adamw"\nlr = 0.003\nbeta1 = 0.9\nbeta2 = 0.999\neps = 1e-8\nweight_decay = 0.01\nno_decay = ["bias", "ln"]\nmoments = "%s"\n\n' "$moments"
+    printf '[optimizer.schedule]\nkind = "constant"\nwarmup_steps = 20\nwarmup_start = 0.0\n'
 }
 
 write_config() { # mode topology seed file run-dir
@@ -427,7 +510,8 @@ write_config() { # mode topology seed file run-dir
         servers="\"${ip[s0]}:7400\""
         shards=2
     else
-        servers="\"${ip[w0]}:7400\", \"${ip[w1]}:7400\""
+        servers=""
+        for ((r = 0; r < workers; r++)); do servers+="${servers:+, }\"${ip[w$r]}:7400\""; done
         shards=1
     fi
     cat >"$4" <<EOF
@@ -435,7 +519,7 @@ write_config() { # mode topology seed file run-dir
 [cluster]
 servers = [$servers]
 shards_per_server = $shards
-workers = 2
+workers = $workers
 token = "stratus-bench-peers-token"
 
 [tls]
@@ -452,7 +536,7 @@ $(model_toml)
 
 [data]
 url = "file://$data"
-batch_size = 64
+batch_size = $batch
 seed = $3
 
 [training]
@@ -462,8 +546,9 @@ init_weights = "$(init_for "$3")"
 metrics_dir = "$5"
 step_metrics_every = 1
 eval_every = $eval_every
-target_accuracy = $target
+$([[ $model == gpt ]] && echo "target_loss = $target" || echo "target_accuracy = $target")
 max_steps = $max_steps
+eval_batch_size = $([[ $model == gpt ]] && echo 64 || echo 0)
 
 [compression]
 kind = "$kind"
@@ -477,9 +562,7 @@ warmup_start_density = $topk_warmup_start
 f16_values = $values16
 global_topk = $global_topk
 
-[optimizer]
-lr = 0.05
-momentum = $server_momentum
+$(optimizer_toml "$server_momentum" "$kind")
 
 [server]
 connect_timeout_secs = 60
@@ -493,7 +576,7 @@ run_stratus() { # mode topology seed
     write_config "$mode" "$topology" "$seed" "$cfg" "$PWD/$dir"
     "$bin/ps-server" --config "$cfg" --log error certs >/dev/null
     local server_nodes
-    if [[ $topology == server ]]; then server_nodes=(s0); else server_nodes=(w0 w1); fi
+    if [[ $topology == server ]]; then server_nodes=(s0); else server_nodes=("${nodes[@]:0:workers}"); fi
     say "seed $seed: Stratus $mode, $topology (ps-server on ${server_nodes[*]})"
     snapshot
     local t0 procs=()
@@ -506,7 +589,7 @@ run_stratus() { # mode topology seed
         pids+=($!)
         i=$((i + 1))
     done
-    for r in 0 1; do
+    for ((r = 0; r < workers; r++)); do
         ip netns exec "${ns[w$r]}" env RAYON_NUM_THREADS=1 timeout "$run_timeout" "$bin/ps-worker" --config "$cfg" \
             train --rank "$r" --no-progress --report "$dir/worker-$r.json" >"$dir/worker-$r.log" 2>&1 &
         procs+=($!)
@@ -529,10 +612,12 @@ for seed in ${seed_list//,/ }; do
 done
 
 "$py" scripts/bench_peers/report.py --runs "$work/runs" --out "$work" \
-    --rate "$rate" --target "$target" --eval-every "$eval_every" --max-steps "$max_steps" \
+    --rate "$rate" --target "$target" --target-kind "$([[ $model == gpt ]] && echo loss || echo accuracy)" --eval-every "$eval_every" --max-steps "$max_steps" \
     --seeds "$seed_list" --torch "$torch_version" --topk-warmup "$topk_warmup" --powersgd-start "$powersgd_start" \
-    --topk-recipe "warm-up from density $topk_warmup_start, momentum correction $topk_correction, masking $topk_masking, f16 values $topk_f16, global top-k $global_topk" \
-    --model "$model" --data "train=$train test=$test label_noise=$label_noise" $([[ $quick -eq 1 ]] && echo --quick)
+    --topk-recipe "warm-up from density $topk_warmup_start, momentum correction $topk_correction, masking $topk_masking, f16 values $topk_f16, global top-k $global_topk$([[ $model == gpt ]] && echo ", AdamW moments on the workers")" \
+    --model "$model" --workers "$workers" --batch "$batch" \
+    --data "$([[ $model == gpt ]] && echo "corpus of $corpus_bytes bytes at most, windows train=$train test=$test" || echo "train=$train test=$test label_noise=$label_noise")" \
+    $([[ $quick -eq 1 ]] && echo --quick)
 if [[ $completed -ne 1 ]]; then
     say "some runs did not complete (see above)"
     exit 1

@@ -88,16 +88,29 @@ class Gpt(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    def loss(self, tokens):
-        """Mean cross-entropy of windows of seq_len + 1 token ids."""
-        x_ids, y_ids = tokens[:, :-1], tokens[:, 1:]
+    def logits(self, x_ids):
+        """Next-token logits [batch, t, vocab] of token ids [batch, t]."""
         t = x_ids.shape[1]
         x = self.wte(x_ids) + self.wpe.weight[:t]
         x = F.dropout(x, self.dropout, self.training)
         for block in self.h:
             x = block(x)
-        logits = self.ln_f(x) @ self.wte.weight.t()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y_ids.reshape(-1))
+        return self.ln_f(x) @ self.wte.weight.t()
+
+    def forward(self, tokens):
+        """Logits of windows of seq_len + 1 token ids (all but the last
+        token as input), so DDP can wrap the model."""
+        return self.logits(tokens[:, :-1])
+
+    def loss(self, tokens):
+        """Mean cross-entropy of windows of seq_len + 1 token ids."""
+        return window_loss(self.logits(tokens[:, :-1]), tokens)
+
+
+def window_loss(logits, tokens):
+    """Mean cross-entropy of `logits` (from tokens[:, :-1]) against the
+    windows' targets tokens[:, 1:]."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def main():

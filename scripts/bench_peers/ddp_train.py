@@ -1,6 +1,7 @@
 """One rank of the PyTorch DDP side of scripts/bench-peers.sh.
 
-Trains the benchmark MLP with DistributedDataParallel over gloo (CPU), dense
+Trains the benchmark's model (the MLP, ResNet-20 or the GPT of models.py)
+with DistributedDataParallel over gloo (CPU), dense
 or with the PowerSGD communication hook, on a Stratus dataset read from its
 files (see stratus_dataset.py), and writes a JSON report shaped like the one of
 `ps-worker train --report`:
@@ -22,7 +23,17 @@ What is measured, and how it lines up with Stratus:
   softmax cross-entropy. DDP broadcasts rank 0's weights at the start.
 * Optimizer: torch SGD with the given lr and momentum (dampening 0, no
   Nesterov), the same update rule the Stratus server applies to the averaged
-  gradient; DDP also averages the gradients of the ranks.
+  gradient; DDP also averages the gradients of the ranks. `--optimizer
+  adamw` (the GPT's): torch AdamW, betas (0.9, 0.999), eps 1e-8,
+  `--weight-decay` except on biases and LayerNorm parameters (names holding
+  "bias" or "ln", Stratus's `optimizer.no_decay`), the learning rate
+  warmed up linearly from 0 over `--warmup-steps` (Stratus's schedule with
+  `warmup_start = 0`), then constant.
+* GPT: the samples are windows of seq_len + 1 byte tokens (a `ps-data
+  text` dataset); the loss is the mean next-token cross-entropy, the
+  accuracy the share of next tokens predicted (Stratus's token accuracy).
+  `--target-loss L` stops at the first evaluation whose test loss is at
+  most L (Stratus's `training.target_loss`) instead of at an accuracy.
 * Sample order: each epoch a permutation of the whole train split seeded by
   (seed, epoch), cut into equal parts by rank, whole batches only (the same
   scheme as Stratus's `reshuffle` partition, with numpy's generator).
@@ -74,18 +85,24 @@ def parse_args():
     ap.add_argument("--master-addr", default="127.0.0.1")
     ap.add_argument("--master-port", type=int, default=29500)
     ap.add_argument("--mode", choices=["dense", "powersgd"], default="dense")
-    ap.add_argument("--model", choices=["mlp", "resnet20"], default="mlp")
+    ap.add_argument("--model", choices=["mlp", "resnet20", "gpt"], default="mlp")
     ap.add_argument("--hidden", default="1024,1024", help="mlp: hidden widths")
     ap.add_argument("--init", default="",
-                    help="safetensors of the initial weights, by Stratus's names (resnet20: required)")
+                    help="safetensors of the initial weights, by Stratus's names (resnet20, gpt: required)")
     ap.add_argument("--write-init", default="",
                     help="write the model's initial weights for --seed to this file and exit")
     ap.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    ap.add_argument("--weight-decay", type=float, default=0.01, help="adamw")
+    ap.add_argument("--warmup-steps", type=int, default=0,
+                    help="adamw: linear learning-rate warm-up from 0 over this many steps")
     ap.add_argument("--seed", type=int, default=1, help="initial weights and sample order")
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--target", type=float, default=0.97)
+    ap.add_argument("--target", type=float, default=0.97, help="test accuracy (0 = none)")
+    ap.add_argument("--target-loss", type=float, default=0.0,
+                    help="stop at a test loss at most this (0 = none)")
     ap.add_argument("--max-steps", type=int, default=400)
     ap.add_argument("--powersgd-rank", type=int, default=4)
     ap.add_argument("--powersgd-start", type=int, default=2,
@@ -178,23 +195,61 @@ def calibrate_bn(module, batches):
     module.train(was_training)
 
 
-def evaluate(module, x, y, chunk=512):
+def batch_loss(module, xb, yb, text):
+    """The training loss of a batch: next-token cross-entropy of token
+    windows (text), else the labels' cross-entropy."""
+    if text:
+        return models.window_loss(module(xb), xb)
+    return F.cross_entropy(module(xb), yb)
+
+
+def evaluate(module, x, y, text, chunk=512):
     """Test accuracy and mean loss, in eval mode (batch norm on its running
-    statistics), in chunks so a conv net's activations stay small."""
+    statistics), in chunks so a conv net's activations stay small. Text:
+    the mean loss and accuracy over every next token of every window."""
     was_training = module.training
     module.eval()
+    loss_sum, right, count = 0.0, 0, 0
     with torch.no_grad():
-        logits = torch.cat([module(x[i:i + chunk]) for i in range(0, len(x), chunk)])
-        loss = F.cross_entropy(logits, y).item()
-        acc = (logits.argmax(dim=1) == y).float().mean().item()
+        for i in range(0, len(x), chunk):
+            xb = x[i:i + chunk]
+            logits = module(xb)
+            if text:
+                logits, target = logits.reshape(-1, logits.shape[-1]), xb[:, 1:].reshape(-1)
+            else:
+                target = y[i:i + chunk]
+            loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
+            right += (logits.argmax(dim=1) == target).sum().item()
+            count += len(target)
     module.train(was_training)
-    return acc, loss
+    return right / count, loss_sum / count
+
+
+def make_optimizer(module, args):
+    """SGD, or AdamW with weight decay off for biases and LayerNorm
+    parameters."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(module.parameters(), lr=args.lr, momentum=args.momentum)
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        (no_decay if ("bias" in name or "ln" in name) else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
+
+
+def lr_at(args, step):
+    """The learning rate of 0-based step `step`: linear warm-up from 0."""
+    if args.optimizer == "adamw" and step < args.warmup_steps:
+        return args.lr * step / args.warmup_steps
+    return args.lr
 
 
 def compute_reference(model, x, y, args, sampler):
     """Median seconds of forward + backward + SGD step on a plain copy, no communication."""
     ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = make_optimizer(ref, args)
+    text = args.model == "gpt"
     times = []
     def endless():
         epoch = 10_000 + args.rank  # an order of its own, not the training one
@@ -208,7 +263,7 @@ def compute_reference(model, x, y, args, sampler):
         xb, yb = x[idx], y[idx]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(ref(xb), yb).backward()
+        batch_loss(ref, xb, yb, text).backward()
         opt.step()
         if i >= 2:  # the first two warm the allocator and kernels
             times.append(time.perf_counter() - t0)
@@ -224,9 +279,12 @@ def main():
     manifest = stratus_dataset.read_manifest(args.data)
     if args.write_init:
         features, classes = int(manifest["features"]), int(manifest["classes"])
-        if args.model != "resnet20":
-            raise SystemExit("--write-init is for --model resnet20")
-        models.save_init(models.resnet20(features, classes, args.seed), args.write_init)
+        if args.model == "resnet20":
+            models.save_init(models.resnet20(features, classes, args.seed), args.write_init)
+        elif args.model == "gpt":
+            models.save_init(models.gpt(features - 1, args.seed), args.write_init)
+        else:
+            raise SystemExit("--write-init is for --model resnet20 or gpt")
         return
     if not args.report:
         raise SystemExit("--report is required")
@@ -235,6 +293,11 @@ def main():
     x, y = torch.from_numpy(xtr), torch.from_numpy(ytr)
     xt, yt = torch.from_numpy(xte), torch.from_numpy(yte)
     features, classes = int(manifest["features"]), int(manifest["classes"])
+    text = args.model == "gpt"
+    if text:  # token windows: ids, not features
+        if "text" not in manifest:
+            raise SystemExit(f"--model gpt needs a text dataset (ps-data text), not {args.data}")
+        x, xt = x.long(), xt.long()
 
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
@@ -244,10 +307,13 @@ def main():
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     world = dist.get_world_size()
 
-    if args.model == "resnet20":
-        model = models.resnet20(features, classes, args.seed)
+    if args.model in ("resnet20", "gpt"):
+        if args.model == "resnet20":
+            model = models.resnet20(features, classes, args.seed)
+        else:
+            model = models.gpt(features - 1, args.seed)
         if not args.init:
-            raise SystemExit("--model resnet20 needs --init (the weights Stratus starts from)")
+            raise SystemExit(f"--model {args.model} needs --init (the weights Stratus starts from)")
         models.load_init(model, args.init)
     else:
         model = build_model(features, hidden, classes, args.seed)
@@ -283,7 +349,7 @@ def main():
         )
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         counter = AllReduceBytes()
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = make_optimizer(model, args)
     ring = 2.0 * (world - 1) / world
 
     def wire_app_bytes(steps_done):
@@ -311,15 +377,17 @@ def main():
         at = train_s_now()
         t0 = time.perf_counter()
         calibrate_bn(model, list(recent))
-        acc, loss = evaluate(model, xt, yt)
+        acc, loss = evaluate(model, xt, yt, text, chunk=64 if text else 512)
         app = wire_app_bytes(step)
         evals.append({"step": step, "train_s": at, "test_accuracy": acc, "test_loss": loss,
                       "bytes_pushed": app, "bytes_pulled": app})
         # Both ranks hold the same parameters; stop only when both agree.
-        flag = torch.tensor([1.0 if (args.target > 0 and acc >= args.target) else 0.0])
+        by_acc = args.target > 0 and acc >= args.target
+        by_loss = args.target_loss > 0 and loss <= args.target_loss
+        flag = torch.tensor([1.0 if (by_acc or by_loss) else 0.0])
         UNCOUNTED_ALL_REDUCE(flag, op=dist.ReduceOp.MIN)
         if flag.item() > 0 and stop_reason is None:
-            stop_reason = "target_accuracy"
+            stop_reason = "target_accuracy" if by_acc else "target_loss"
         eval_spent += time.perf_counter() - t0
 
     while stop_reason is None:
@@ -330,8 +398,10 @@ def main():
             xb, yb = x[idx], y[idx]
             recent.append(xb)
             t1 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(args, step)
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp(xb), yb)
+            loss = batch_loss(ddp, xb, yb, text)
             loss.backward()
             t2 = time.perf_counter()
             opt.step()
@@ -380,6 +450,9 @@ def main():
         "startup_steps": args.powersgd_start if args.mode == "powersgd" else 1,
         "settings": {
             "lr": args.lr, "momentum": args.momentum, "batch": args.batch, "seed": args.seed,
+            "optimizer": args.optimizer, "warmup_steps": args.warmup_steps,
+            "weight_decay": args.weight_decay if args.optimizer == "adamw" else None,
+            "target_loss": args.target_loss or None,
             "model": args.model, "hidden": hidden if args.model == "mlp" else None,
             "threads": args.threads, "torch": torch.__version__,
             "powersgd_rank": args.powersgd_rank if args.mode == "powersgd" else None,
@@ -388,8 +461,10 @@ def main():
     }
     with open(args.report, "w") as f:
         json.dump(report, f, indent=2)
+    final_loss = evals[-1]["test_loss"] if evals else float("nan")
     print(f"ddp {args.mode} rank {args.rank} done: {step} steps, test accuracy "
-          f"{100 * (report['final_accuracy'] or 0):.2f}%, {1e3 * train_s / max(step, 1):.1f} ms/step "
+          f"{100 * (report['final_accuracy'] or 0):.2f}%, test loss {final_loss:.4f}, "
+          f"{1e3 * train_s / max(step, 1):.1f} ms/step "
           f"(compute {1e3 * compute_ref:.1f}), stop {stop_reason}")
     # Both ranks stop at the same step (same parameters, same evaluation);
     # leaving together keeps gloo from tearing down a pair mid-operation,

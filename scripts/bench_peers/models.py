@@ -12,9 +12,21 @@ them, so one safetensors file of initial weights starts both sides alike.
   `stage2.block0.shortcut.bn.bias`, `fc.weight`, ...); batch norm keeps
   torch's running statistics for evaluation (Stratus recomputes its own from
   recent training batches before each evaluation).
+* `gpt`: the worker's `model.kind = "gpt"` preset, scripts/torch_gpt.py's
+  `Gpt` (nanoGPT names, tied output head): its input is a window of
+  seq_len + 1 byte tokens, its loss the mean next-token cross-entropy.
 """
+import os
+import sys
+
 import torch
 import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from torch_gpt import Gpt, window_loss  # noqa: E402,F401
+
+# bench-peers's GPT: byte tokens, context 64, d_model 128, 4 layers, 4 heads.
+GPT = {"vocab": 256, "d_model": 128, "n_layer": 4, "n_head": 4}
 
 RESNET20 = {"widths": (16, 32, 64), "blocks": 3, "strides": (1, 2, 2)}
 
@@ -80,6 +92,13 @@ def resnet20(features, classes, seed):
         raise SystemExit(f"resnet20 needs 3 x side x side features, not {features}")
     torch.manual_seed(seed)
     return ResNet(RESNET20["widths"], RESNET20["blocks"], RESNET20["strides"], classes, 3, side)
+
+
+def gpt(seq_len, seed):
+    """The GPT of bench-peers for windows of seq_len + 1 tokens, nanoGPT's
+    initialisation from `seed` (the values are then shared through a file)."""
+    torch.manual_seed(seed)
+    return Gpt(GPT["vocab"], seq_len, GPT["d_model"], GPT["n_layer"], GPT["n_head"])
 
 
 def save_init(model, path):

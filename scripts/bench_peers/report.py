@@ -1,28 +1,34 @@
 """The table of scripts/bench-peers.sh, computed from what its runs recorded.
 
 Reads every run folder under --runs (`seed<k>/<run>/`: meta.json from the
-script, worker-0.json and worker-1.json from `ps-worker train --report` or
-ddp_train.py, wire.json with the bytes each node's veth sent and received
-during the run), prints one table, and writes it as table.md and every
-measurement as results.json in --out.
+script, worker-<rank>.json of each of the --workers ranks from `ps-worker
+train --report` or ddp_train.py, wire.json with the bytes each node's veth
+sent and received during the run), prints one table, and writes it as
+table.md and every measurement as results.json in --out.
+
+The target is a test accuracy (reached at or above it) or, with
+`--target-kind loss` (the GPT), a validation loss (reached at or below it).
+Besides the target the table shows one milestone on the way: 95% accuracy,
+or a loss of 1.1x the target.
 
 Per run:
-* step ms: training wall time (evaluation left out) / steps, mean of the two
+* step ms: training wall time (evaluation left out) / steps, mean of the
   workers; compute and comm ms per step likewise from each report.
 * wire KB/step: (bytes sent + received on a worker node's link) / steps,
-  mean over the two worker nodes. Everything the node's processes put on the
+  mean over the worker nodes. Everything the node's processes put on the
   link counts: setup (TLS, the first parameters, DDP's broadcast), training,
   the small stop all-reduce of the DDP script; loopback traffic to a
   colocated server does not.
-* steps and seconds to 95% and to the target: the first evaluation (rank 0)
-  at or above it; seconds are rank 0's training clock at that evaluation.
+* steps and seconds to the milestone and to the target: the first
+  evaluation (rank 0) reaching it; seconds are rank 0's training clock at
+  that evaluation.
 * start-up and steady state, from each step's wall time (Stratus: the
   `train_s` of its per-step JSONL records, worker-<rank>.jsonl; torch: the
   report's `step_train_s`; consecutive differences, evaluation left out):
   the start-up is the first step for DDP and Stratus and the dense
   all-reduce steps before start_powerSGD_iter for PowerSGD; start-up s is
   their wall time, its share is that over the time to the target, and the
-  steady step is the mean step after them. Mean of the two workers.
+  steady step is the mean step after them. Mean of the workers.
 * density at the target: the density of rank 0's push at the step the
   target was reached (its step record), top-k modes only.
 * ratios: Stratus over DDP dense and over DDP+PowerSGD of the same seed:
@@ -51,6 +57,13 @@ TOPOLOGY_NAME = {"peer": "peers (gloo)", "server": "1 server node", "colocated":
 MODELS = {
     "mlp": "MLP 256-1024-1024-10 (1.32M parameters)",
     "resnet20": "ResNet-20 on 3x32x32 (0.27M parameters)",
+    "gpt": "GPT on byte tokens, context 64, d_model 128, 4 layers, 4 heads (0.83M parameters)",
+}
+# The optimizer of each model, for the summary line.
+OPTIMIZERS = {
+    "mlp": "SGD lr 0.05 momentum 0.9",
+    "resnet20": "SGD lr 0.05 momentum 0.9",
+    "gpt": "AdamW lr 0.003 (20-step warm-up, then constant), weight decay 0.01",
 }
 
 
@@ -59,11 +72,32 @@ def load_json(path):
         return json.load(f)
 
 
-def first_reaching(evals, acc):
+def reaches(e, goal):
+    """Whether evaluation `e` reaches `goal`: an accuracy at or above it,
+    or with --target-kind loss a test loss at or below it."""
+    if ARGS.target_kind == "loss":
+        return e["test_loss"] <= goal
+    return e["test_accuracy"] >= goal
+
+
+def first_reaching(evals, goal):
     for e in evals:
-        if e["test_accuracy"] >= acc:
+        if reaches(e, goal):
             return e
     return None
+
+
+def milestone():
+    """(label, value) of the milestone before the target."""
+    if ARGS.target_kind == "loss":
+        return f"loss {1.1 * ARGS.target:.3g}", 1.1 * ARGS.target
+    return "95%", 0.95
+
+
+def target_label():
+    if ARGS.target_kind == "loss":
+        return f"loss {ARGS.target:g}"
+    return f"{100 * ARGS.target:g}%"
 
 
 def step_clock(run_dir, rank, report):
@@ -95,11 +129,11 @@ def measure(run_dir):
     out = dict(meta)
     out["dir"] = run_dir
     reports = []
-    for r in (0, 1):
+    for r in range(ARGS.workers):
         p = os.path.join(run_dir, f"worker-{r}.json")
         if os.path.exists(p) and os.path.getsize(p) > 0:
             reports.append(load_json(p))
-    if len(reports) != 2:
+    if len(reports) != ARGS.workers:
         out["completed"] = False
         return out
     steps = reports[0]["steps"] - reports[0].get("start_step", 0)
@@ -109,7 +143,8 @@ def measure(run_dir):
         return out
 
     def per_step_ms(field):
-        return sum(1e3 * r[field] / max(r["steps"] - r.get("start_step", 0), 1) for r in reports) / 2
+        return sum(1e3 * r[field] / max(r["steps"] - r.get("start_step", 0), 1)
+                   for r in reports) / len(reports)
 
     out["step_ms"] = per_step_ms("train_s")
     startups, steadies, step_records = [], [], None
@@ -126,23 +161,25 @@ def measure(run_dir):
         if steady is not None:
             steadies.append(steady)
     out["startup_s"] = sum(startups) / len(startups) if startups else None
-    out["steady_ms"] = 1e3 * sum(steadies) / len(steadies) if len(steadies) == 2 else None
+    out["steady_ms"] = 1e3 * sum(steadies) / len(steadies) if len(steadies) == len(reports) else None
     out["compute_ms"] = per_step_ms("compute_s")
     out["comm_ms"] = per_step_ms("comm_s")
     out["data_wait_ms"] = per_step_ms("data_wait_s")
     out["app_bytes_per_step"] = sum(
-        r["bytes_pushed_per_step"] + r["bytes_pulled_per_step"] for r in reports) / 2
+        r["bytes_pushed_per_step"] + r["bytes_pulled_per_step"] for r in reports) / len(reports)
     wire = load_json(os.path.join(run_dir, "wire.json"))
     out["wire"] = wire
+    nodes = [f"w{r}" for r in range(ARGS.workers)]
     out["wire_bytes_per_step"] = sum(
-        wire[n]["tx_bytes"] + wire[n]["rx_bytes"] for n in ("w0", "w1")) / 2 / steps
-    out["wire_tx_bytes_per_step"] = sum(wire[n]["tx_bytes"] for n in ("w0", "w1")) / 2 / steps
-    out["wire_rx_bytes_per_step"] = sum(wire[n]["rx_bytes"] for n in ("w0", "w1")) / 2 / steps
+        wire[n]["tx_bytes"] + wire[n]["rx_bytes"] for n in nodes) / len(nodes) / steps
+    out["wire_tx_bytes_per_step"] = sum(wire[n]["tx_bytes"] for n in nodes) / len(nodes) / steps
+    out["wire_rx_bytes_per_step"] = sum(wire[n]["rx_bytes"] for n in nodes) / len(nodes) / steps
     evals = reports[0]["evals"]
     out["best_accuracy"] = max((e["test_accuracy"] for e in evals), default=None)
+    out["best_loss"] = min((e["test_loss"] for e in evals), default=None)
     out["stop_reason"] = reports[0].get("stop_reason")
     out["evals"] = evals
-    for key, acc in (("95", 0.95), ("target", ARGS.target)):
+    for key, acc in (("95", milestone()[1]), ("target", ARGS.target)):
         e = first_reaching(evals, acc)
         out[f"steps_to_{key}"] = e["step"] if e else None
         out[f"s_to_{key}"] = e["train_s"] if e else None
@@ -154,7 +191,7 @@ def measure(run_dir):
         if at and "density" in at[0]:
             out["density_at_target"] = at[0]["density"]
     if "compute_ref_ms" in reports[0]:  # DDP: the compute-only reference per step
-        out["compute_ref_ms"] = sum(r.get("compute_ref_ms", 0) for r in reports) / 2
+        out["compute_ref_ms"] = sum(r.get("compute_ref_ms", 0) for r in reports) / len(reports)
     return out
 
 
@@ -178,6 +215,9 @@ def parse_args():
     ap.add_argument("--out", required=True)
     ap.add_argument("--rate", required=True)
     ap.add_argument("--target", type=float, default=0.97)
+    ap.add_argument("--target-kind", choices=["accuracy", "loss"], default="accuracy")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--eval-every", type=int, required=True)
     ap.add_argument("--max-steps", type=int, required=True)
     ap.add_argument("--seeds", required=True, help="the seed list, for the summary")
@@ -186,7 +226,7 @@ def parse_args():
     ap.add_argument("--powersgd-start", type=int, default=2)
     ap.add_argument("--topk-recipe", default="")
     ap.add_argument("--data", default="")
-    ap.add_argument("--model", default="mlp", choices=["mlp", "resnet20"])
+    ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
     ap.add_argument("--quick", action="store_true")
     return ap.parse_args()
 
@@ -213,10 +253,11 @@ def main():
     keys = sorted(by_key, key=lambda k: (SYSTEM_ORDER.index((k[0], k[1])) if k[0] == "ddp" else 2,
                                          TOPOLOGY_ORDER.index(k[2]),
                                          SYSTEM_ORDER.index((k[0], k[1]))))
-    tgt = f"{100 * ARGS.target:g}%"
+    tgt = target_label()
+    mile = milestone()[0]
     header = ["System", "Topology", "Mode", "Step ms", "Steady ms", "Start-up s", "Start-up share",
               "Compute ms", "Comm ms", "Wire KB/step",
-              "Steps 95%", "s 95%", f"Steps {tgt}", f"s {tgt}", f"Density at {tgt}",
+              f"Steps {mile}", f"s {mile}", f"Steps {tgt}", f"s {tgt}", f"Density at {tgt}",
               f"t{tgt} /DDP", f"t{tgt} /PSGD", "steady /DDP", "steady /PSGD"]
     rows, table = [], []
     for key in keys:
@@ -336,8 +377,9 @@ def main():
             targets.append(("PASS" if ratio <= 1.0 else "MISS",
                             f"{label} <= 1.0x DDP's: "
                             f"{dense_col['steady_ms']['mean']:.1f} ms vs {ddp['steady_ms']['mean']:.1f} ms = {ratio:.2f}x"))
-    settings = (f"link {ARGS.rate} each way per node (tc tbf), 2 workers x batch 64, {MODELS[ARGS.model]}, "
-                f"SGD lr 0.05 momentum 0.9, eval every {ARGS.eval_every} steps, target {tgt}, "
+    settings = (f"link {ARGS.rate} each way per node (tc tbf), {ARGS.workers} workers x batch {ARGS.batch}, "
+                f"{MODELS[ARGS.model]}, {OPTIMIZERS[ARGS.model]}, eval every {ARGS.eval_every} steps, "
+                f"target {tgt}, "
                 f"cap {ARGS.max_steps} steps, seeds {ARGS.seeds}, data {ARGS.data}, torch {ARGS.torch}, "
                 f"PowerSGD rank 4 from step {ARGS.powersgd_start}"
                 + (f", top-k warm-up {ARGS.topk_warmup} steps" if ARGS.topk_warmup else "")

@@ -402,13 +402,13 @@ def main():
           "|" + "|".join("---" if i < 3 else "---:" for i in range(len(header))) + "|"]
     md += ["| " + " | ".join(r) + " |" for r in table]
     md += ["", "Step, compute and comm are ms per step (evaluation left out); wire is KB sent + "
-           "received per step on each worker node's link; times to accuracy are training seconds "
-           "(rank 0's clock). Steady is the mean step after the start-up (DDP, Stratus: the first step; "
+           "received per step on each worker node's link; times to the milestone and the target are "
+           "training seconds (rank 0's clock). Steady is the mean step after the start-up (DDP, Stratus: the first step; "
            "PowerSGD: its dense all-reduce steps); start-up share is the start-up's seconds over the "
            "time to the target. Density is the top-k density of the push at the step the target was "
            "reached. Ratios are Stratus over DDP dense (/DDP) and over DDP+PowerSGD (/PSGD) of the "
            "same seed: times to the target, and steady-state step over steady-state step. With "
-           "several seeds: mean (min-max)."]
+           "several seeds: mean (min-max) over seeds; the PASS/MISS lines divide the means over seeds."]
     md += [""] + [f"- {v}: {t}" for v, t in targets]
     os.makedirs(ARGS.out, exist_ok=True)
     with open(os.path.join(ARGS.out, "table.md"), "w") as f:

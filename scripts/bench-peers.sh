@@ -86,7 +86,7 @@
 #            [--topk-warmup-start DENSITY]
 #            [--powersgd-start STEPS] [--topk-correction M] [--topk-masking true|false]
 #            [--topk-f16 true|false]
-#            [--global-topk true|false] [--quick]
+#            [--global-topk true|false] [--mtu BYTES] [--quick]
 #   --model      mlp (default; data of 256 features), resnet20 (the
 #                worker's ResNet-20 preset; data of 3072 features read as
 #                3x32x32 images, channel-major) or gpt (the worker's GPT
@@ -102,6 +102,9 @@
 #                torch reaches it in about 420 steps at a global batch of 32)
 #   --max-steps  the step cap of every run (default 300; gpt 1000)
 #   --eval-every evaluate every N steps (default 5; resnet20 10; gpt 20)
+#   --mtu        MTU of every link (default 1500; 9000 = jumbo frames, as
+#                cloud VPCs offer): DDP's TCP uses it as is, Stratus probes
+#                up to it (server.max_udp_payload = MTU - 48)
 #   --quick      tiny data set and a few steps: a smoke test of the script
 #   --seeds      N runs seeds 1..N; a comma list (4,5,6,7) runs those seeds
 #                (one seed S alone: "S,").
@@ -158,6 +161,7 @@ topk_masking=
 topk_f16=true
 global_topk=true
 powersgd_start=2
+mtu=1500
 quick=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -178,6 +182,7 @@ while [[ $# -gt 0 ]]; do
         --topk-masking) topk_masking=${2:?--topk-masking needs true or false}; shift 2 ;;
         --topk-f16) topk_f16=${2:?--topk-f16 needs true or false}; shift 2 ;;
         --global-topk) global_topk=${2:?--global-topk needs true or false}; shift 2 ;;
+        --mtu) mtu=${2:?--mtu needs a value}; shift 2 ;;
         --quick) quick=1; shift ;;
         -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) echo "bench-peers: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -197,6 +202,7 @@ case "$model" in
         ;;
     *) die "--model must be mlp, resnet20 or gpt" ;;
 esac
+[[ $mtu =~ ^[0-9]+$ && $mtu -ge 1280 && $mtu -le 65535 ]] || die "--mtu must be 1280 to 65535, such as 9000"
 [[ $workers =~ ^[1-9][0-9]?$ && $workers -ge 2 && $workers -le 8 ]] || die "--workers must be 2 to 8"
 if [[ $seeds =~ ^[1-9][0-9]*$ ]]; then
     seed_list=$(seq -s, 1 "$seeds")
@@ -380,6 +386,8 @@ for n in "${nodes[@]}"; do
     ip link add eth0 netns "${ns[$n]}" type veth peer name "$n" netns "$ns_sw"
     ip -n "$ns_sw" link set "$n" master br0
     ip -n "$ns_sw" link set "$n" up
+    ip -n "${ns[$n]}" link set eth0 mtu "$mtu"
+    ip -n "$ns_sw" link set "$n" mtu "$mtu"
     ip -n "${ns[$n]}" addr add "${ip[$n]}/24" dev eth0
     ip -n "${ns[$n]}" link set lo up
     ip -n "${ns[$n]}" link set eth0 up
@@ -566,6 +574,7 @@ $(optimizer_toml "$server_momentum" "$kind")
 
 [server]
 connect_timeout_secs = 60
+max_udp_payload = $((mtu - 48))
 EOF
 }
 

@@ -117,6 +117,11 @@ pub struct EndpointLimits {
     /// Bidirectional streams the peer may have open at once (one per
     /// in-flight request).
     pub max_bidi_streams: u32,
+    /// Largest UDP payload path MTU discovery probes up to (at least 1200,
+    /// QUIC's floor). Fewer, larger packets on paths that carry them: the
+    /// per-packet work (headers, encryption set-up, acknowledgements) is
+    /// what bounds a dense exchange on a fast link.
+    pub max_udp_payload: u16,
 }
 
 impl Default for EndpointLimits {
@@ -125,9 +130,14 @@ impl Default for EndpointLimits {
             idle_timeout: Duration::from_secs(5),
             keep_alive: Duration::from_secs(1),
             max_bidi_streams: 64,
+            max_udp_payload: DEFAULT_MAX_UDP_PAYLOAD,
         }
     }
 }
+
+/// The largest UDP payload probed by default: what any Ethernet path
+/// carries (quinn's own default bound).
+pub const DEFAULT_MAX_UDP_PAYLOAD: u16 = 1452;
 
 /// Bytes a server connection may have in flight towards the server before
 /// its peer has said Hello: room for one Hello frame
@@ -196,7 +206,16 @@ impl EndpointLimits {
         let idle = quinn::IdleTimeout::try_from(self.idle_timeout).map_err(|_| {
             TransportError::Limits(format!("idle_timeout {:?} is too large", self.idle_timeout))
         })?;
+        if self.max_udp_payload < 1200 {
+            return Err(TransportError::Limits(format!(
+                "max_udp_payload {} is below QUIC's 1200",
+                self.max_udp_payload
+            )));
+        }
         let mut t = quinn::TransportConfig::default();
+        let mut mtu = quinn::MtuDiscoveryConfig::default();
+        mtu.upper_bound(self.max_udp_payload);
+        t.mtu_discovery_config(Some(mtu));
         t.max_concurrent_uni_streams(0u32.into());
         t.max_idle_timeout(Some(idle));
         t.keep_alive_interval((!self.keep_alive.is_zero()).then_some(self.keep_alive));
@@ -926,9 +945,72 @@ mod tests {
         assert_eq!(budget.available(), 1000);
     }
 
+    /// Traffic over loopback until path MTU discovery has settled above
+    /// 1452 or 200 frames went by: the client side's MTU at the end.
+    async fn mtu_after_traffic(limits: &EndpointLimits) -> u16 {
+        let ca = ClusterCa::generate("test cluster CA").unwrap();
+        let id = ca.issue_server(&["localhost".into()]).unwrap();
+        let server = server_endpoint(
+            "127.0.0.1:0".parse().unwrap(),
+            &id.cert_pem,
+            &id.key_pem,
+            ca.cert_pem(),
+            limits,
+        )
+        .unwrap();
+        let cluster = Cluster {
+            addr: server.local_addr().unwrap(),
+            server,
+            ca,
+        };
+        let worker = cluster.ca.issue_worker(0).unwrap();
+        let ep = client_endpoint(cluster.ca.cert_pem(), &worker, false, limits).unwrap();
+        let (c, s) = handshake(&cluster, &ep).await;
+        let (client, server) = (c.unwrap(), s.unwrap());
+        let mut frame = (60_000u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(&[5u8; 60_000]);
+        for _ in 0..200 {
+            if client.stats().path.current_mtu > DEFAULT_MAX_UDP_PAYLOAD {
+                break;
+            }
+            let writer = async {
+                let (mut send, _recv) = client.open_bi().await.unwrap();
+                write_frame(&mut send, &frame).await.unwrap();
+                send
+            };
+            let reader = async {
+                let (_send, mut recv) = server.accept_bi().await.unwrap();
+                read_frame(&mut recv, 1 << 20).await.unwrap().len()
+            };
+            let (_send, read) = tokio::join!(writer, reader);
+            assert_eq!(read, 60_000);
+        }
+        client.stats().path.current_mtu
+    }
+
+    #[tokio::test]
+    async fn jumbo_payloads_are_discovered_where_the_path_carries_them() {
+        // Loopback carries 64 KiB datagrams: with a bound of 8952 the
+        // connection moves past Ethernet's 1452; with the default it never
+        // probes beyond it.
+        let jumbo = EndpointLimits {
+            max_udp_payload: 8952,
+            ..Default::default()
+        };
+        let mtu = mtu_after_traffic(&jumbo).await;
+        assert!(mtu > DEFAULT_MAX_UDP_PAYLOAD && mtu <= 8952, "{mtu}");
+        let plain = mtu_after_traffic(&EndpointLimits::default()).await;
+        assert!(plain <= DEFAULT_MAX_UDP_PAYLOAD, "{plain}");
+    }
+
     #[test]
     fn limits_are_checked() {
         assert!(EndpointLimits::default().transport_config().is_ok());
+        let tiny_payload = EndpointLimits {
+            max_udp_payload: 1199,
+            ..Default::default()
+        };
+        assert!(tiny_payload.transport_config().is_err());
         let zero_idle = EndpointLimits {
             idle_timeout: Duration::ZERO,
             ..Default::default()

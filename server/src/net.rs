@@ -562,6 +562,7 @@ pub fn endpoint_limits(cfg: &ClusterConfig) -> EndpointLimits {
         idle_timeout: secs(cfg.server.idle_timeout_secs),
         keep_alive: secs(cfg.server.heartbeat_secs),
         max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
+        max_udp_payload: cfg.server.udp_payload(),
     }
 }
 

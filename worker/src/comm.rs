@@ -312,6 +312,7 @@ impl Comm {
                 idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
                 keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
                 max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
+                max_udp_payload: cfg.server.udp_payload(),
             },
             connect_timeout: Duration::from_secs(cfg.server.connect_timeout_secs),
             request_timeout: ps_shared::config::secs(cfg.server.request_timeout_secs),

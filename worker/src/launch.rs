@@ -467,6 +467,7 @@ fn check_tls(cfg: &ClusterConfig, options: &[WorkerOptions]) -> anyhow::Result<(
         idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
         keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
         max_bidi_streams: 16,
+        max_udp_payload: cfg.server.udp_payload(),
     };
     for o in options {
         let (cert, key) = cfg.tls.worker_paths(o.rank);

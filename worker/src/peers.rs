@@ -252,6 +252,7 @@ impl PeerNet {
             idle_timeout: Duration::from_secs(30),
             keep_alive: Duration::from_secs(5),
             max_bidi_streams: settings.max_serving.clamp(1, 1024) as u32,
+            ..EndpointLimits::default()
         };
         let server = transport::server_endpoint(
             settings.listen,

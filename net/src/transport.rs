@@ -754,9 +754,20 @@ mod tests {
     /// server.
     async fn send_and_read(bytes: Vec<u8>, limit: usize) -> Result<AlignedVec, TransportError> {
         let (_cluster, _ep, client, server) = connected().await;
+        write_and_read(&client, &server, &bytes, limit).await
+    }
+
+    /// Write `bytes` on a new stream of `client` while `server` reads one
+    /// frame from it.
+    async fn write_and_read(
+        client: &Connection,
+        server: &Connection,
+        bytes: &[u8],
+        limit: usize,
+    ) -> Result<AlignedVec, TransportError> {
         let writer = async {
             let (mut send, _recv) = client.open_bi().await.unwrap();
-            write_frame(&mut send, &bytes).await.unwrap();
+            write_frame(&mut send, bytes).await.unwrap();
             send
         };
         let reader = async {
@@ -973,17 +984,8 @@ mod tests {
             if client.stats().path.current_mtu > DEFAULT_MAX_UDP_PAYLOAD {
                 break;
             }
-            let writer = async {
-                let (mut send, _recv) = client.open_bi().await.unwrap();
-                write_frame(&mut send, &frame).await.unwrap();
-                send
-            };
-            let reader = async {
-                let (_send, mut recv) = server.accept_bi().await.unwrap();
-                read_frame(&mut recv, 1 << 20).await.unwrap().len()
-            };
-            let (_send, read) = tokio::join!(writer, reader);
-            assert_eq!(read, 60_000);
+            let read = write_and_read(&client, &server, &frame, 1 << 20).await;
+            assert_eq!(read.unwrap().len(), 60_000);
         }
         client.stats().path.current_mtu
     }

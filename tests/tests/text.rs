@@ -184,6 +184,16 @@ async fn a_resumed_text_run_serves_the_windows_of_the_uninterrupted_one() {
 
 /// A GPT small enough to train in seconds of CPU: 1 server with 2 shards,
 /// 2 workers, dense AdamW with warm-up and cosine decay.
+/// A generated corpus of `lines` lines in shards, for the cluster runs:
+/// written outside any runtime the cluster starts.
+fn generated_text_bucket(lines: usize) -> (Arc<InMemory>, Path) {
+    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime to write the dataset")
+        .block_on(text_bucket(lines, Layout::Shards));
+    (raw, prefix)
+}
+
 fn tiny_gpt_config(epochs: u64, steps: u64) -> ClusterConfig {
     let mut cfg = test_config(CompressionKind::None, 1.0, epochs);
     cfg.model.kind = ModelKind::Gpt;
@@ -213,10 +223,7 @@ fn tiny_gpt_config(epochs: u64, steps: u64) -> ClusterConfig {
 
 #[test]
 fn a_tiny_gpt_learns_generated_text_on_two_workers() {
-    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("a runtime to write the dataset")
-        .block_on(text_bucket(600, Layout::Shards));
+    let (raw, prefix) = generated_text_bucket(600);
     let samples = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("a runtime to read the manifest")
@@ -278,10 +285,7 @@ fn a_tiny_gpt_learns_generated_text_on_two_workers() {
 /// step cap; no earlier evaluation had reached it.
 #[test]
 fn a_tiny_gpt_stops_at_its_validation_loss_target() {
-    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("a runtime to write the dataset")
-        .block_on(text_bucket(600, Layout::Shards));
+    let (raw, prefix) = generated_text_bucket(600);
     let steps = 400;
     let mut cfg = tiny_gpt_config(100, steps);
     cfg.training.max_steps = steps;
@@ -329,10 +333,7 @@ fn the_cluster_starts_from_the_initial_weights_file() {
     use ps_dataset::Split;
     use ps_worker::model::Model;
 
-    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("a runtime to write the dataset")
-        .block_on(text_bucket(200, Layout::Shards));
+    let (raw, prefix) = generated_text_bucket(200);
     let test = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("a runtime to read the test split")
@@ -396,10 +397,7 @@ fn the_cluster_starts_from_the_initial_weights_file() {
 /// names the file and the tensor.
 #[test]
 fn initial_weights_of_another_model_are_refused_by_name() {
-    let (_, raw, prefix) = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("a runtime to write the dataset")
-        .block_on(text_bucket(200, Layout::Shards));
+    let (raw, prefix) = generated_text_bucket(200);
     let mut cfg = tiny_gpt_config(1, 100);
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("other.safetensors");

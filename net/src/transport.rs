@@ -135,6 +135,21 @@ impl Default for EndpointLimits {
     }
 }
 
+impl EndpointLimits {
+    /// The limits both ends of a cluster's connections use, from its config:
+    /// `server.idle_timeout_secs`, `server.heartbeat_secs` (keep-alives),
+    /// four streams per shard of a server and 16 more, and
+    /// `server.max_udp_payload`.
+    pub fn of_cluster(cfg: &ps_shared::config::ClusterConfig) -> Self {
+        Self {
+            idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
+            keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
+            max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
+            max_udp_payload: cfg.server.udp_payload(),
+        }
+    }
+}
+
 /// The largest UDP payload probed by default: what any Ethernet path
 /// carries (quinn's own default bound).
 pub const DEFAULT_MAX_UDP_PAYLOAD: u16 = 1452;
@@ -614,6 +629,11 @@ mod tests {
     }
 
     fn cluster() -> Cluster {
+        cluster_with(&EndpointLimits::default())
+    }
+
+    /// A CA and a server endpoint under `limits`.
+    fn cluster_with(limits: &EndpointLimits) -> Cluster {
         let ca = ClusterCa::generate("test cluster CA").unwrap();
         let id = ca
             .issue_server(&["localhost".into(), "127.0.0.1".into()])
@@ -623,7 +643,7 @@ mod tests {
             &id.cert_pem,
             &id.key_pem,
             ca.cert_pem(),
-            &EndpointLimits::default(),
+            limits,
         )
         .unwrap();
         let addr = server.local_addr().unwrap();
@@ -959,21 +979,7 @@ mod tests {
     /// Traffic over loopback until path MTU discovery has settled above
     /// 1452 or 200 frames went by: the client side's MTU at the end.
     async fn mtu_after_traffic(limits: &EndpointLimits) -> u16 {
-        let ca = ClusterCa::generate("test cluster CA").unwrap();
-        let id = ca.issue_server(&["localhost".into()]).unwrap();
-        let server = server_endpoint(
-            "127.0.0.1:0".parse().unwrap(),
-            &id.cert_pem,
-            &id.key_pem,
-            ca.cert_pem(),
-            limits,
-        )
-        .unwrap();
-        let cluster = Cluster {
-            addr: server.local_addr().unwrap(),
-            server,
-            ca,
-        };
+        let cluster = cluster_with(limits);
         let worker = cluster.ca.issue_worker(0).unwrap();
         let ep = client_endpoint(cluster.ca.cert_pem(), &worker, false, limits).unwrap();
         let (c, s) = handshake(&cluster, &ep).await;

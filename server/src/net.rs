@@ -558,12 +558,7 @@ pub fn frame_budget_bytes(cfg: &ClusterConfig) -> usize {
 
 /// The transport limits both ends use.
 pub fn endpoint_limits(cfg: &ClusterConfig) -> EndpointLimits {
-    EndpointLimits {
-        idle_timeout: secs(cfg.server.idle_timeout_secs),
-        keep_alive: secs(cfg.server.heartbeat_secs),
-        max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
-        max_udp_payload: cfg.server.udp_payload(),
-    }
+    EndpointLimits::of_cluster(cfg)
 }
 
 /// Start server process `index` of the cluster, listening on `listen`.

@@ -182,8 +182,6 @@ async fn a_resumed_text_run_serves_the_windows_of_the_uninterrupted_one() {
     }
 }
 
-/// A GPT small enough to train in seconds of CPU: 1 server with 2 shards,
-/// 2 workers, dense AdamW with warm-up and cosine decay.
 /// A generated corpus of `lines` lines in shards, for the cluster runs:
 /// written outside any runtime the cluster starts.
 fn generated_text_bucket(lines: usize) -> (Arc<InMemory>, Path) {
@@ -194,6 +192,8 @@ fn generated_text_bucket(lines: usize) -> (Arc<InMemory>, Path) {
     (raw, prefix)
 }
 
+/// A GPT small enough to train in seconds of CPU: 1 server with 2 shards,
+/// 2 workers, dense AdamW with warm-up and cosine decay.
 fn tiny_gpt_config(epochs: u64, steps: u64) -> ClusterConfig {
     let mut cfg = test_config(CompressionKind::None, 1.0, epochs);
     cfg.model.kind = ModelKind::Gpt;

@@ -308,12 +308,7 @@ impl Comm {
             },
             server_name: cfg.tls.server_name.clone(),
             tls,
-            limits: EndpointLimits {
-                idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
-                keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
-                max_bidi_streams: (4 * cfg.cluster.shards_per_server + 16) as u32,
-                max_udp_payload: cfg.server.udp_payload(),
-            },
+            limits: EndpointLimits::of_cluster(cfg),
             connect_timeout: Duration::from_secs(cfg.server.connect_timeout_secs),
             request_timeout: ps_shared::config::secs(cfg.server.request_timeout_secs),
             max_frame: cfg.server.max_frame_bytes,

@@ -464,10 +464,8 @@ fn init_compute_threads(cfg: &ClusterConfig) -> usize {
 /// naming the files.
 fn check_tls(cfg: &ClusterConfig, options: &[WorkerOptions]) -> anyhow::Result<()> {
     let limits = ps_net::transport::EndpointLimits {
-        idle_timeout: ps_shared::config::secs(cfg.server.idle_timeout_secs),
-        keep_alive: ps_shared::config::secs(cfg.server.heartbeat_secs),
         max_bidi_streams: 16,
-        max_udp_payload: cfg.server.udp_payload(),
+        ..ps_net::transport::EndpointLimits::of_cluster(cfg)
     };
     for o in options {
         let (cert, key) = cfg.tls.worker_paths(o.rank);

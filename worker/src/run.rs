@@ -1929,7 +1929,6 @@ fn close_epoch(
     }
 }
 
-/// Evaluations of one run, and the training clock they are kept off.
 /// The evaluation targets of a run: `training.target_accuracy` and
 /// `training.target_loss` (0 = none).
 #[derive(Debug, Clone, Copy, Default)]
@@ -1951,6 +1950,7 @@ impl Target {
     }
 }
 
+/// Evaluations of one run, and the training clock they are kept off.
 struct Evals {
     every: u64,
     target: Target,

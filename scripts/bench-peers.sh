@@ -189,19 +189,34 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 die() { echo "bench-peers: $*" >&2; exit 2; }
-# Per-model defaults of the options not given.
+# Per model: the input features (the GPT: a window of 64 + 1 tokens), the
+# batch per worker, and the defaults of the options not given.
 case "$model" in
     mlp | resnet20)
         : "${max_steps:=300}" "${target:=0.97}" "${topk_warmup:=300}" "${topk_warmup_start:=0.015}"
         : "${topk_correction:=0.95}" "${topk_masking:=true}"
-        if [[ $model == mlp ]]; then : "${eval_every:=5}"; else : "${eval_every:=10}"; fi
+        batch=64
+        if [[ $model == mlp ]]; then
+            features=256
+            : "${eval_every:=5}"
+        else
+            features=3072
+            : "${eval_every:=10}"
+        fi
         ;;
     gpt)
         : "${max_steps:=1000}" "${target:=2.3}" "${eval_every:=20}" "${topk_warmup:=20}"
         : "${topk_warmup_start:=0.25}" "${topk_correction:=0}" "${topk_masking:=false}"
+        features=65
+        batch=16
         ;;
     *) die "--model must be mlp, resnet20 or gpt" ;;
 esac
+# The GPT's AdamW, the same on both sides: learning rate, weight decay and
+# the steps of its linear warm-up from 0.
+gpt_lr=0.003
+gpt_weight_decay=0.01
+gpt_warmup=20
 [[ $mtu =~ ^[0-9]+$ && $mtu -ge 1280 && $mtu -le 65535 ]] || die "--mtu must be 1280 to 65535, such as 9000"
 [[ $workers =~ ^[1-9][0-9]?$ && $workers -ge 2 && $workers -le 8 ]] || die "--workers must be 2 to 8"
 if [[ $seeds =~ ^[1-9][0-9]*$ ]]; then
@@ -225,11 +240,6 @@ fi
 [[ $global_topk =~ ^(true|false)$ ]] || die "--global-topk must be true or false"
 [[ $topk_masking =~ ^(true|false)$ ]] || die "--topk-masking must be true or false"
 [[ $topk_f16 =~ ^(true|false)$ ]] || die "--topk-f16 must be true or false"
-case "$model" in
-    mlp) features=256 batch=64 ;;
-    resnet20) features=3072 batch=64 ;;
-    gpt) features=65 batch=16 ;;
-esac
 rate_bits=0
 case "$rate" in
     none) ;;
@@ -468,7 +478,8 @@ run_ddp() { # mode seed
     t0=$(date +%s%N)
     local optim=(--lr 0.05 --momentum 0.9 --target "$target")
     if [[ $model == gpt ]]; then
-        optim=(--optimizer adamw --lr 0.003 --weight-decay 0.01 --warmup-steps 20 --target 0 --target-loss "$target")
+        optim=(--optimizer adamw --lr "$gpt_lr" --weight-decay "$gpt_weight_decay" --warmup-steps "$gpt_warmup"
+            --target 0 --target-loss "$target")
     fi
     for ((r = 0; r < workers; r++)); do
         ip netns exec "${ns[w$r]}" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
@@ -503,8 +514,9 @@ optimizer_toml() {
     # Dense: AdamW on the servers. Top-k: each worker's AdamW direction.
     local moments=server
     [[ $2 == topk ]] && moments=worker
-    printf '[optimizer]\nkind = "adamw"\nlr = 0.003\nbeta1 = 0.9\nbeta2 = 0.999\neps = 1e-8\nweight_decay = 0.01\nno_decay = ["bias", "ln"]\nmoments = "%s"\n\n' "$moments"
-    printf '[optimizer.schedule]\nkind = "constant"\nwarmup_steps = 20\nwarmup_start = 0.0\n'
+    printf '[optimizer]\nkind = "adamw"\nlr = %s\nbeta1 = 0.9\nbeta2 = 0.999\neps = 1e-8\nweight_decay = %s\nno_decay = ["bias", "ln"]\nmoments = "%s"\n\n' \
+        "$gpt_lr" "$gpt_weight_decay" "$moments"
+    printf '[optimizer.schedule]\nkind = "constant"\nwarmup_steps = %d\nwarmup_start = 0.0\n' "$gpt_warmup"
 }
 
 write_config() { # mode topology seed file run-dir
@@ -625,6 +637,7 @@ done
     --seeds "$seed_list" --torch "$torch_version" --topk-warmup "$topk_warmup" --powersgd-start "$powersgd_start" \
     --topk-recipe "warm-up from density $topk_warmup_start, momentum correction $topk_correction, masking $topk_masking, f16 values $topk_f16, global top-k $global_topk$([[ $model == gpt ]] && echo ", AdamW moments on the workers")" \
     --model "$model" --workers "$workers" --batch "$batch" \
+    --optimizer "$([[ $model == gpt ]] && echo "AdamW lr $gpt_lr ($gpt_warmup-step warm-up, then constant), weight decay $gpt_weight_decay" || echo "SGD lr 0.05 momentum 0.9")" \
     --data "$([[ $model == gpt ]] && echo "corpus of $corpus_bytes bytes at most, windows train=$train test=$test" || echo "train=$train test=$test label_noise=$label_noise")" \
     $([[ $quick -eq 1 ]] && echo --quick)
 if [[ $completed -ne 1 ]]; then

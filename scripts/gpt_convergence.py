@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_gpt import Gpt  # noqa: E402
+from torch_gpt import Gpt, adamw  # noqa: E402
 
 M64 = (1 << 64) - 1
 
@@ -184,14 +184,7 @@ def torch_run(a, train, test, init, seed):
     m = Gpt(256, a.seq_len, a.d_model, a.n_layer, a.n_head)
     state = {k: v.clone() for k, v in init.items()}
     m.load_state_dict(state, strict=True)
-    decay = [p for n, p in m.named_parameters() if not any(s in n for s in ("bias", "ln"))]
-    no_decay = [p for n, p in m.named_parameters() if any(s in n for s in ("bias", "ln"))]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=a.lr,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-    )
+    opt = adamw(m, a.lr, a.weight_decay)
     gb = a.workers * a.batch
     stream = Stream(len(train), a.data_seed)
     losses = []

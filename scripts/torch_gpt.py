@@ -107,6 +107,25 @@ class Gpt(nn.Module):
         return window_loss(self.logits(tokens[:, :-1]), tokens)
 
 
+# Parameters without weight decay: names holding one of these, as Stratus's
+# `optimizer.no_decay = ["bias", "ln"]` (biases and LayerNorm parameters).
+NO_DECAY = ("bias", "ln")
+
+
+def adamw(module, lr, weight_decay):
+    """torch AdamW as the Stratus configs of the GPT runs set it: betas
+    (0.9, 0.999), eps 1e-8, `weight_decay` except on NO_DECAY parameters."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        (no_decay if any(s in name for s in NO_DECAY) else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+    )
+
+
 def window_loss(logits, tokens):
     """Mean cross-entropy of `logits` (from tokens[:, :-1]) against the
     windows' targets tokens[:, 1:]."""

@@ -230,12 +230,7 @@ def make_optimizer(module, args):
     parameters."""
     if args.optimizer == "sgd":
         return torch.optim.SGD(module.parameters(), lr=args.lr, momentum=args.momentum)
-    decay, no_decay = [], []
-    for name, p in module.named_parameters():
-        (no_decay if ("bias" in name or "ln" in name) else decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
+    return models.adamw(module, args.lr, args.weight_decay)
 
 
 def lr_at(args, step):
@@ -279,12 +274,7 @@ def main():
     manifest = stratus_dataset.read_manifest(args.data)
     if args.write_init:
         features, classes = int(manifest["features"]), int(manifest["classes"])
-        if args.model == "resnet20":
-            models.save_init(models.resnet20(features, classes, args.seed), args.write_init)
-        elif args.model == "gpt":
-            models.save_init(models.gpt(features - 1, args.seed), args.write_init)
-        else:
-            raise SystemExit("--write-init is for --model resnet20 or gpt")
+        models.save_init(models.build(args.model, features, classes, args.seed), args.write_init)
         return
     if not args.report:
         raise SystemExit("--report is required")
@@ -307,11 +297,8 @@ def main():
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     world = dist.get_world_size()
 
-    if args.model in ("resnet20", "gpt"):
-        if args.model == "resnet20":
-            model = models.resnet20(features, classes, args.seed)
-        else:
-            model = models.gpt(features - 1, args.seed)
+    if args.model != "mlp":
+        model = models.build(args.model, features, classes, args.seed)
         if not args.init:
             raise SystemExit(f"--model {args.model} needs --init (the weights Stratus starts from)")
         models.load_init(model, args.init)

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from torch_gpt import Gpt, window_loss  # noqa: E402,F401
+from torch_gpt import Gpt, adamw, window_loss  # noqa: E402,F401
 
 # bench-peers's GPT: byte tokens, context 64, d_model 128, 4 layers, 4 heads.
 GPT = {"vocab": 256, "d_model": 128, "n_layer": 4, "n_head": 4}
@@ -99,6 +99,16 @@ def gpt(seq_len, seed):
     initialisation from `seed` (the values are then shared through a file)."""
     torch.manual_seed(seed)
     return Gpt(GPT["vocab"], seq_len, GPT["d_model"], GPT["n_layer"], GPT["n_head"])
+
+
+def build(name, features, classes, seed):
+    """The model `name` ("resnet20" or "gpt") for a dataset of `features`
+    (for the GPT: windows of seq_len + 1 tokens) and `classes`, from `seed`."""
+    if name == "resnet20":
+        return resnet20(features, classes, seed)
+    if name == "gpt":
+        return gpt(features - 1, seed)
+    raise SystemExit(f"no shared-weights model {name!r} (resnet20 or gpt)")
 
 
 def save_init(model, path):

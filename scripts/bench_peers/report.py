@@ -59,12 +59,6 @@ MODELS = {
     "resnet20": "ResNet-20 on 3x32x32 (0.27M parameters)",
     "gpt": "GPT on byte tokens, context 64, d_model 128, 4 layers, 4 heads (0.83M parameters)",
 }
-# The optimizer of each model, for the summary line.
-OPTIMIZERS = {
-    "mlp": "SGD lr 0.05 momentum 0.9",
-    "resnet20": "SGD lr 0.05 momentum 0.9",
-    "gpt": "AdamW lr 0.003 (20-step warm-up, then constant), weight decay 0.01",
-}
 
 
 def load_json(path):
@@ -227,6 +221,8 @@ def parse_args():
     ap.add_argument("--topk-recipe", default="")
     ap.add_argument("--data", default="")
     ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
+    ap.add_argument("--optimizer", default="SGD lr 0.05 momentum 0.9",
+                    help="the optimizer the runs used, for the summary line")
     ap.add_argument("--quick", action="store_true")
     return ap.parse_args()
 
@@ -378,7 +374,7 @@ def main():
                             f"{label} <= 1.0x DDP's: "
                             f"{dense_col['steady_ms']['mean']:.1f} ms vs {ddp['steady_ms']['mean']:.1f} ms = {ratio:.2f}x"))
     settings = (f"link {ARGS.rate} each way per node (tc tbf), {ARGS.workers} workers x batch {ARGS.batch}, "
-                f"{MODELS[ARGS.model]}, {OPTIMIZERS[ARGS.model]}, eval every {ARGS.eval_every} steps, "
+                f"{MODELS[ARGS.model]}, {ARGS.optimizer}, eval every {ARGS.eval_every} steps, "
                 f"target {tgt}, "
                 f"cap {ARGS.max_steps} steps, seeds {ARGS.seeds}, data {ARGS.data}, torch {ARGS.torch}, "
                 f"PowerSGD rank 4 from step {ARGS.powersgd_start}"

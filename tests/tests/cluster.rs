@@ -181,6 +181,38 @@ fn f16_replies_halve_dense_pulls_and_the_workers_stay_identical() {
     assert!((rounded[0].final_accuracy - exact[0].final_accuracy).abs() < 0.02);
 }
 
+/// `training.overlap_backward`: a shard's dense push leaves as soon as
+/// backward has finished its range, while the pass computes the layers
+/// before it, and the cluster trains exactly what whole pushes train.
+#[test]
+fn pushes_streamed_during_backward_train_what_whole_pushes_train() {
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
+    let run = |stream: bool| {
+        let mut cfg = test_config(CompressionKind::None, 1.0, 3);
+        // Three equal hidden layers: the second of the two shards starts
+        // in the middle one, so it is final before the first layer is.
+        cfg.model.hidden = vec![64, 64, 64];
+        cfg.training.overlap_backward = stream;
+        cfg.validate().unwrap();
+        run_cluster(cfg, store.clone(), prefix.clone()).expect("cluster run")
+    };
+    let whole = run(false);
+    let streamed = run(true);
+    summarize("dense, pushed after backward", &whole);
+    summarize("dense, pushed during backward", &streamed);
+    for (w, s) in whole.iter().zip(&streamed) {
+        assert_eq!(w.early_shards_per_step, 0.0);
+        assert_eq!(s.early_shards_per_step, 1.0, "rank {}", s.rank);
+        assert_eq!(w.steps, s.steps);
+        for (a, b) in w.epochs.iter().zip(&s.epochs) {
+            assert_eq!(a.test_loss.to_bits(), b.test_loss.to_bits());
+            assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits());
+        }
+        assert_eq!(w.final_accuracy.to_bits(), s.final_accuracy.to_bits());
+    }
+    assert!(streamed[0].final_accuracy > ACCURACY_BAR);
+}
+
 #[test]
 fn two_server_processes_serve_their_shards() {
     let (store, prefix) = synthetic_bucket_blocking(&spec());

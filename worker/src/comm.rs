@@ -33,7 +33,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use futures::future::LocalBoxFuture;
+use futures::channel::oneshot;
+use futures::future::{FutureExt, LocalBoxFuture, Shared};
 use futures::stream::{FuturesUnordered, StreamExt};
 use quinn::Connection;
 
@@ -107,11 +108,105 @@ fn refused(what: &'static str, resp: Response) -> CommError {
     }
 }
 
-/// A gradient ready to push: sparse (global indices) or dense.
+/// A gradient ready to push: sparse (global indices) or dense, or a dense
+/// one that the trainer hands over shard by shard while its backward pass
+/// still runs ([`GradSink`]).
 #[derive(Debug, Clone)]
 pub enum Outgoing {
     Sparse(SparseGrad),
     Dense(Vec<f32>),
+    Streamed(StreamedGrad),
+}
+
+/// One shard's dense push values, as they go on the wire.
+#[derive(Debug)]
+enum ShardValues {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+/// A shard's values still to come from the trainer (or come already).
+type PendingShard = Shared<oneshot::Receiver<Arc<ShardValues>>>;
+
+/// The comm's end of a gradient streamed shard by shard: one pending value
+/// per shard.
+#[derive(Clone)]
+pub struct StreamedGrad(Vec<PendingShard>);
+
+impl std::fmt::Debug for StreamedGrad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ready = self.0.iter().filter(|p| settled(p).is_some()).count();
+        write!(f, "StreamedGrad({ready} of {} shards ready)", self.0.len())
+    }
+}
+
+/// The trainer's end of a streamed gradient: each shard leaves as soon as
+/// the backward pass has finished its whole range, so that its push goes
+/// out while the pass computes the layers before it (in BSP, the exchange
+/// overlaps the backward pass).
+pub struct GradSink {
+    ranges: Vec<std::ops::Range<usize>>,
+    senders: Vec<Option<oneshot::Sender<Arc<ShardValues>>>>,
+    f16: bool,
+}
+
+impl GradSink {
+    /// A sink for the cluster's shards (the same map and value encoding as
+    /// [`Comm::connect`]'s) and the comm's end to hand to the exchange.
+    pub fn for_cluster(cfg: &ClusterConfig) -> Result<(GradSink, Outgoing), CommError> {
+        let map = ShardMap::balanced(cfg.model.num_params(), cfg.total_shards())
+            .map_err(|e| CommError::Layout(e.to_string()))?;
+        Ok(Self::new(&map, cfg.compression.f16_values))
+    }
+
+    fn new(map: &ShardMap, f16: bool) -> (GradSink, Outgoing) {
+        let (senders, pending) = map
+            .ranges()
+            .iter()
+            .map(|_| {
+                let (tx, rx) = oneshot::channel();
+                (Some(tx), rx.shared())
+            })
+            .unzip();
+        let sink = GradSink {
+            ranges: map.ranges().to_vec(),
+            senders,
+            f16,
+        };
+        (sink, Outgoing::Streamed(StreamedGrad(pending)))
+    }
+
+    /// `grads[from..]` is final: every shard lying wholly inside it that
+    /// has not left yet leaves now, scaled by `weight` (the batch's share of
+    /// the global batch; 1 leaves the values as they are). Returns how many
+    /// left.
+    pub fn offer(&mut self, from: usize, grads: &[f32], weight: f32) -> u64 {
+        let mut handed = 0;
+        for (range, sender) in self.ranges.iter().zip(&mut self.senders) {
+            if range.start < from || sender.is_none() {
+                continue;
+            }
+            let Some(part) = grads.get(range.clone()) else {
+                continue;
+            };
+            let values = match (self.f16, weight == 1.0) {
+                (true, true) => ShardValues::F16(ps_shared::sparse::values_to_f16(part)),
+                (true, false) => ShardValues::F16(
+                    part.iter()
+                        .map(|&v| ps_shared::sparse::f32_to_f16(v * weight))
+                        .collect(),
+                ),
+                (false, true) => ShardValues::F32(part.to_vec()),
+                (false, false) => ShardValues::F32(part.iter().map(|&v| v * weight).collect()),
+            };
+            if let Some(tx) = sender.take() {
+                // The exchange may be gone (it failed): nothing waits then.
+                let _ = tx.send(Arc::new(values));
+                handed += 1;
+            }
+        }
+        handed
+    }
 }
 
 /// New values for one shard, with the shard's first global index.
@@ -251,6 +346,16 @@ enum Pushes {
     DenseF16(Vec<Vec<u16>>),
     /// Each shard's sparse gradient (local indices).
     Sparse(Vec<WireGrad>),
+    /// Each shard's dense values, once the trainer has handed them over.
+    Streamed(Vec<PendingShard>),
+}
+
+/// A streamed shard's outcome, if the trainer has decided it: its values,
+/// or `Err` when the trainer dropped its end without them.
+fn settled(pending: &PendingShard) -> Option<&Result<Arc<ShardValues>, oneshot::Canceled>> {
+    // A shared future learns its outcome only when polled.
+    let _ = pending.clone().now_or_never();
+    pending.peek()
 }
 
 impl Pushes {
@@ -265,6 +370,22 @@ impl Pushes {
                 .get(shard)
                 .map(|v| GradView::Dense(ValuesView::F16(v))),
             Pushes::Sparse(parts) => parts.get(shard).map(GradView::from),
+            Pushes::Streamed(parts) => match settled(parts.get(shard)?)? {
+                Ok(values) => Some(match values.as_ref() {
+                    ShardValues::F32(v) => GradView::Dense(ValuesView::F32(v)),
+                    ShardValues::F16(v) => GradView::Dense(ValuesView::F16(v)),
+                }),
+                Err(_) => None,
+            },
+        }
+    }
+
+    /// A shard's values that the trainer has not handed over yet: the
+    /// future resolves when it does (`false` when it never will).
+    fn pending(&self, shard: usize) -> Option<PendingShard> {
+        match self {
+            Pushes::Streamed(parts) => parts.get(shard).filter(|p| settled(p).is_none()).cloned(),
+            _ => None,
         }
     }
 }
@@ -642,9 +763,15 @@ impl Comm {
     /// gradients are `grads`) to its end: carry out the core's actions and
     /// feed their outcomes back.
     async fn drive(&self, start: Event, grads: &Pushes) -> Result<Delivery, CommError> {
+        /// What wakes the driver: an event for the core, or a shard's
+        /// streamed gradient handed over, whose push was waiting for it.
+        enum Wake {
+            Core(Event),
+            Ready(Action),
+        }
         let mut frames: Vec<Option<Frame>> = (0..self.route.len()).map(|_| None).collect();
         let mut params: Option<Rc<Vec<f32>>> = None;
-        let mut inflight: FuturesUnordered<LocalBoxFuture<'_, Event>> = FuturesUnordered::new();
+        let mut inflight: FuturesUnordered<LocalBoxFuture<'_, Wake>> = FuturesUnordered::new();
         // The exchange's time budget is enforced even while every request
         // waits for its own deadline.
         let budget = self.core.borrow().settings().budget;
@@ -653,7 +780,7 @@ impl Comm {
         let deadline = started + budget + Duration::from_millis(1);
         inflight.push(Box::pin(async move {
             sleep_until(deadline).await;
-            Event::Tick
+            Wake::Core(Event::Tick)
         }));
         loop {
             for action in actions.drain(..) {
@@ -669,11 +796,28 @@ impl Comm {
                             .as_ref()
                             .filter(|f| f.step == step && f.have_version == have_version)
                             .map(|f| f.bytes.clone());
+                        if let (None, Some(pending)) = (&reuse, grads.pending(shard)) {
+                            // Backward has not finished this shard yet: the
+                            // push leaves once it has.
+                            inflight.push(Box::pin(async move {
+                                let _ = pending.await;
+                                Wake::Ready(Action::Send {
+                                    token,
+                                    shard,
+                                    step,
+                                    have_version,
+                                    at,
+                                })
+                            }));
+                            continue;
+                        }
                         let bytes = match reuse {
                             Some(b) => b,
                             None => {
                                 let grad = grads.view(&self.map, shard).ok_or_else(|| {
-                                    CommError::Layout(format!("no gradient for shard {shard}"))
+                                    CommError::Layout(format!(
+                                        "no gradient for shard {shard} (the trainer handed none over)"
+                                    ))
                                 })?;
                                 let rate = self.balance.as_ref().map_or(0.0, |b| b.rate());
                                 let frame =
@@ -688,7 +832,9 @@ impl Comm {
                                 bytes
                             }
                         };
-                        inflight.push(Box::pin(self.call(token, shard, bytes, at, "step")));
+                        inflight.push(Box::pin(
+                            self.call(token, shard, bytes, at, "step").map(Wake::Core),
+                        ));
                     }
                     Action::Offer {
                         token,
@@ -708,7 +854,9 @@ impl Comm {
                             }
                         };
                         let bytes = self.offer_frame(shard, version, next_step, &values)?;
-                        inflight.push(Box::pin(self.call(token, shard, bytes, at, "offer")));
+                        inflight.push(Box::pin(
+                            self.call(token, shard, bytes, at, "offer").map(Wake::Core),
+                        ));
                     }
                     Action::Total {
                         token,
@@ -726,13 +874,18 @@ impl Comm {
                         };
                         let frame = encode_request_frame(&request).map_err(TransportError::from)?;
                         let bytes = self.encoded(frame);
-                        inflight.push(Box::pin(self.call(token, shard, bytes, at, "norm total")));
+                        inflight.push(Box::pin(
+                            self.call(token, shard, bytes, at, "norm total")
+                                .map(Wake::Core),
+                        ));
                     }
                     Action::Reconnect {
                         link,
                         at,
                         await_close,
-                    } => inflight.push(Box::pin(self.redial(link, at, await_close))),
+                    } => {
+                        inflight.push(Box::pin(self.redial(link, at, await_close).map(Wake::Core)))
+                    }
                     Action::Deliver(d) => return Ok(d),
                     Action::GiveUp(why) => {
                         tracing::warn!(rank = self.rank, "giving up: {why}");
@@ -740,11 +893,18 @@ impl Comm {
                     }
                 }
             }
-            let Some(event) = inflight.next().await else {
-                return Err(CommError::Unexpected {
-                    what: "exchange",
-                    reply: "the client waits for nothing".into(),
-                });
+            let event = match inflight.next().await {
+                Some(Wake::Core(event)) => event,
+                Some(Wake::Ready(send)) => {
+                    actions.push(send);
+                    continue;
+                }
+                None => {
+                    return Err(CommError::Unexpected {
+                        what: "exchange",
+                        reply: "the client waits for nothing".into(),
+                    })
+                }
             };
             if let Event::Refused { code, message, .. } = &event {
                 tracing::warn!(rank = self.rank, ?code, "request refused: {message}");
@@ -805,6 +965,16 @@ impl Comm {
                     .collect(),
             ),
             Outgoing::Dense(d) => Pushes::Dense(d),
+            Outgoing::Streamed(StreamedGrad(parts)) => {
+                if parts.len() != self.map.num_shards() {
+                    return Err(CommError::Layout(format!(
+                        "a streamed gradient of {} shards for {} shards",
+                        parts.len(),
+                        self.map.num_shards()
+                    )));
+                }
+                Pushes::Streamed(parts)
+            }
         };
         self.copied.take();
         let d = self.drive(Event::StepRequested, &pushes).await?;
@@ -1264,5 +1434,71 @@ impl Handler<Abort> for CommActor {
     fn handle(&mut self, _: Abort, ctx: &mut Context<Self>) {
         self.comm.abort();
         ctx.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(pushes: &Pushes, map: &ShardMap) -> Vec<Option<Vec<f32>>> {
+        (0..map.num_shards())
+            .map(|s| match pushes.view(map, s) {
+                Some(GradView::Dense(ValuesView::F32(v))) => Some(v.to_vec()),
+                Some(GradView::Dense(ValuesView::F16(v))) => {
+                    Some(ps_shared::sparse::values_from_f16(v))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_sink_hands_over_each_shard_once_its_whole_range_is_final() {
+        let map = ShardMap::balanced(10, 3).unwrap();
+        let (mut sink, grad) = GradSink::new(&map, false);
+        let Outgoing::Streamed(StreamedGrad(parts)) = grad else {
+            panic!("a streamed gradient")
+        };
+        let pushes = Pushes::Streamed(parts);
+        let grads: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let last = map.ranges()[2].clone();
+        // Final from inside the last shard: nothing leaves yet.
+        assert_eq!(sink.offer(last.start + 1, &grads, 2.0), 0);
+        assert!(pushes.pending(2).is_some());
+        // The last shard's whole range is final: it leaves, scaled.
+        assert_eq!(sink.offer(last.start, &grads, 2.0), 1);
+        assert!(pushes.pending(2).is_none());
+        assert!(pushes.pending(0).is_some() && pushes.pending(1).is_some());
+        let got = ready(&pushes, &map);
+        let want: Vec<f32> = grads[last].iter().map(|v| v * 2.0).collect();
+        assert_eq!(got[2].as_deref(), Some(&want[..]));
+        assert_eq!(got[0], None);
+        // The rest at the end; nothing leaves twice.
+        assert_eq!(sink.offer(0, &grads, 2.0), 2);
+        assert_eq!(sink.offer(0, &grads, 2.0), 0);
+        let got = ready(&pushes, &map);
+        let all: Vec<f32> = got.into_iter().flat_map(Option::unwrap).collect();
+        assert_eq!(all, grads.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_sink_rounds_to_f16_and_a_dropped_sink_leaves_no_gradient() {
+        let map = ShardMap::balanced(4, 2).unwrap();
+        let (mut sink, grad) = GradSink::new(&map, true);
+        let Outgoing::Streamed(StreamedGrad(parts)) = grad else {
+            panic!("a streamed gradient")
+        };
+        let pushes = Pushes::Streamed(parts);
+        sink.offer(2, &[0.0, 0.0, 1.5, -0.25], 1.0);
+        assert!(matches!(
+            pushes.view(&map, 1),
+            Some(GradView::Dense(ValuesView::F16(_)))
+        ));
+        assert_eq!(ready(&pushes, &map)[1], Some(vec![1.5, -0.25]));
+        // The trainer failed before shard 0 was final: it never comes.
+        drop(sink);
+        assert!(pushes.pending(0).is_none(), "nothing to wait for");
+        assert!(pushes.view(&map, 0).is_none());
     }
 }

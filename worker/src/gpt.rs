@@ -427,6 +427,7 @@ impl Model {
         &mut self,
         batch: &Batch,
         out: &mut [f32],
+        finished: &mut dyn FnMut(&[usize], &[f32]),
     ) -> Result<f32, ModelError> {
         let g = self.gpt_section().clone();
         let (inputs, targets) = token_ids(&g, batch)?;
@@ -435,7 +436,13 @@ impl Model {
             let done = self.with_gpt_exec(|exec, params, ranges| {
                 exec.forward(params, &inputs, n);
                 let (loss, _) = exec.loss(&targets, true);
-                exec.backward(params, &inputs, out, ranges);
+                // A diverged step's gradient never leaves early.
+                let live = loss.is_finite();
+                exec.backward_with(params, &inputs, out, ranges, &mut |t, g| {
+                    if live {
+                        finished(t, g)
+                    }
+                });
                 loss
             })?;
             if let Some(loss) = done {

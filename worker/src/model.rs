@@ -998,20 +998,57 @@ impl Model {
     /// Forward + backward on a batch, writing the flat gradient into `out`
     /// (every entry is overwritten); returns the mean cross-entropy loss.
     pub fn gradient_into(&mut self, batch: &Batch, out: &mut [f32]) -> Result<f32, ModelError> {
+        self.gradient_with(batch, out, &mut |_, _| {})
+    }
+
+    /// [`Model::gradient_into`], handing the gradient over while the
+    /// backward pass still runs: `ready(from, out)` says that `out[from..]`
+    /// is final, each time that suffix grows (the passes finish the layers
+    /// last to first, and the flat layout keeps them first to last), and
+    /// last with `from = 0`. A step whose loss is not finite calls it never.
+    /// Models without a hand-written pass (candle's autograd, a program's
+    /// own model) call it once, at the end.
+    pub fn gradient_streamed(
+        &mut self,
+        batch: &Batch,
+        out: &mut [f32],
+        ready: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<f32, ModelError> {
+        let mut frontier = Frontier::new(&self.ranges);
+        let loss = self.gradient_with(batch, out, &mut |tensors, grads| {
+            if let Some(from) = frontier.finish(tensors) {
+                ready(from, grads)
+            }
+        })?;
+        if loss.is_finite() && frontier.next > 0 {
+            ready(0, out);
+        }
+        Ok(loss)
+    }
+
+    /// Forward + backward, telling `finished` which parameter tensors'
+    /// gradients are final as the hand-written passes finish each layer
+    /// (never on a step whose loss is not finite).
+    fn gradient_with(
+        &mut self,
+        batch: &Batch,
+        out: &mut [f32],
+        finished: &mut dyn FnMut(&[usize], &[f32]),
+    ) -> Result<f32, ModelError> {
         if self.custom.is_some() {
             return self.program_backward(batch, out);
         }
         if self.exec.is_some() {
             self.check_batch(batch, out)?;
-            return self.exec_backward(batch, out);
+            return self.exec_backward(batch, out, finished);
         }
         if self.spec.kind == ModelKind::Gpt {
             self.check_out(out)?;
-            return self.gpt_backward(batch, out);
+            return self.gpt_backward(batch, out, finished);
         }
         let x = self.checked_input(batch, out)?;
         match self.spec.kind {
-            ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out),
+            ModelKind::Mlp => self.mlp_backward(&x, &batch.labels, out, finished),
             _ if self.net.is_some() => self.train_backward(&x, &batch.labels, out),
             _ => self.autograd_backward(&x, &batch.labels, out),
         }
@@ -1068,7 +1105,13 @@ impl Model {
     /// `dW_l = dZᵀ_l · A_l` (contiguous, `out × in`, the weight's layout),
     /// `db_l = Σ_columns dZᵀ_l`, and `dZᵀ_{l-1} = (W_lᵀ dZᵀ_l) ⊙ [Aᵀ_l > 0]`
     /// (the ReLU's mask).
-    fn mlp_backward(&self, x: &Tensor, labels: &[u32], out: &mut [f32]) -> Result<f32, ModelError> {
+    fn mlp_backward(
+        &self,
+        x: &Tensor,
+        labels: &[u32],
+        out: &mut [f32],
+        finished: &mut dyn FnMut(&[usize], &[f32]),
+    ) -> Result<f32, ModelError> {
         let layers = self.vars.len() / 2;
         let mut inputs = Vec::with_capacity(layers);
         let mut at = x.t()?.contiguous()?;
@@ -1091,6 +1134,9 @@ impl Model {
             copy_to_slice(&dw, &mut out[self.ranges[2 * l].clone()])?;
             let db = dzt.sum(1)?;
             copy_to_slice(&db, &mut out[self.ranges[2 * l + 1].clone()])?;
+            if loss.is_finite() {
+                finished(&[2 * l, 2 * l + 1], out);
+            }
             if l > 0 {
                 let w = self.vars[2 * l].as_tensor();
                 let mask = at.gt(0f32)?.to_dtype(DType::F32)?;
@@ -1104,7 +1150,12 @@ impl Model {
     /// backward by hand into `out`, then the batch statistics folded into
     /// the running ones (as [`Model::train_backward`] does) and the dropout
     /// step advanced.
-    fn exec_backward(&mut self, batch: &Batch, out: &mut [f32]) -> Result<f32, ModelError> {
+    fn exec_backward(
+        &mut self,
+        batch: &Batch,
+        out: &mut [f32],
+        finished: &mut dyn FnMut(&[usize], &[f32]),
+    ) -> Result<f32, ModelError> {
         let exec = self.exec.as_mut().ok_or(ModelError::NotLayered)?;
         let exec = exec.get_mut().unwrap_or_else(|e| e.into_inner());
         let mode = Mode::Train {
@@ -1118,7 +1169,12 @@ impl Model {
             let (logits, grad) = exec.logits_and_grad();
             grad.copy_from_slice(logits);
             let loss = softmax_cross_entropy_in_place(grad, classes, &batch.labels)?;
-            exec.backward(params, out, ranges)?;
+            let live = loss.is_finite();
+            exec.backward_with(params, out, ranges, &mut |t, g| {
+                if live {
+                    finished(t, g)
+                }
+            })?;
             Ok::<_, ModelError>(loss)
         })??;
         self.step += 1;
@@ -1355,6 +1411,52 @@ impl Model {
     }
 }
 
+/// Which suffix of the flat gradient is final during a backward pass.
+/// The hand-written passes finish the layers last to first, and the flat
+/// layout keeps the tensors first to last: once tensors `next..` are all
+/// final, so is the gradient from `ranges[next].start` on. A layout whose
+/// ranges do not follow the tensors in order has no such suffix: nothing
+/// is final before the pass ends.
+struct Frontier {
+    /// Where each tensor's gradient starts.
+    starts: Vec<usize>,
+    done: Vec<bool>,
+    /// Tensors `next..` are final.
+    next: usize,
+    ordered: bool,
+}
+
+impl Frontier {
+    fn new(ranges: &[Range<usize>]) -> Self {
+        let ordered = ranges.first().is_none_or(|r| r.start == 0)
+            && ranges.windows(2).all(|w| w[0].end == w[1].start);
+        Frontier {
+            starts: ranges.iter().map(|r| r.start).collect(),
+            done: vec![false; ranges.len()],
+            next: ranges.len(),
+            ordered,
+        }
+    }
+
+    /// Marks `tensors` final; the new start of the final suffix when it
+    /// grew.
+    fn finish(&mut self, tensors: &[usize]) -> Option<usize> {
+        if !self.ordered {
+            return None;
+        }
+        for &t in tensors {
+            if let Some(d) = self.done.get_mut(t) {
+                *d = true;
+            }
+        }
+        let before = self.next;
+        while self.next > 0 && self.done[self.next - 1] {
+            self.next -= 1;
+        }
+        (self.next < before).then(|| self.starts[self.next])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1488,6 +1590,81 @@ mod tests {
             labels: vec![3, 0, 2],
             dim: 5,
         }
+    }
+
+    /// `gradient_streamed` hands over a growing suffix of the gradient
+    /// while the pass runs (at least `early` times before its end), every
+    /// piece already final, then the whole gradient of `gradient_into`.
+    fn check_streamed(model: &mut Model, batch: &Batch, early: usize) {
+        let (loss, whole) = model.gradient(batch).unwrap();
+        let mut out = vec![f32::NAN; model.num_params()];
+        let mut seen: Vec<(usize, Vec<f32>)> = Vec::new();
+        let streamed_loss = model
+            .gradient_streamed(batch, &mut out, &mut |from, g| {
+                seen.push((from, g[from..].to_vec()))
+            })
+            .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(loss.to_bits(), streamed_loss.to_bits());
+        assert_eq!(bits(&out), bits(&whole));
+        let froms: Vec<usize> = seen.iter().map(|(from, _)| *from).collect();
+        assert!(froms.windows(2).all(|w| w[0] > w[1]), "{froms:?}");
+        assert_eq!(froms.last(), Some(&0), "{froms:?}");
+        assert!(froms.len() > early, "{froms:?}");
+        for (from, part) in &seen {
+            assert_eq!(bits(part), bits(&whole[*from..]), "suffix from {from}");
+        }
+    }
+
+    #[test]
+    fn the_gradient_streams_out_layer_by_layer_as_backward_finishes_it() {
+        // The hand-written MLP pass: one hand-over per layer.
+        let mut mlp = Model::new(&deep_spec(), Device::Cpu, 9).unwrap();
+        check_streamed(&mut mlp, &deep_batch(), 2);
+        // The layer executor (a narrow ResNet-20): per conv / norm layer.
+        let spec = ModelSection {
+            kind: ModelKind::Resnet20,
+            input: 3 * 8 * 8,
+            in_channels: 3,
+            classes: 5,
+            width: 0.25,
+            ..ModelSection::default()
+        };
+        let mut resnet = Model::new(&spec, Device::Cpu, 2).unwrap();
+        check_streamed(&mut resnet, &image_batch(4, spec.input, 5, 0), 10);
+        // The GPT's pass: per linear and norm of each block.
+        let spec = crate::gpt::gpt_spec(11, 6, 8, 2, 2);
+        let mut gpt = Model::new(&spec, Device::Cpu, 3).unwrap();
+        let batch = crate::gpt::random_batch(&spec.gpt, 3, 9);
+        check_streamed(&mut gpt, &batch, 10);
+    }
+
+    #[test]
+    fn a_diverged_step_streams_nothing() {
+        let mut m = Model::new(&deep_spec(), Device::Cpu, 9).unwrap();
+        let flat = vec![f32::NAN; m.num_params()];
+        m.set_flat(&flat).unwrap();
+        let mut out = vec![0.0; m.num_params()];
+        let mut calls = 0;
+        let loss = m
+            .gradient_streamed(&deep_batch(), &mut out, &mut |_, _| calls += 1)
+            .unwrap();
+        assert!(!loss.is_finite());
+        assert_eq!(calls, 0);
+    }
+
+    #[test]
+    fn a_layout_out_of_tensor_order_is_final_only_at_the_end() {
+        let ranges = [0..4, 8..10, 4..8];
+        let mut f = Frontier::new(&ranges);
+        assert_eq!(f.finish(&[2]), None);
+        assert_eq!(f.finish(&[0, 1]), None);
+        let ranges = [0..4, 4..8, 8..10];
+        let mut f = Frontier::new(&ranges);
+        assert_eq!(f.finish(&[1]), None, "tensor 2 is not final yet");
+        assert_eq!(f.finish(&[2]), Some(4));
+        assert_eq!(f.finish(&[2]), None, "no growth");
+        assert_eq!(f.finish(&[0, 7]), Some(0));
     }
 
     #[test]

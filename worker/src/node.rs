@@ -92,6 +92,14 @@ impl NodeSum {
                 g.validate(self.sum.len())?;
                 g.add_into(&mut self.sum, 1.0);
             }
+            // A node member hands its whole gradient over (the run loop
+            // streams only on a rank's own connections): none came.
+            Outgoing::Streamed(_) => {
+                return Err(SparseError::LengthMismatch {
+                    expected: self.sum.len(),
+                    got: 0,
+                })
+            }
         }
         self.contributors += 1;
         Ok(())

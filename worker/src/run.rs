@@ -35,8 +35,8 @@ use crate::balance::{BalanceLink, RateMeter};
 use crate::peers::{PeerNet, PeerSettings};
 
 use crate::comm::{
-    Abort, Comm, CommActor, CommError, CommSummary, Join, Leave, MakeUp, MakeUpRound, Outgoing,
-    ParamSource, ShardUpdate, Silence, StepExchange, StopJob, Traffic, WorkerTls,
+    Abort, Comm, CommActor, CommError, CommSummary, GradSink, Join, Leave, MakeUp, MakeUpRound,
+    Outgoing, ParamSource, ShardUpdate, Silence, StepExchange, StopJob, Traffic, WorkerTls,
 };
 use crate::loader::{
     BatchPos, EpochDataStats, Loader, LoaderError, LoaderSettings, Outage, OutageLog, RetryFailure,
@@ -489,6 +489,9 @@ pub struct WorkerReport {
     pub link_simulated_s: f64,
     /// Round trips to server shards per training step.
     pub round_trips_per_step: f64,
+    /// Shard pushes per step that left while the backward pass still ran
+    /// (`training.overlap_backward`; the last shard to finish never does).
+    pub early_shards_per_step: f64,
     /// Bytes sent over the link this worker's pushes crossed: its own, or
     /// its node's (with `cluster.workers_per_node` > 1 every rank of a node
     /// reports the node's one link, so count it once per node).
@@ -1175,6 +1178,12 @@ async fn train(
     // the loader and its gradient computed while this step's exchange is in
     // flight.
     let overlap = cfg.overlaps_compute();
+    // Streaming (training.overlap_backward): a rank on its own connections
+    // pushes each shard while backward still runs. A simulated slow worker
+    // stretches its compute after the pass, so it pushes whole.
+    let stream = matches!(exchange, Exchange::Flat(_))
+        && crate::trainer::streams_backward(cfg)
+        && opts.simulation.compute.is_none();
     let mut lookahead: Option<Option<(BatchPos, Arc<ps_dataset::Batch>)>> = None;
     let mut precomputed: Option<crate::trainer::StepOutput> = None;
     loop {
@@ -1274,15 +1283,27 @@ async fn train(
             }
             None => 1.0,
         };
-        let out = match precomputed.take() {
+        // With `stream`, the exchange starts before the backward pass and
+        // pushes each shard as soon as the pass has finished it.
+        let mut early = None;
+        let mut out = match precomputed.take() {
             Some(out) => out,
             None => {
+                let sink = match stream {
+                    true => {
+                        let (sink, grad) = GradSink::for_cluster(cfg)?;
+                        early = Some(exchange.step(grad));
+                        Some(sink)
+                    }
+                    false => None,
+                };
                 let mut out = trainer
-                    .send(ComputeStep(batch, weight))
+                    .send(ComputeStep(batch, weight, sink))
                     .instrument(span.clone())
                     .await??;
                 slow_compute(&opts.simulation, &mut out, pos.samples.len(), pos.step).await;
                 acc.compute += out.compute + out.compress;
+                evals.early_shards += out.early_shards;
                 out
             }
         };
@@ -1290,7 +1311,10 @@ async fn train(
             meter.record(pos.samples.len() as u64, out.compute + out.compress);
             b.set_rate(meter.rate());
         }
-        let reply = exchange.step(out.grad);
+        let reply = match early {
+            Some(reply) => reply,
+            None => exchange.step(push_of(&mut out)?),
+        };
         if overlap && !max_steps_reached(max_steps, step + 1) {
             // The exchange is queued: take the next batch and compute its
             // gradient on the parameters held now (one step stale), unless
@@ -1305,7 +1329,9 @@ async fn train(
             data_wait += t_wait.elapsed();
             if let Some((next_pos, next_batch)) = &next {
                 if next_pos.epoch == pos.epoch {
-                    let mut ahead = trainer.send(ComputeStep(next_batch.clone(), 1.0)).await??;
+                    let mut ahead = trainer
+                        .send(ComputeStep(next_batch.clone(), 1.0, None))
+                        .await??;
                     slow_compute(
                         &opts.simulation,
                         &mut ahead,
@@ -1528,6 +1554,7 @@ async fn train(
         final_version: summary.final_version,
         link_simulated_s: summary.link_simulated_secs,
         round_trips_per_step: sum(|r| r.round_trips as f64) / steps,
+        early_shards_per_step: evals.early_shards as f64 / steps,
         link_sent_bytes: summary.link_sent_bytes,
         link_received_bytes: summary.link_received_bytes,
         steps_short_of_workers: reports.iter().map(|r| r.steps_short_of_workers).sum(),
@@ -1660,12 +1687,12 @@ impl MakeUpCtx<'_> {
             let (samples, weight) = of(s);
             let mut out = self
                 .trainer
-                .send(ComputeStep(Arc::new(fetched), weight))
+                .send(ComputeStep(Arc::new(fetched), weight, None))
                 .await??;
             slow_compute(&self.opts.simulation, &mut out, samples.len(), step).await;
             self.acc.compute += out.compute + out.compress;
             let t_comm = Instant::now();
-            let (updates, traffic) = self.exchange.step(out.grad).await?;
+            let (updates, traffic) = self.exchange.step(push_of(&mut out)?).await?;
             self.acc.comm += t_comm.elapsed();
             let t_apply = Instant::now();
             self.trainer.send(ApplyUpdates(updates)).await??;
@@ -1856,6 +1883,13 @@ fn learn_splits(plan: &mut RankPlan, link: &BalanceLink) -> Result<(), WorkerErr
     Ok(())
 }
 
+/// The push a step computed whole (not streamed to the exchange).
+fn push_of(out: &mut crate::trainer::StepOutput) -> Result<Outgoing, WorkerError> {
+    out.grad
+        .take()
+        .ok_or_else(|| WorkerError::Mismatch("a streamed step has no push to hand over".into()))
+}
+
 async fn slow_compute(
     sim: &Simulation,
     out: &mut crate::trainer::StepOutput,
@@ -1963,6 +1997,9 @@ struct Evals {
     pulled: u64,
     /// Bytes the exchanges copied (see [`ps_net::protocol::Copied`]).
     copied: ps_net::protocol::Copied,
+    /// Shards whose push left while the backward pass still ran
+    /// (`training.overlap_backward`).
+    early_shards: u64,
     /// The last `keep` training batches (shared, not copied), on which a
     /// model with batch norm recomputes its running statistics before each
     /// evaluation; `keep` is 0 for models without batch norm.
@@ -1988,6 +2025,7 @@ impl Evals {
             pushed: 0,
             pulled: 0,
             copied: Default::default(),
+            early_shards: 0,
             recent: VecDeque::new(),
             keep,
             chunk: 0,

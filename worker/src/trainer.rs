@@ -15,7 +15,9 @@ use ps_dataset::Batch;
 use ps_net::protocol::ParamUpdate;
 use ps_shared::sparse::{values_from_f16, Compressor, SparseError};
 
-use crate::comm::{Outgoing, ShardUpdate};
+use ps_shared::config::{ClusterConfig, CompressionKind};
+
+use crate::comm::{GradSink, Outgoing, ShardUpdate};
 use crate::model::{Model, ModelError};
 use crate::moments::WorkerMoments;
 
@@ -32,11 +34,15 @@ pub enum TrainerError {
 /// Forward, backward and compression of one step.
 pub struct StepOutput {
     pub loss: f32,
-    pub grad: Outgoing,
+    /// The push; `None` when it was streamed to the exchange during the
+    /// backward pass ([`ComputeStep`]'s sink).
+    pub grad: Option<Outgoing>,
     /// Entries pushed / parameters.
     pub density: f64,
     pub compute: Duration,
     pub compress: Duration,
+    /// Shards handed to the exchange before the backward pass ended.
+    pub early_shards: u64,
 }
 
 pub struct TrainerActor {
@@ -87,10 +93,23 @@ impl Actor for TrainerActor {
 /// Compute the gradient of a batch, scaled by the weight (the batch's
 /// share of the global batch with throughput balancing, `b_r /
 /// data.batch_size`; exactly 1 with equal batches, which leaves the
-/// gradient untouched).
+/// gradient untouched). With a sink, the dense gradient leaves through it
+/// shard by shard while the backward pass runs ([`streams_backward`]).
 #[derive(Message)]
 #[rtype(result = "Result<StepOutput, TrainerError>")]
-pub struct ComputeStep(pub Arc<Batch>, pub f32);
+pub struct ComputeStep(pub Arc<Batch>, pub f32, pub Option<GradSink>);
+
+/// Whether a rank on its own connections streams its gradient to the
+/// exchange during the backward pass: `training.overlap_backward` with
+/// dense pushes of the plain gradient (no top-k, whose selection needs the
+/// whole gradient, and Adam's moments on the servers), and without
+/// `training.overlap`, which computes ahead instead.
+pub fn streams_backward(cfg: &ClusterConfig) -> bool {
+    cfg.training.overlap_backward
+        && cfg.compression.kind == CompressionKind::None
+        && !cfg.optimizer.worker_moments()
+        && !cfg.overlaps_compute()
+}
 
 impl Handler<ComputeStep> for TrainerActor {
     type Result = Result<StepOutput, TrainerError>;
@@ -101,11 +120,57 @@ impl Handler<ComputeStep> for TrainerActor {
         // thread (RAYON_NUM_THREADS=1) nothing runs here meanwhile. Running
         // the step on a pool thread makes that one hand-over per step; the
         // passes then split over the pool from there, or run inline.
-        rayon::scope(|_| self.compute_step(&msg.0, msg.1))
+        rayon::scope(|_| match msg.2 {
+            Some(sink) => self.streamed_step(&msg.0, msg.1, sink),
+            None => self.compute_step(&msg.0, msg.1),
+        })
     }
 }
 
 impl TrainerActor {
+    /// Forward and backward, each shard of the dense gradient handed to
+    /// `sink` as soon as the pass has finished it.
+    fn streamed_step(
+        &mut self,
+        batch: &Batch,
+        weight: f32,
+        mut sink: GradSink,
+    ) -> Result<StepOutput, TrainerError> {
+        if self.compressor.is_some() || self.moments.is_some() {
+            // The push is not the plain gradient: it leaves whole.
+            let mut out = self.compute_step(batch, weight)?;
+            if let Some(Outgoing::Dense(d)) = &out.grad {
+                sink.offer(0, d, 1.0);
+                out.grad = None;
+            }
+            return Ok(out);
+        }
+        let t0 = Instant::now();
+        // The last call (`from` 0) comes as the pass ends: shards that left
+        // before it left early.
+        let mut early_shards = 0;
+        let loss = self
+            .model
+            .gradient_streamed(batch, &mut self.grad, &mut |from, grads| {
+                let handed = sink.offer(from, grads, weight);
+                if from > 0 {
+                    early_shards += handed;
+                }
+            })?;
+        if !loss.is_finite() {
+            return Err(TrainerError::Diverged(loss));
+        }
+        self.step += 1;
+        Ok(StepOutput {
+            loss,
+            grad: None,
+            density: 1.0,
+            compute: t0.elapsed(),
+            compress: Duration::ZERO,
+            early_shards,
+        })
+    }
+
     fn compute_step(&mut self, batch: &Batch, weight: f32) -> Result<StepOutput, TrainerError> {
         let t0 = Instant::now();
         let loss = self.model.gradient_into(batch, &mut self.grad)?;
@@ -135,10 +200,11 @@ impl TrainerActor {
         };
         Ok(StepOutput {
             loss,
-            grad,
+            grad: Some(grad),
             density,
             compute,
             compress: t1.elapsed(),
+            early_shards: 0,
         })
     }
 }

@@ -36,6 +36,11 @@ pub struct TrainingSection {
     /// asp/ssp only: compute the next step's gradient while this step's
     /// push and pull are in flight (the gradient is one step stale).
     pub overlap: bool,
+    /// Dense pushes on a rank's own connections (no top-k, moments on the
+    /// servers, no `overlap`): push each shard's gradient as soon as the
+    /// backward pass has finished its range, so that the exchange overlaps
+    /// the rest of the pass. `false` pushes after the whole pass.
+    pub overlap_backward: bool,
     /// Threads of a worker process's compute pool (forward, backward,
     /// compression). 0 = automatic: `RAYON_NUM_THREADS` when set, else the
     /// CPUs divided among the worker processes when every server is on
@@ -65,6 +70,7 @@ impl Default for TrainingSection {
             target_loss: 0.0,
             max_steps: 0,
             overlap: false,
+            overlap_backward: true,
             compute_threads: 0,
             init_weights: String::new(),
             eval_batch_size: 0,

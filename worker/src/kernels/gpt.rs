@@ -646,6 +646,23 @@ impl GptExec {
         out: &mut [f32],
         ranges: &[Range<usize>],
     ) {
+        self.backward_with(params, ids, out, ranges, &mut |_, _| {});
+    }
+
+    /// [`GptExec::backward`], telling `done` which parameter tensors'
+    /// gradients are final as soon as each layer is through (the tied
+    /// token embedding last), so that they can leave before the pass ends.
+    ///
+    /// # Panics
+    /// As [`GptExec::backward`].
+    pub fn backward_with(
+        &mut self,
+        params: &[&[f32]],
+        ids: &[u32],
+        out: &mut [f32],
+        ranges: &[Range<usize>],
+        done: &mut dyn FnMut(&[usize], &[f32]),
+    ) {
         assert_eq!(ranges.len(), self.dims.tensors(), "GPT gradient ranges");
         let GptDims {
             vocab: v,
@@ -689,6 +706,7 @@ impl GptExec {
             let w = params[last];
             layer_norm_backward(&self.dh, &self.xhatf, &self.rstdf, w, &mut self.dx, dw, db);
         }
+        done(&[last, last + 1], out);
         self.phases.mark("layer norm backward");
         for (l, blk) in self.blocks.iter().enumerate().rev() {
             let base = 2 + l * PER_BLOCK;
@@ -697,6 +715,7 @@ impl GptExec {
             // MLP.
             let (dw, db) = pair(out, &r[10], &r[11]);
             linear_backward(&self.dx, &blk.g, p[10], dw, db, Some(&mut self.dg), f);
+            done(&[base + 10, base + 11], out);
             self.phases.mark("MLP down projection backward");
             self.dg
                 .par_chunks_mut(4096)
@@ -705,13 +724,16 @@ impl GptExec {
             self.phases.mark("GELU backward");
             let (dw, db) = pair(out, &r[8], &r[9]);
             linear_backward(&self.dg, &blk.h2, p[8], dw, db, Some(&mut self.dh), d);
+            done(&[base + 8, base + 9], out);
             self.phases.mark("MLP up projection backward");
             let (dw, db) = pair(out, &r[6], &r[7]);
             layer_norm_backward(&self.dh, &blk.xhat2, &blk.rstd2, p[6], &mut self.dx, dw, db);
+            done(&[base + 6, base + 7], out);
             self.phases.mark("layer norm backward");
             // Attention.
             let (dw, db) = pair(out, &r[4], &r[5]);
             linear_backward(&self.dx, &blk.y, p[4], dw, db, Some(&mut self.dy), d);
+            done(&[base + 4, base + 5], out);
             self.phases.mark("attention output projection backward");
             self.datt
                 .par_chunks_mut(nh * t * t)
@@ -748,9 +770,11 @@ impl GptExec {
             self.phases.mark("attention backward");
             let (dw, db) = pair(out, &r[2], &r[3]);
             linear_backward(&self.dqkv, &blk.h1, p[2], dw, db, Some(&mut self.dh), d);
+            done(&[base + 2, base + 3], out);
             self.phases.mark("q/k/v projection backward");
             let (dw, db) = pair(out, &r[0], &r[1]);
             layer_norm_backward(&self.dh, &blk.xhat1, &blk.rstd1, p[0], &mut self.dx, dw, db);
+            done(&[base, base + 1], out);
             self.phases.mark("layer norm backward");
         }
         // Embeddings: token rows gather, positions repeat every t rows.
@@ -764,6 +788,7 @@ impl GptExec {
         for sample in self.dx.chunks_exact(t * d) {
             dwpe.iter_mut().zip(sample).for_each(|(a, b)| *a += b);
         }
+        done(&[0, 1], out);
         self.phases.mark("embedding backward");
     }
 }

@@ -48,6 +48,12 @@ struct ConvLayer {
 }
 
 impl ConvLayer {
+    /// The parameter tensors this layer owns.
+    fn tensors(&self, out: &mut Vec<usize>) {
+        out.push(self.weight);
+        out.extend(self.bias);
+    }
+
     fn new(weight: usize, bias: Option<usize>, geom: ConvGeom) -> Self {
         Self {
             weight,
@@ -98,6 +104,11 @@ struct NormLayer {
 }
 
 impl NormLayer {
+    /// The parameter tensors this layer owns.
+    fn tensors(&self, out: &mut Vec<usize>) {
+        out.extend([self.gamma, self.beta]);
+    }
+
     fn new(gamma: usize, beta: usize, slot: usize, c: usize) -> Self {
         Self {
             gamma,
@@ -251,6 +262,27 @@ enum Step {
         inputs: usize,
         outputs: usize,
     },
+}
+
+impl Step {
+    /// The parameter tensors whose gradients this step's backward writes.
+    fn tensors(&self, out: &mut Vec<usize>) {
+        match self {
+            Step::Conv(c) => c.tensors(out),
+            Step::Norm { norm, .. } => norm.tensors(out),
+            Step::Residual(b) => b.tensors(out),
+            Step::Linear { weight, bias, .. } => {
+                out.push(*weight);
+                out.extend(*bias);
+            }
+            Step::Relu
+            | Step::MaxPool { .. }
+            | Step::AvgPool(_)
+            | Step::GlobalAvgPool { .. }
+            | Step::Dropout { .. }
+            | Step::ToFlat { .. } => {}
+        }
+    }
 }
 
 /// What the forward pass runs with: running statistics in evaluation
@@ -720,6 +752,19 @@ impl NetExec {
         grads: &mut [f32],
         ranges: &[Range<usize>],
     ) -> Result<(), ExecError> {
+        self.backward_with(params, grads, ranges, &mut |_, _| {})
+    }
+
+    /// [`NetExec::backward`], telling `done` after each layer which
+    /// parameter tensors' gradients it finished (they are final in
+    /// `grads` from then on), so that they can leave before the pass ends.
+    pub fn backward_with(
+        &mut self,
+        params: &[&[f32]],
+        grads: &mut [f32],
+        ranges: &[Range<usize>],
+        done: &mut dyn FnMut(&[usize], &[f32]),
+    ) -> Result<(), ExecError> {
         if !self.trained {
             return Err(ExecError::NoForward);
         }
@@ -749,6 +794,11 @@ impl NetExec {
                 ranges,
                 scratch,
             )?;
+            let mut tensors = Vec::new();
+            step.tensors(&mut tensors);
+            if !tensors.is_empty() {
+                done(&tensors, grads);
+            }
             std::mem::swap(&mut cur, &mut next);
         }
         Ok(())
@@ -927,6 +977,18 @@ fn backward_step(
 }
 
 impl Block {
+    /// The parameter tensors of the block's layers.
+    fn tensors(&self, out: &mut Vec<usize>) {
+        self.conv1.tensors(out);
+        self.bn1.tensors(out);
+        self.conv2.tensors(out);
+        self.bn2.tensors(out);
+        if let Some((conv, bn)) = &self.shortcut {
+            conv.tensors(out);
+            bn.tensors(out);
+        }
+    }
+
     fn forward(
         &mut self,
         params: &[&[f32]],

@@ -42,13 +42,13 @@ import os
 import sys
 
 SYSTEM_ORDER = [("ddp", "dense"), ("ddp", "powersgd"),
-                ("stratus", "dense"), ("stratus", "densewhole"), ("stratus", "dense16"),
+                ("stratus", "dense"), ("stratus", "densestream"), ("stratus", "dense16"),
                 ("stratus", "topk1"),
                 ("stratus", "topk01")]
 TOPOLOGY_ORDER = ["peer", "server", "colocated"]
 SYSTEM_NAME = {"ddp": "DDP", "stratus": "Stratus"}
 MODE_NAME = {("ddp", "dense"): "dense", ("ddp", "powersgd"): "PowerSGD r4",
-             ("stratus", "dense"): "dense", ("stratus", "densewhole"): "dense, pushed after backward",
+             ("stratus", "dense"): "dense", ("stratus", "densestream"): "dense, pushed during backward",
              ("stratus", "dense16"): "dense, f16 push",
              ("stratus", "topk1"): "top-k 1%",
              ("stratus", "topk01"): "top-k 0.1%"}
@@ -377,8 +377,8 @@ def main():
                             f"{dense_col['steady_ms']['mean']:.1f} ms vs {ddp['steady_ms']['mean']:.1f} ms = {ratio:.2f}x"))
     # What pushing each shard during backward gains: the dense colocated
     # step against the same run pushing after the whole pass.
-    whole = row("stratus", "densewhole", "colocated")
-    streamed = row("stratus", "dense", "colocated")
+    whole = row("stratus", "dense", "colocated")
+    streamed = row("stratus", "densestream", "colocated")
     if whole is not None and streamed is not None:
         w_ms, s_ms = whole["steady_ms"]["mean"], streamed["steady_ms"]["mean"]
         if w_ms is not None and s_ms is not None:

@@ -39,7 +39,10 @@ pub struct TrainingSection {
     /// Dense pushes on a rank's own connections (no top-k, moments on the
     /// servers, no `overlap`): push each shard's gradient as soon as the
     /// backward pass has finished its range, so that the exchange overlaps
-    /// the rest of the pass. `false` pushes after the whole pass.
+    /// the rest of the pass. Off by default: it pays where the pass is long
+    /// against the exchange and the network has cores of its own, and it
+    /// can cost where a colocated node's uplink is the bound (an early
+    /// shard's reply then queues before the last shard's push).
     pub overlap_backward: bool,
     /// Threads of a worker process's compute pool (forward, backward,
     /// compression). 0 = automatic: `RAYON_NUM_THREADS` when set, else the
@@ -70,7 +73,7 @@ impl Default for TrainingSection {
             target_loss: 0.0,
             max_steps: 0,
             overlap: false,
-            overlap_backward: true,
+            overlap_backward: false,
             compute_threads: 0,
             init_weights: String::new(),
             eval_batch_size: 0,

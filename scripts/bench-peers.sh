@@ -27,11 +27,13 @@
 #   ddp       DDP dense, gloo, rank r in worker node w<r>
 #   powersgd  DDP + PowerSGD hook (rank 4, warm start, error feedback, plain
 #             all-reduce for the first --powersgd-start steps), same placement
-#   dense, densestream, dense16, topk1, topk01
+#   dense, densestream, dense16, dense16all, topk1, topk01
 #             Stratus dense (server momentum 0.9), dense with each shard pushed
 #             as soon as backward has finished it (training.overlap_backward:
 #             the overlap's A/B; colocated only), dense with f16 push values
 #             (compression.f16_values, the pulls stay f32; colocated only),
+#             dense with f16 pushes and f16 pulls (compression.f16_replies
+#             too: half DDP's bytes; colocated only),
 #             top-k 1% and 0.1%
 #             (worker-side DGC momentum correction --topk-correction, error
 #             feedback, server momentum 0, global top-k on the servers), each
@@ -83,7 +85,7 @@
 # Usage: sudo scripts/bench-peers.sh [--model mlp|resnet20|gpt] [--rate 100mbit|1gbit|10gbit|none]
 #            [--workers 2|4] [--seeds N|LIST] [--python PY]
 #            [--max-steps S] [--eval-every N] [--target ACC|LOSS]
-#            [--modes ddp,powersgd,dense,densestream,dense16,topk1,topk01]
+#            [--modes ddp,powersgd,dense,densestream,dense16,dense16all,topk1,topk01]
 #            [--topologies server,colocated] [--topk-warmup STEPS]
 #            [--topk-warmup-start DENSITY]
 #            [--powersgd-start STEPS] [--topk-correction M] [--topk-masking true|false]
@@ -250,7 +252,7 @@ case "$rate" in
     *) die "--rate must be like 100mbit, 1gbit, 10gbit or none" ;;
 esac
 for m in ${modes//,/ }; do
-    [[ $m =~ ^(ddp|powersgd|dense|densestream|dense16|topk1|topk01)$ ]] || die "unknown mode $m (ddp, powersgd, dense, densestream, dense16, topk1, topk01)"
+    [[ $m =~ ^(ddp|powersgd|dense|densestream|dense16|dense16all|topk1|topk01)$ ]] || die "unknown mode $m (ddp, powersgd, dense, densestream, dense16, dense16all, topk1, topk01)"
 done
 for t in ${topologies//,/ }; do
     [[ $t =~ ^(server|colocated)$ ]] || die "unknown topology $t (server, colocated)"
@@ -522,10 +524,11 @@ optimizer_toml() {
 }
 
 write_config() { # mode topology seed file run-dir
-    local kind=none density=1.0 server_momentum=0.9 correction=0.0 servers shards values16=false streamed=false
+    local kind=none density=1.0 server_momentum=0.9 correction=0.0 servers shards values16=false replies16=false streamed=false
     case "$1" in
         densestream) streamed=true ;;
         dense16) values16=true ;;
+        dense16all) values16=true replies16=true ;;
         topk1) kind=topk density=0.01 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 ;;
         topk01) kind=topk density=0.001 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 ;;
     esac
@@ -584,6 +587,7 @@ momentum_masking = $topk_masking
 warmup_steps = $([[ $kind == topk ]] && echo "$topk_warmup" || echo 0)
 warmup_start_density = $topk_warmup_start
 f16_values = $values16
+f16_replies = $replies16
 global_topk = $global_topk
 
 $(optimizer_toml "$server_momentum" "$kind")
@@ -626,12 +630,12 @@ run_stratus() { # mode topology seed
 for seed in ${seed_list//,/ }; do
     if has_mode ddp; then run_ddp dense "$seed"; fi
     if has_mode powersgd; then run_ddp powersgd "$seed"; fi
-    for mode in dense densestream dense16 topk1 topk01; do
+    for mode in dense densestream dense16 dense16all topk1 topk01; do
         has_mode "$mode" || continue
         for topology in server colocated; do
-            # dense16 and densestream are measured where dense is closest to
+            # dense16, dense16all and densestream are measured where dense is closest to
             # DDP: colocated.
-            [[ $mode =~ ^(dense16|densestream)$ && $topology == server ]] && continue
+            [[ $mode =~ ^(dense16|dense16all|densestream)$ && $topology == server ]] && continue
             if has_topology "$topology"; then run_stratus "$mode" "$topology" "$seed"; fi
         done
     done

@@ -43,6 +43,7 @@ import sys
 
 SYSTEM_ORDER = [("ddp", "dense"), ("ddp", "powersgd"),
                 ("stratus", "dense"), ("stratus", "densestream"), ("stratus", "dense16"),
+                ("stratus", "dense16all"),
                 ("stratus", "topk1"),
                 ("stratus", "topk01")]
 TOPOLOGY_ORDER = ["peer", "server", "colocated"]
@@ -50,6 +51,7 @@ SYSTEM_NAME = {"ddp": "DDP", "stratus": "Stratus"}
 MODE_NAME = {("ddp", "dense"): "dense", ("ddp", "powersgd"): "PowerSGD r4",
              ("stratus", "dense"): "dense", ("stratus", "densestream"): "dense, pushed during backward",
              ("stratus", "dense16"): "dense, f16 push",
+             ("stratus", "dense16all"): "dense, f16 push and pull",
              ("stratus", "topk1"): "top-k 1%",
              ("stratus", "topk01"): "top-k 0.1%"}
 TOPOLOGY_NAME = {"peer": "peers (gloo)", "server": "1 server node", "colocated": "colocated"}
@@ -363,9 +365,10 @@ def main():
                             f"{psgd['steady_ms']['mean']:.1f} ms = {ratio:.2f}x"))
     ddp = row("ddp", "dense", "peer")
     for mode, label in (("dense", "(3) Stratus dense colocated steady-state step"),
-                        ("dense16", "(3) Stratus dense colocated steady-state step, f16 push values,")):
+                        ("dense16", "(3) Stratus dense colocated steady-state step, f16 push values,"),
+                        ("dense16all", "(3) Stratus dense colocated steady-state step, f16 push and pull values,")):
         dense_col = row("stratus", mode, "colocated")
-        if dense_col is None and mode == "dense16":
+        if dense_col is None and mode != "dense":
             continue
         if (dense_col is None or ddp is None or dense_col["steady_ms"]["mean"] is None
                 or ddp["steady_ms"]["mean"] is None):

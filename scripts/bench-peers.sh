@@ -30,7 +30,7 @@
 #   dense, densestream, dense16, dense16all, topk1, topk01
 #             Stratus dense (server momentum 0.9), dense with each shard pushed
 #             as soon as backward has finished it (training.overlap_backward:
-#             the overlap's A/B; colocated only), dense with f16 push values
+#             the overlap's A/B), dense with f16 push values
 #             (compression.f16_values, the pulls stay f32; colocated only),
 #             dense with f16 pushes and f16 pulls (compression.f16_replies
 #             too: half DDP's bytes; colocated only),
@@ -633,9 +633,9 @@ for seed in ${seed_list//,/ }; do
     for mode in dense densestream dense16 dense16all topk1 topk01; do
         has_mode "$mode" || continue
         for topology in server colocated; do
-            # dense16, dense16all and densestream are measured where dense is closest to
+            # dense16 and dense16all are measured where dense is closest to
             # DDP: colocated.
-            [[ $mode =~ ^(dense16|dense16all|densestream)$ && $topology == server ]] && continue
+            [[ $mode =~ ^(dense16|dense16all)$ && $topology == server ]] && continue
             if has_topology "$topology"; then run_stratus "$mode" "$topology" "$seed"; fi
         done
     done

@@ -378,15 +378,17 @@ def main():
             targets.append(("PASS" if ratio <= 1.0 else "MISS",
                             f"{label} <= 1.0x DDP's: "
                             f"{dense_col['steady_ms']['mean']:.1f} ms vs {ddp['steady_ms']['mean']:.1f} ms = {ratio:.2f}x"))
-    # What pushing each shard during backward gains: the dense colocated
-    # step against the same run pushing after the whole pass.
-    whole = row("stratus", "dense", "colocated")
-    streamed = row("stratus", "densestream", "colocated")
-    if whole is not None and streamed is not None:
+    # What pushing each shard during backward gains: the dense step
+    # against the same run pushing after the whole pass, per topology.
+    for topology in ("server", "colocated"):
+        whole = row("stratus", "dense", topology)
+        streamed = row("stratus", "densestream", topology)
+        if whole is None or streamed is None:
+            continue
         w_ms, s_ms = whole["steady_ms"]["mean"], streamed["steady_ms"]["mean"]
         if w_ms is not None and s_ms is not None:
-            targets.append(("INFO", f"overlap of the exchange with backward: dense colocated steady-state step "
-                                    f"{s_ms:.1f} ms pushed during backward vs {w_ms:.1f} ms after it = {s_ms / w_ms:.2f}x"))
+            targets.append(("INFO", f"overlap of the exchange with backward: dense {TOPOLOGY_NAME[topology]} steady-state "
+                                    f"step {s_ms:.1f} ms pushed during backward vs {w_ms:.1f} ms after it = {s_ms / w_ms:.2f}x"))
     settings = (f"link {ARGS.rate} each way per node (tc tbf), {ARGS.workers} workers x batch {ARGS.batch}, "
                 f"{MODELS[ARGS.model]}, {ARGS.optimizer}, eval every {ARGS.eval_every} steps, "
                 f"target {tgt}, "

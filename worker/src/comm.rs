@@ -1453,14 +1453,19 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_sink_hands_over_each_shard_once_its_whole_range_is_final() {
-        let map = ShardMap::balanced(10, 3).unwrap();
-        let (mut sink, grad) = GradSink::new(&map, false);
+    /// A sink and the driver's view of what it hands over.
+    fn streamed(map: &ShardMap, f16: bool) -> (GradSink, Pushes) {
+        let (sink, grad) = GradSink::new(map, f16);
         let Outgoing::Streamed(StreamedGrad(parts)) = grad else {
             panic!("a streamed gradient")
         };
-        let pushes = Pushes::Streamed(parts);
+        (sink, Pushes::Streamed(parts))
+    }
+
+    #[test]
+    fn a_sink_hands_over_each_shard_once_its_whole_range_is_final() {
+        let map = ShardMap::balanced(10, 3).unwrap();
+        let (mut sink, pushes) = streamed(&map, false);
         let grads: Vec<f32> = (0..10).map(|i| i as f32).collect();
         let last = map.ranges()[2].clone();
         // Final from inside the last shard: nothing leaves yet.
@@ -1485,11 +1490,7 @@ mod tests {
     #[test]
     fn a_sink_rounds_to_f16_and_a_dropped_sink_leaves_no_gradient() {
         let map = ShardMap::balanced(4, 2).unwrap();
-        let (mut sink, grad) = GradSink::new(&map, true);
-        let Outgoing::Streamed(StreamedGrad(parts)) = grad else {
-            panic!("a streamed gradient")
-        };
-        let pushes = Pushes::Streamed(parts);
+        let (mut sink, pushes) = streamed(&map, true);
         sink.offer(2, &[0.0, 0.0, 1.5, -0.25], 1.0);
         assert!(matches!(
             pushes.view(&map, 1),

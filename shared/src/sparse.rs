@@ -42,6 +42,7 @@
 //! assert_eq!(compressor.residual(), &[0.5, 0.0, 0.1, 0.0]);
 //! ```
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rand::rngs::StdRng;
@@ -564,6 +565,9 @@ pub struct Compressor {
     /// Corrected momentum (DGC's `u`); empty while momentum correction is off.
     momentum: Vec<f32>,
     step: u64,
+    /// Ranges that each get their own top-k (`compression.scope = "shard"`),
+    /// ascending and tiling the gradient; empty: one top-k over all of it.
+    blocks: Vec<Range<usize>>,
 }
 
 impl Compressor {
@@ -582,14 +586,34 @@ impl Compressor {
             residual: vec![0.0; num_params],
             momentum,
             step: 0,
+            blocks: Vec::new(),
         }
     }
 
+    /// The same compressor selecting `density` of each of `blocks` on its
+    /// own (every block gets its share of the push). Blocks that do not tile
+    /// the gradient in ascending order leave it selecting over the whole.
+    pub fn per_block(mut self, blocks: Vec<Range<usize>>) -> Self {
+        let mut next = 0;
+        let tiles = blocks.iter().all(|b| {
+            let ok = b.start == next && b.end > b.start;
+            next = b.end;
+            ok
+        }) && next == self.residual.len();
+        self.blocks = if tiles { blocks } else { Vec::new() };
+        self
+    }
+
+    /// The ranges selected on their own (empty: one selection over all).
+    pub fn blocks(&self) -> &[Range<usize>] {
+        &self.blocks
+    }
+
     /// Accumulates `grad` (with momentum correction when on), selects the top-k of
-    /// the accumulator for this step's density, zeroes the accumulator (and the
-    /// momentum when masking) at the sent indices and returns the sent entries.
-    /// Without error feedback the whole accumulator is cleared after selection. At
-    /// density 1 every entry is sent.
+    /// the accumulator for this step's density (per block when it has blocks),
+    /// zeroes the accumulator (and the momentum when masking) at the sent indices
+    /// and returns the sent entries. Without error feedback the whole accumulator
+    /// is cleared after selection. At density 1 every entry is sent.
     pub fn compress(&mut self, grad: &[f32]) -> Result<SparseGrad, SparseError> {
         if grad.len() != self.residual.len() {
             return Err(SparseError::LengthMismatch {
@@ -597,36 +621,18 @@ impl Compressor {
                 got: grad.len(),
             });
         }
-        let correction = self.config.momentum_correction;
-        let correcting = correction > 0.0 && self.momentum.len() == grad.len();
         let scale = clip_scale(grad, self.config.clip_norm);
-        self.accumulate(grad, scale, correcting.then_some(correction));
-
-        let density = self.config.density_at(self.step);
-        let masking = correcting && self.config.momentum_masking;
-        let sent = if density >= 1.0 {
-            let sent = SparseGrad::from_dense(&self.residual);
-            self.residual.fill(0.0);
-            if masking {
-                self.momentum.fill(0.0);
-            }
-            sent
+        let sent = if self.blocks.is_empty() {
+            self.compress_range(0..grad.len(), grad, scale, self.step)
         } else {
-            let k = k_for_density(self.residual.len(), density);
-            let seed = crate::hash::splitmix64(self.step);
-            let sent = topk(&self.residual, k, self.config.method, seed);
-            for &index in &sent.indices {
-                if let Some(slot) = self.residual.get_mut(index as usize) {
-                    *slot = 0.0;
-                }
-                if masking {
-                    if let Some(slot) = self.momentum.get_mut(index as usize) {
-                        *slot = 0.0;
-                    }
-                }
-            }
-            if !self.config.error_feedback {
-                self.residual.fill(0.0);
+            let mut sent = SparseGrad::default();
+            for block in 0..self.blocks.len() {
+                let range = self.blocks[block].clone();
+                let seed = self.block_seed(block);
+                let part = self.compress_range(range.clone(), &grad[range.clone()], scale, seed);
+                sent.indices
+                    .extend(part.indices.iter().map(|&i| i + range.start as u32));
+                sent.values.extend_from_slice(&part.values);
             }
             sent
         };
@@ -634,14 +640,107 @@ impl Compressor {
         Ok(sent)
     }
 
-    /// `v += s*g`, or with correction `u = m*u + s*g; v += u`, in parallel
-    /// chunks (`s` is the clipping scale, 1 without clipping).
-    fn accumulate(&mut self, grad: &[f32], scale: f32, correction: Option<f32>) {
+    /// Block `block`'s part of this step as the backward pass finishes it:
+    /// `part` (the block's gradient) times `scale` is accumulated and the
+    /// block's top-k returned, indices local to the block. Each block once
+    /// per step, then [`Self::end_step`]; the result is what
+    /// [`Self::compress`] sends of the block, bit for bit, when `scale` is
+    /// its clipping scale (1 without clipping).
+    pub fn compress_block(
+        &mut self,
+        block: usize,
+        part: &[f32],
+        scale: f32,
+    ) -> Result<SparseGrad, SparseError> {
+        let Some(range) = self.blocks.get(block).cloned() else {
+            return Err(SparseError::LengthMismatch {
+                expected: self.blocks.len(),
+                got: block,
+            });
+        };
+        if part.len() != range.len() {
+            return Err(SparseError::LengthMismatch {
+                expected: range.len(),
+                got: part.len(),
+            });
+        }
+        let seed = self.block_seed(block);
+        Ok(self.compress_range(range, part, scale, seed))
+    }
+
+    /// Closes a step compressed block by block.
+    pub fn end_step(&mut self) {
+        self.step = self.step.saturating_add(1);
+    }
+
+    /// The approximate selection's seed for a block this step.
+    fn block_seed(&self, block: usize) -> u64 {
+        self.step ^ ((block as u64) << 40)
+    }
+
+    /// Accumulates `grad` (the gradient of `range`) and sends the top-k of
+    /// the accumulator's `range`, indices local to it.
+    fn compress_range(
+        &mut self,
+        range: Range<usize>,
+        grad: &[f32],
+        scale: f32,
+        seed: u64,
+    ) -> SparseGrad {
+        let correction = self.config.momentum_correction;
+        let correcting = correction > 0.0 && self.momentum.len() == self.residual.len();
+        self.accumulate(range.clone(), grad, scale, correcting.then_some(correction));
+        let density = self.config.density_at(self.step);
+        let masking = correcting && self.config.momentum_masking;
+        let residual = &mut self.residual[range.clone()];
+        if density >= 1.0 {
+            let sent = SparseGrad::from_dense(residual);
+            residual.fill(0.0);
+            if masking {
+                self.momentum[range].fill(0.0);
+            }
+            return sent;
+        }
+        let k = k_for_density(residual.len(), density);
+        let sent = topk(
+            residual,
+            k,
+            self.config.method,
+            crate::hash::splitmix64(seed),
+        );
+        for &index in &sent.indices {
+            if let Some(slot) = residual.get_mut(index as usize) {
+                *slot = 0.0;
+            }
+        }
+        if masking {
+            let momentum = &mut self.momentum[range];
+            for &index in &sent.indices {
+                if let Some(slot) = momentum.get_mut(index as usize) {
+                    *slot = 0.0;
+                }
+            }
+        }
+        if !self.config.error_feedback {
+            residual.fill(0.0);
+        }
+        sent
+    }
+
+    /// `v += s*g`, or with correction `u = m*u + s*g; v += u`, over `range`
+    /// in parallel chunks (`s` is the clipping scale, 1 without clipping).
+    fn accumulate(
+        &mut self,
+        range: Range<usize>,
+        grad: &[f32],
+        scale: f32,
+        correction: Option<f32>,
+    ) {
+        let residual = &mut self.residual[range.clone()];
         match correction {
-            Some(factor) => self
-                .residual
+            Some(factor) => residual
                 .par_chunks_mut(PASS_CHUNK)
-                .zip(self.momentum.par_chunks_mut(PASS_CHUNK))
+                .zip(self.momentum[range].par_chunks_mut(PASS_CHUNK))
                 .zip(grad.par_chunks(PASS_CHUNK))
                 .for_each(|((residual, momentum), grad)| {
                     for ((v, u), &g) in residual.iter_mut().zip(momentum.iter_mut()).zip(grad) {
@@ -649,8 +748,7 @@ impl Compressor {
                         *v += *u;
                     }
                 }),
-            None => self
-                .residual
+            None => residual
                 .par_chunks_mut(PASS_CHUNK)
                 .zip(grad.par_chunks(PASS_CHUNK))
                 .for_each(|(residual, grad)| {
@@ -1016,6 +1114,76 @@ mod tests {
         let sent = compressor.compress(&[1.0, 0.0, -2.0]).unwrap();
         assert_eq!(sent, SparseGrad::from_dense(&[1.0, 0.0, -2.0]));
         assert_eq!(compressor.residual(), &[0.0, 0.0, 0.0]);
+    }
+
+    /// Per-block selection: each block sends its own `density` share,
+    /// and streaming the blocks one by one (`compress_block`, in any
+    /// order) sends and keeps exactly what one `compress` call does.
+    #[test]
+    fn per_block_selection_gives_each_block_its_share_and_streams_bit_for_bit() {
+        let blocks = vec![0..300, 300..700, 700..1000];
+        for method in [TopKMethod::Exact, TopKMethod::Approx] {
+            for correction in [0.0, 0.9] {
+                let config = CompressionSection {
+                    method,
+                    momentum_correction: correction,
+                    warmup_steps: 3,
+                    warmup_start_density: 1.0,
+                    ..topk_config(0.05)
+                };
+                let mut whole = Compressor::new(1000, config.clone()).per_block(blocks.clone());
+                let mut streamed = Compressor::new(1000, config).per_block(blocks.clone());
+                assert_eq!(whole.blocks(), &blocks[..]);
+                for step in 0..6u64 {
+                    // Gradients whose largest entries all lie in the last
+                    // block: one selection over the whole would send none
+                    // of the first two.
+                    let mut grad = gaussian(1000, step);
+                    grad[700..].iter_mut().for_each(|g| *g *= 100.0);
+                    let sent = whole.compress(&grad).unwrap();
+                    let mut parts = Vec::new();
+                    // Backward finishes the last layers first.
+                    for block in (0..blocks.len()).rev() {
+                        let range = blocks[block].clone();
+                        let part = streamed.compress_block(block, &grad[range.clone()], 1.0);
+                        parts.push((range.start, part.unwrap()));
+                    }
+                    streamed.end_step();
+                    parts.reverse();
+                    let mut joined = SparseGrad::default();
+                    for (start, part) in parts {
+                        let density = whole.config().density_at(step);
+                        let k = part.len();
+                        let len = whole
+                            .blocks()
+                            .iter()
+                            .find(|b| b.start == start)
+                            .unwrap()
+                            .len();
+                        if method == TopKMethod::Exact {
+                            assert_eq!(k, k_for_density(len, density), "step {step}");
+                        } else {
+                            assert!(k > 0, "every block sends some of its entries");
+                        }
+                        joined
+                            .indices
+                            .extend(part.indices.iter().map(|&i| i + start as u32));
+                        joined.values.extend(part.values);
+                    }
+                    assert_same_topk(&joined, &sent);
+                    assert_eq!(bits(whole.residual()), bits(streamed.residual()));
+                    assert!(sent.indices.iter().any(|&i| i < 300), "step {step}");
+                }
+                assert_eq!(whole.step(), streamed.step());
+            }
+        }
+        // A block out of range, or a part of the wrong length, is refused.
+        let mut c = Compressor::new(10, topk_config(0.5)).per_block(vec![0..5, 5..10]);
+        assert!(c.compress_block(2, &[0.0; 5], 1.0).is_err());
+        assert!(c.compress_block(0, &[0.0; 4], 1.0).is_err());
+        // Blocks that do not tile the gradient: one selection over all.
+        let gaps = Compressor::new(10, topk_config(0.5)).per_block(vec![0..4, 5..10]);
+        assert!(gaps.blocks().is_empty());
     }
 
     #[test]

@@ -186,31 +186,75 @@ fn f16_replies_halve_dense_pulls_and_the_workers_stay_identical() {
 /// before it, and the cluster trains exactly what whole pushes train.
 #[test]
 fn pushes_streamed_during_backward_train_what_whole_pushes_train() {
+    let streamed = streamed_and_whole("dense", CompressionKind::None, 1.0, 3, |_| {});
+    assert!(streamed[0].final_accuracy > ACCURACY_BAR);
+}
+
+/// The same with top-k pushes selected per shard (`compression.scope =
+/// "shard"`): each shard's top-k is taken as soon as backward has finished
+/// its range, through the density warm-up and at the final density, and
+/// the cluster trains exactly what the whole push selected per shard
+/// trains.
+#[test]
+fn topk_pushes_selected_per_shard_stream_during_backward_bit_for_bit() {
+    let what = "top-k 2% per shard";
+    let streamed = streamed_and_whole(what, CompressionKind::Topk, 0.02, 8, |cfg| {
+        cfg.compression.scope = ps_shared::config::TopkScope::Shard;
+        cfg.compression.warmup_steps = 20;
+        cfg.compression.warmup_start_density = 0.5;
+        cfg.compression.f16_values = true;
+    });
+    for r in &streamed {
+        // The warm-up's steps in the first epoch push more; the last epoch
+        // is at the final density, each shard's 2% rounded.
+        let (first, last) = (&r.epochs[0], &r.epochs[r.epochs.len() - 1]);
+        assert!(
+            first.density > 0.03 && first.density < 0.5,
+            "{}",
+            first.density
+        );
+        assert!((last.density - 0.02).abs() < 0.001, "{}", last.density);
+        assert!(r.final_accuracy > ACCURACY_BAR, "{:.3}", r.final_accuracy);
+    }
+}
+
+/// Runs the cluster with pushes made after backward and during it (the
+/// second of two shards starts in the middle of three equal hidden layers,
+/// so it is final before the first layer is), checks that both train the
+/// same bit for bit, and returns the streamed run's reports.
+fn streamed_and_whole(
+    what: &str,
+    kind: CompressionKind,
+    density: f64,
+    epochs: u64,
+    configure: impl Fn(&mut ps_shared::config::ClusterConfig),
+) -> Vec<ps_worker::run::WorkerReport> {
     let (store, prefix) = synthetic_bucket_blocking(&spec());
     let run = |stream: bool| {
-        let mut cfg = test_config(CompressionKind::None, 1.0, 3);
-        // Three equal hidden layers: the second of the two shards starts
-        // in the middle one, so it is final before the first layer is.
+        let mut cfg = test_config(kind, density, epochs);
         cfg.model.hidden = vec![64, 64, 64];
         cfg.training.overlap_backward = stream;
+        configure(&mut cfg);
         cfg.validate().unwrap();
         run_cluster(cfg, store.clone(), prefix.clone()).expect("cluster run")
     };
     let whole = run(false);
     let streamed = run(true);
-    summarize("dense, pushed after backward", &whole);
-    summarize("dense, pushed during backward", &streamed);
+    summarize(&format!("{what}, pushed after backward"), &whole);
+    summarize(&format!("{what}, pushed during backward"), &streamed);
     for (w, s) in whole.iter().zip(&streamed) {
         assert_eq!(w.early_shards_per_step, 0.0);
         assert_eq!(s.early_shards_per_step, 1.0, "rank {}", s.rank);
         assert_eq!(w.steps, s.steps);
         for (a, b) in w.epochs.iter().zip(&s.epochs) {
+            assert_eq!(a.density.to_bits(), b.density.to_bits());
+            assert_eq!(a.bytes_pushed, b.bytes_pushed);
             assert_eq!(a.test_loss.to_bits(), b.test_loss.to_bits());
             assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits());
         }
         assert_eq!(w.final_accuracy.to_bits(), s.final_accuracy.to_bits());
     }
-    assert!(streamed[0].final_accuracy > ACCURACY_BAR);
+    streamed
 }
 
 #[test]

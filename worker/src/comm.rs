@@ -118,11 +118,13 @@ pub enum Outgoing {
     Streamed(StreamedGrad),
 }
 
-/// One shard's dense push values, as they go on the wire.
+/// One shard's push, as it goes on the wire: dense values, or the shard's
+/// own top-k (`compression.scope = "shard"`).
 #[derive(Debug)]
 enum ShardValues {
     F32(Vec<f32>),
     F16(Vec<u16>),
+    Sparse(WireGrad),
 }
 
 /// A shard's values still to come from the trainer (or come already).
@@ -176,20 +178,19 @@ impl GradSink {
         (sink, Outgoing::Streamed(StreamedGrad(pending)))
     }
 
+    /// The shards' ranges of the flat gradient, in shard order.
+    pub fn ranges(&self) -> &[std::ops::Range<usize>] {
+        &self.ranges
+    }
+
     /// `grads[from..]` is final: every shard lying wholly inside it that
     /// has not left yet leaves now, scaled by `weight` (the batch's share of
     /// the global batch; 1 leaves the values as they are). Returns how many
     /// left.
     pub fn offer(&mut self, from: usize, grads: &[f32], weight: f32) -> u64 {
-        let mut handed = 0;
-        for (range, sender) in self.ranges.iter().zip(&mut self.senders) {
-            if range.start < from || sender.is_none() {
-                continue;
-            }
-            let Some(part) = grads.get(range.clone()) else {
-                continue;
-            };
-            let values = match (self.f16, weight == 1.0) {
+        let f16 = self.f16;
+        let dense = |_: usize, part: &[f32]| {
+            Ok::<_, std::convert::Infallible>(match (f16, weight == 1.0) {
                 (true, true) => ShardValues::F16(ps_shared::sparse::values_to_f16(part)),
                 (true, false) => ShardValues::F16(
                     part.iter()
@@ -198,14 +199,57 @@ impl GradSink {
                 ),
                 (false, true) => ShardValues::F32(part.to_vec()),
                 (false, false) => ShardValues::F32(part.iter().map(|&v| v * weight).collect()),
+            })
+        };
+        match self.hand(from, grads, dense) {
+            Ok(handed) => handed,
+            Err(never) => match never {},
+        }
+    }
+
+    /// [`Self::offer`] for a compressed push: each shard that is final
+    /// leaves as what `select(shard, its gradient)` picks of it (indices
+    /// local to the shard). The first error stops the offer and is
+    /// returned; the shards not handed over then fail the exchange.
+    pub fn offer_sparse<E>(
+        &mut self,
+        from: usize,
+        grads: &[f32],
+        mut select: impl FnMut(usize, &[f32]) -> Result<SparseGrad, E>,
+    ) -> Result<u64, E> {
+        let f16 = self.f16;
+        self.hand(from, grads, |shard, part| {
+            Ok(ShardValues::Sparse(WireGrad::from_sparse(
+                select(shard, part)?,
+                f16,
+            )))
+        })
+    }
+
+    /// Hands every shard that is final and still here over as `make` encodes
+    /// it; how many left.
+    fn hand<E>(
+        &mut self,
+        from: usize,
+        grads: &[f32],
+        mut make: impl FnMut(usize, &[f32]) -> Result<ShardValues, E>,
+    ) -> Result<u64, E> {
+        let mut handed = 0;
+        for (shard, (range, sender)) in self.ranges.iter().zip(&mut self.senders).enumerate() {
+            if range.start < from || sender.is_none() {
+                continue;
+            }
+            let Some(part) = grads.get(range.clone()) else {
+                continue;
             };
+            let values = make(shard, part)?;
             if let Some(tx) = sender.take() {
                 // The exchange may be gone (it failed): nothing waits then.
                 let _ = tx.send(Arc::new(values));
                 handed += 1;
             }
         }
-        handed
+        Ok(handed)
     }
 }
 
@@ -374,6 +418,7 @@ impl Pushes {
                 Ok(values) => Some(match values.as_ref() {
                     ShardValues::F32(v) => GradView::Dense(ValuesView::F32(v)),
                     ShardValues::F16(v) => GradView::Dense(ValuesView::F16(v)),
+                    ShardValues::Sparse(g) => GradView::from(g),
                 }),
                 Err(_) => None,
             },
@@ -1501,5 +1546,45 @@ mod tests {
         drop(sink);
         assert!(pushes.pending(0).is_none(), "nothing to wait for");
         assert!(pushes.view(&map, 0).is_none());
+    }
+
+    #[test]
+    fn a_sink_hands_over_each_final_shards_own_selection_and_stops_at_an_error() {
+        let map = ShardMap::balanced(6, 3).unwrap();
+        let (mut sink, pushes) = streamed(&map, false);
+        let grads = [0.1, -3.0, 0.2, 0.3, 5.0, -0.4];
+        // Each shard's largest entry, local index.
+        let mut largest = |shard: usize, part: &[f32]| {
+            let (i, &v) = part
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .unwrap();
+            if shard == 0 {
+                return Err("shard 0 refused");
+            }
+            Ok(SparseGrad {
+                indices: vec![i as u32],
+                values: vec![v],
+            })
+        };
+        assert_eq!(sink.offer_sparse(2, &grads, &mut largest), Ok(2));
+        for (shard, (index, value)) in [(1, (1, 0.3)), (2, (0, 5.0))] {
+            let Some(GradView::Sparse {
+                indices,
+                values: ValuesView::F32(values),
+            }) = pushes.view(&map, shard)
+            else {
+                panic!("shard {shard} is sparse, f32")
+            };
+            assert_eq!(indices, &[index]);
+            assert_eq!(values, &[value]);
+        }
+        // A selection that fails stops the offer: its shard stays pending.
+        assert_eq!(
+            sink.offer_sparse(0, &grads, &mut largest),
+            Err("shard 0 refused")
+        );
+        assert!(pushes.pending(0).is_some());
     }
 }

@@ -71,7 +71,7 @@ impl NodeSum {
     /// section (none with `kind = "none"`).
     pub fn for_config(cfg: &ClusterConfig) -> Self {
         let n = cfg.model.num_params();
-        Self::new(n, cfg.compression.compressor(n))
+        Self::new(n, cfg.compression.compressor(n, cfg.total_shards()))
     }
 
     /// Add one rank's gradient to the node's sum.

@@ -898,7 +898,7 @@ async fn run_rank(
     let compressor = if node.is_some() {
         None
     } else {
-        cfg.compression.compressor(num_params)
+        cfg.compression.compressor(num_params, cfg.total_shards())
     };
     // With optimizer.moments = "worker" (refused for nodes by the config)
     // each worker keeps Adam's moments and pushes its direction.
@@ -1179,7 +1179,7 @@ async fn train(
     // flight.
     let overlap = cfg.overlaps_compute();
     // Streaming (training.overlap_backward): a rank on its own connections
-    // pushes each shard while backward still runs. A simulated slow worker
+    // pushes each shard (dense, or its own top-k) while backward still runs. A simulated slow worker
     // stretches its compute after the pass, so it pushes whole.
     let stream = matches!(exchange, Exchange::Flat(_))
         && crate::trainer::streams_backward(cfg)

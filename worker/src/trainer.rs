@@ -13,9 +13,9 @@ use actix::prelude::*;
 
 use ps_dataset::Batch;
 use ps_net::protocol::ParamUpdate;
-use ps_shared::sparse::{values_from_f16, Compressor, SparseError};
+use ps_shared::sparse::{values_from_f16, Compressor, SparseError, SparseGrad};
 
-use ps_shared::config::{ClusterConfig, CompressionKind};
+use ps_shared::config::ClusterConfig;
 
 use crate::comm::{GradSink, Outgoing, ShardUpdate};
 use crate::model::{Model, ModelError};
@@ -101,14 +101,29 @@ pub struct ComputeStep(pub Arc<Batch>, pub f32, pub Option<GradSink>);
 
 /// Whether a rank on its own connections streams its gradient to the
 /// exchange during the backward pass: `training.overlap_backward` with
-/// dense pushes of the plain gradient (no top-k, whose selection needs the
-/// whole gradient, and Adam's moments on the servers), and without
-/// `training.overlap`, which computes ahead instead.
+/// pushes that a shard's range decides alone (dense, or a top-k per shard
+/// with `compression.scope = "shard"` and no local clipping; Adam's moments
+/// on the servers), and without `training.overlap`, which computes ahead
+/// instead.
 pub fn streams_backward(cfg: &ClusterConfig) -> bool {
     cfg.training.overlap_backward
-        && cfg.compression.kind == CompressionKind::None
+        && cfg.compression.streams()
         && !cfg.optimizer.worker_moments()
         && !cfg.overlaps_compute()
+}
+
+/// `g` (global indices, ascending) cut at the shards' `ranges`, indices
+/// local to each shard.
+fn split_sparse(g: &SparseGrad, ranges: &[std::ops::Range<usize>]) -> Vec<SparseGrad> {
+    let mut parts = vec![SparseGrad::default(); ranges.len()];
+    for (&index, &value) in g.indices.iter().zip(&g.values) {
+        let shard = ranges.partition_point(|r| r.end <= index as usize);
+        if let (Some(range), Some(part)) = (ranges.get(shard), parts.get_mut(shard)) {
+            part.indices.push(index - range.start as u32);
+            part.values.push(value);
+        }
+    }
+    parts
 }
 
 impl Handler<ComputeStep> for TrainerActor {
@@ -136,12 +151,34 @@ impl TrainerActor {
         weight: f32,
         mut sink: GradSink,
     ) -> Result<StepOutput, TrainerError> {
-        if self.compressor.is_some() || self.moments.is_some() {
+        // A compressed push streams when each shard has its own top-k
+        // (`compression.scope = "shard"`, the same shards as the sink's) and
+        // no clipping scale waits for the whole gradient's norm.
+        let selects_per_shard = self
+            .compressor
+            .as_ref()
+            .is_some_and(|c| c.blocks() == sink.ranges() && c.config().streams());
+        if self.moments.is_some() || (self.compressor.is_some() && !selects_per_shard) {
             // The push is not the plain gradient: it leaves whole.
             let mut out = self.compute_step(batch, weight)?;
-            if let Some(Outgoing::Dense(d)) = &out.grad {
-                sink.offer(0, d, 1.0);
-                out.grad = None;
+            match out.grad.take() {
+                Some(Outgoing::Dense(d)) => {
+                    sink.offer(0, &d, 1.0);
+                }
+                Some(Outgoing::Sparse(g)) => {
+                    let mut parts: Vec<_> = split_sparse(&g, sink.ranges())
+                        .into_iter()
+                        .map(Some)
+                        .collect();
+                    let whole = sink.offer_sparse(0, &self.grad, |shard, _| {
+                        let part = parts.get_mut(shard).and_then(Option::take);
+                        Ok::<_, std::convert::Infallible>(part.unwrap_or_default())
+                    });
+                    if let Err(never) = whole {
+                        match never {}
+                    }
+                }
+                other => out.grad = other,
             }
             return Ok(out);
         }
@@ -149,10 +186,31 @@ impl TrainerActor {
         // The last call (`from` 0) comes as the pass ends: shards that left
         // before it left early.
         let mut early_shards = 0;
+        let mut sent = 0usize;
+        let mut compress = Duration::ZERO;
+        let mut failed = None;
+        let compressor = &mut self.compressor;
         let loss = self
             .model
             .gradient_streamed(batch, &mut self.grad, &mut |from, grads| {
-                let handed = sink.offer(from, grads, weight);
+                let handed = match compressor {
+                    None => sink.offer(from, grads, weight),
+                    Some(c) => {
+                        let t = Instant::now();
+                        // The batch's weight scales the gradient as it is
+                        // accumulated (what `compress` sees pre-scaled).
+                        let handed = sink.offer_sparse(from, grads, |shard, part| {
+                            let picked = c.compress_block(shard, part, weight)?;
+                            sent += picked.len();
+                            Ok::<_, SparseError>(picked)
+                        });
+                        compress += t.elapsed();
+                        handed.unwrap_or_else(|e| {
+                            failed.get_or_insert(e);
+                            0
+                        })
+                    }
+                };
                 if from > 0 {
                     early_shards += handed;
                 }
@@ -160,13 +218,23 @@ impl TrainerActor {
         if !loss.is_finite() {
             return Err(TrainerError::Diverged(loss));
         }
+        let density = match &mut self.compressor {
+            Some(c) => {
+                c.end_step();
+                sent as f64 / self.grad.len().max(1) as f64
+            }
+            None => 1.0,
+        };
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
         self.step += 1;
         Ok(StepOutput {
             loss,
             grad: None,
-            density: 1.0,
-            compute: t0.elapsed(),
-            compress: Duration::ZERO,
+            density,
+            compute: t0.elapsed().saturating_sub(compress),
+            compress,
             early_shards,
         })
     }

@@ -17,6 +17,21 @@ pub enum CompressionKind {
     Topk,
 }
 
+/// What one top-k selection covers (`compression.scope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TopkScope {
+    /// One selection over the whole flat gradient: the k largest entries
+    /// wherever they lie (a shard may get many, another none).
+    #[default]
+    Model,
+    /// One selection per server shard, `density` of its entries each: every
+    /// shard gets its share of the push, and a shard's selection needs only
+    /// its own range, so a compressed push can leave while the backward pass
+    /// still runs (`training.overlap_backward`).
+    Shard,
+}
+
 /// Worker-side gradient compression: the settings of the top-k
 /// [`Compressor`] (error feedback and DGC-style momentum correction, masking,
 /// local clipping and density warm-up), which takes this section as it is.
@@ -67,6 +82,11 @@ pub struct CompressionSection {
     /// (5-16% at 8 and 32 workers), so `auto` keeps it off. `true` or
     /// `false` force it.
     pub global_topk: GlobalTopk,
+    /// `model` (one top-k over the whole gradient) or `shard` (one per
+    /// server shard, which `training.overlap_backward` needs to stream a
+    /// compressed push). Local clipping (`clip_norm`) needs the whole
+    /// gradient's norm, so a clipped push leaves whole either way.
+    pub scope: TopkScope,
 }
 
 /// Barrier sizes up to which `compression.global_topk = "auto"` applies
@@ -136,6 +156,7 @@ impl Default for CompressionSection {
             f16_values: false,
             f16_replies: false,
             global_topk: GlobalTopk::Auto,
+            scope: TopkScope::Model,
         }
     }
 }
@@ -174,13 +195,35 @@ impl CompressionSection {
         Ok(())
     }
 
-    /// The compressor for `num_params` parameters, or `None` with
-    /// `kind = "none"` (dense gradients need none).
-    pub fn compressor(&self, num_params: usize) -> Option<Compressor> {
+    /// The compressor for `num_params` parameters split over `shards`
+    /// balanced server shards, or `None` with `kind = "none"` (dense
+    /// gradients need none). With `scope = "shard"` it selects per shard.
+    pub fn compressor(&self, num_params: usize, shards: usize) -> Option<Compressor> {
         match self.kind {
             CompressionKind::None => None,
-            CompressionKind::Topk => Some(Compressor::new(num_params, self.clone())),
+            CompressionKind::Topk => {
+                let compressor = Compressor::new(num_params, self.clone());
+                Some(match self.scope {
+                    TopkScope::Model => compressor,
+                    // A layout with more shards than parameters has no
+                    // shards to select in; the connection refuses it.
+                    TopkScope::Shard => {
+                        match crate::shard::ShardMap::balanced(num_params, shards) {
+                            Ok(map) => compressor.per_block(map.ranges().to_vec()),
+                            Err(_) => compressor,
+                        }
+                    }
+                })
+            }
         }
+    }
+
+    /// Whether a top-k push can leave shard by shard as the backward pass
+    /// finishes each range: one selection per shard, and no local clipping
+    /// (whose scale needs the whole gradient).
+    pub fn streams(&self) -> bool {
+        self.kind == CompressionKind::None
+            || (self.scope == TopkScope::Shard && self.clip_norm == 0.0)
     }
 
     /// The top-k settings' ranges, whatever `kind` says: density in (0, 1],
@@ -337,10 +380,50 @@ mod tests {
             "[compression]\nkind = \"none\"\nmomentum_correction = 1.5\n",
         )
         .unwrap();
-        assert!(cfg.compression.compressor(8).is_none());
+        assert!(cfg.compression.compressor(8, 2).is_none());
         let cfg = ClusterConfig::from_toml_str("[compression]\nkind = \"topk\"\n").unwrap();
-        let compressor = cfg.compression.compressor(8).expect("a top-k compressor");
+        let compressor = cfg
+            .compression
+            .compressor(8, 2)
+            .expect("a top-k compressor");
         assert_eq!(compressor.config(), &cfg.compression);
         assert_eq!(compressor.residual().len(), 8);
+        assert!(compressor.blocks().is_empty(), "scope model: one selection");
+    }
+
+    #[test]
+    fn scope_shard_selects_per_server_shard_and_streams_without_clipping() {
+        let parse = |v: &str| {
+            ClusterConfig::from_toml_str(&format!("[compression]\nscope = {v}\n"))
+                .map(|c| c.compression)
+        };
+        assert_eq!(parse("\"model\"").unwrap().scope, TopkScope::Model);
+        let shard = parse("\"shard\"").unwrap();
+        assert_eq!(shard.scope, TopkScope::Shard);
+        let err = parse("\"layer\"").unwrap_err().to_string();
+        assert!(err.contains("scope"), "{err}");
+        // The blocks are the balanced shards of the cluster's layout.
+        let compressor = shard.compressor(10, 3).expect("a top-k compressor");
+        assert_eq!(compressor.blocks(), &[0..4, 4..7, 7..10]);
+        // More shards than parameters: no layout to follow (the connection
+        // refuses it), one selection.
+        assert!(shard.compressor(2, 3).unwrap().blocks().is_empty());
+        assert!(shard.streams());
+        assert!(!CompressionSection::default().streams(), "scope model");
+        let clipped = CompressionSection {
+            clip_norm: 1.0,
+            ..shard.clone()
+        };
+        assert!(
+            !clipped.streams(),
+            "clipping needs the whole gradient's norm"
+        );
+        let dense = CompressionSection {
+            kind: CompressionKind::None,
+            ..CompressionSection::default()
+        };
+        assert!(dense.streams());
+        let text = toml::to_string(&shard).unwrap();
+        assert!(text.contains("scope = \"shard\""), "{text}");
     }
 }

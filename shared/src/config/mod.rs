@@ -40,7 +40,9 @@ mod server;
 mod training;
 
 pub use cluster::{ClusterSection, TlsSection};
-pub use compression::{CompressionKind, CompressionSection, GlobalTopk, GLOBAL_TOPK_AUTO_MAX};
+pub use compression::{
+    CompressionKind, CompressionSection, GlobalTopk, TopkScope, GLOBAL_TOPK_AUTO_MAX,
+};
 pub use data::{AugmentSection, Balance, DataSection, OnBadSample};
 pub use loader::{CacheSize, CostModel, CostSection, LoaderSection};
 pub use model::{GptSection, ModelKind, ModelSection, TensorDecl, TensorSpec};

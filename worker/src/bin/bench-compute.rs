@@ -243,7 +243,7 @@ impl Bench {
             .with_context(|| format!("building {}", net.label()))?;
         let p = model.num_params();
         let compressor = CompressionSection::default()
-            .compressor(p)
+            .compressor(p, 1)
             .context("the default compression builds a compressor")?;
         Ok(Bench {
             model,

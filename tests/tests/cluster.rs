@@ -218,6 +218,27 @@ fn topk_pushes_selected_per_shard_stream_during_backward_bit_for_bit() {
     }
 }
 
+/// With Adam's moments on the workers (the GPT's top-k recipe), each
+/// shard's direction and its top-k are made as soon as backward has
+/// finished its range, bit for bit what the whole push makes.
+#[test]
+fn worker_adam_directions_stream_during_backward_bit_for_bit() {
+    let what = "AdamW on the workers, top-k 5% per shard";
+    let streamed = streamed_and_whole(what, CompressionKind::Topk, 0.05, 4, |cfg| {
+        use ps_shared::config::{Moments, OptimizerKind};
+        cfg.compression.scope = ps_shared::config::TopkScope::Shard;
+        cfg.compression.momentum_correction = 0.0;
+        cfg.optimizer.kind = OptimizerKind::Adamw;
+        cfg.optimizer.lr = 0.003;
+        cfg.optimizer.momentum = 0.0;
+        cfg.optimizer.weight_decay = 0.01;
+        cfg.optimizer.moments = Moments::Worker;
+    });
+    for r in &streamed {
+        assert!(r.final_accuracy > ACCURACY_BAR, "{:.3}", r.final_accuracy);
+    }
+}
+
 /// Runs the cluster with pushes made after backward and during it (the
 /// second of two shards starts in the middle of three equal hidden layers,
 /// so it is final before the first layer is), checks that both train the

@@ -118,6 +118,15 @@ pub enum Outgoing {
     Streamed(StreamedGrad),
 }
 
+/// One shard's push as the trainer makes it ([`GradSink::offer_with`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ShardPush {
+    /// Every entry of the shard, in order.
+    Dense(Vec<f32>),
+    /// Indices local to the shard, ascending.
+    Sparse(SparseGrad),
+}
+
 /// One shard's push, as it goes on the wire: dense values, or the shard's
 /// own top-k (`compression.scope = "shard"`).
 #[derive(Debug)]
@@ -189,7 +198,7 @@ impl GradSink {
     /// left.
     pub fn offer(&mut self, from: usize, grads: &[f32], weight: f32) -> u64 {
         let f16 = self.f16;
-        let dense = |_: usize, part: &[f32]| {
+        let dense = |_: usize, _: std::ops::Range<usize>, part: &[f32]| {
             Ok::<_, std::convert::Infallible>(match (f16, weight == 1.0) {
                 (true, true) => ShardValues::F16(ps_shared::sparse::values_to_f16(part)),
                 (true, false) => ShardValues::F16(
@@ -207,22 +216,26 @@ impl GradSink {
         }
     }
 
-    /// [`Self::offer`] for a compressed push: each shard that is final
-    /// leaves as what `select(shard, its gradient)` picks of it (indices
-    /// local to the shard). The first error stops the offer and is
-    /// returned; the shards not handed over then fail the exchange.
-    pub fn offer_sparse<E>(
+    /// [`Self::offer`] for a push made per shard: each shard that is final
+    /// and still here leaves as what `make(shard, its range, its gradient)`
+    /// returns (a sparse push has indices local to the shard). The first
+    /// error stops the offer and is returned; the shards not handed over
+    /// then fail the exchange.
+    pub fn offer_with<E>(
         &mut self,
         from: usize,
         grads: &[f32],
-        mut select: impl FnMut(usize, &[f32]) -> Result<SparseGrad, E>,
+        mut make: impl FnMut(usize, std::ops::Range<usize>, &[f32]) -> Result<ShardPush, E>,
     ) -> Result<u64, E> {
         let f16 = self.f16;
-        self.hand(from, grads, |shard, part| {
-            Ok(ShardValues::Sparse(WireGrad::from_sparse(
-                select(shard, part)?,
-                f16,
-            )))
+        self.hand(from, grads, |shard, range, part| {
+            Ok(match make(shard, range, part)? {
+                ShardPush::Sparse(g) => ShardValues::Sparse(WireGrad::from_sparse(g, f16)),
+                ShardPush::Dense(v) if f16 => {
+                    ShardValues::F16(ps_shared::sparse::values_to_f16(&v))
+                }
+                ShardPush::Dense(v) => ShardValues::F32(v),
+            })
         })
     }
 
@@ -232,7 +245,7 @@ impl GradSink {
         &mut self,
         from: usize,
         grads: &[f32],
-        mut make: impl FnMut(usize, &[f32]) -> Result<ShardValues, E>,
+        mut make: impl FnMut(usize, std::ops::Range<usize>, &[f32]) -> Result<ShardValues, E>,
     ) -> Result<u64, E> {
         let mut handed = 0;
         for (shard, (range, sender)) in self.ranges.iter().zip(&mut self.senders).enumerate() {
@@ -242,7 +255,7 @@ impl GradSink {
             let Some(part) = grads.get(range.clone()) else {
                 continue;
             };
-            let values = make(shard, part)?;
+            let values = make(shard, range.clone(), part)?;
             if let Some(tx) = sender.take() {
                 // The exchange may be gone (it failed): nothing waits then.
                 let _ = tx.send(Arc::new(values));
@@ -1554,7 +1567,7 @@ mod tests {
         let (mut sink, pushes) = streamed(&map, false);
         let grads = [0.1, -3.0, 0.2, 0.3, 5.0, -0.4];
         // Each shard's largest entry, local index.
-        let mut largest = |shard: usize, part: &[f32]| {
+        let mut largest = |shard: usize, _: std::ops::Range<usize>, part: &[f32]| {
             let (i, &v) = part
                 .iter()
                 .enumerate()
@@ -1563,12 +1576,12 @@ mod tests {
             if shard == 0 {
                 return Err("shard 0 refused");
             }
-            Ok(SparseGrad {
+            Ok(ShardPush::Sparse(SparseGrad {
                 indices: vec![i as u32],
                 values: vec![v],
-            })
+            }))
         };
-        assert_eq!(sink.offer_sparse(2, &grads, &mut largest), Ok(2));
+        assert_eq!(sink.offer_with(2, &grads, &mut largest), Ok(2));
         for (shard, (index, value)) in [(1, (1, 0.3)), (2, (0, 5.0))] {
             let Some(GradView::Sparse {
                 indices,
@@ -1582,7 +1595,7 @@ mod tests {
         }
         // A selection that fails stops the offer: its shard stays pending.
         assert_eq!(
-            sink.offer_sparse(0, &grads, &mut largest),
+            sink.offer_with(0, &grads, &mut largest),
             Err("shard 0 refused")
         );
         assert!(pushes.pending(0).is_some());

@@ -113,32 +113,77 @@ impl WorkerMoments {
                 });
             }
         }
+        let k = self.begin(step);
+        self.apply(&k, 0..grad.len(), grad, params);
+        Ok(())
+    }
+
+    /// Starts the direction of global step `step` made range by range as
+    /// the backward pass finishes each ([`Self::direction_in`]): one call
+    /// per step, then every range once.
+    pub fn begin(&mut self, step: u64) -> Direction {
         self.t += 1;
-        let k = Direction {
+        Direction {
             adam: AdamStep::new(&self.rule, self.t),
             factor: self.rule.schedule_factor(step),
-        };
-        for (range, wd) in &self.segments {
-            let range = range.clone();
+        }
+    }
+
+    /// [`Self::direction`] of the flat `range` alone: `grad` and `params`
+    /// are that range's entries. Over ranges that cover the model it makes
+    /// the same direction, bit for bit.
+    pub fn direction_in(
+        &mut self,
+        k: &Direction,
+        range: Range<usize>,
+        grad: &mut [f32],
+        params: &[f32],
+    ) -> Result<(), ModelError> {
+        if range.end > self.m.len() || range.start > range.end {
+            return Err(ModelError::Length {
+                expected: self.m.len(),
+                got: range.end,
+            });
+        }
+        for got in [grad.len(), params.len()] {
+            if got != range.len() {
+                return Err(ModelError::Length {
+                    expected: range.len(),
+                    got,
+                });
+            }
+        }
+        self.apply(k, range, grad, params);
+        Ok(())
+    }
+
+    /// The direction over `range` (`grad` and `params` hold its entries),
+    /// segment by segment.
+    fn apply(&mut self, k: &Direction, range: Range<usize>, grad: &mut [f32], params: &[f32]) {
+        for (segment, wd) in &self.segments {
+            let (lo, hi) = (segment.start.max(range.start), segment.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
             let wd = *wd;
-            grad[range.clone()]
+            let local = lo - range.start..hi - range.start;
+            grad[local.clone()]
                 .par_chunks_mut(CHUNK)
-                .zip(params[range.clone()].par_chunks(CHUNK))
-                .zip(self.m[range.clone()].par_chunks_mut(CHUNK))
-                .zip(self.v[range].par_chunks_mut(CHUNK))
+                .zip(params[local].par_chunks(CHUNK))
+                .zip(self.m[lo..hi].par_chunks_mut(CHUNK))
+                .zip(self.v[lo..hi].par_chunks_mut(CHUNK))
                 .for_each(|(((g, p), m), v)| {
                     for (((g, &p), m), v) in g.iter_mut().zip(p).zip(m).zip(v) {
                         *g = k.entry(*g, p, m, v, wd);
                     }
                 });
         }
-        Ok(())
     }
 }
 
 /// The constants of one direction: Adam's step and the schedule factor.
 #[derive(Debug, Clone, Copy)]
-struct Direction {
+pub struct Direction {
     adam: AdamStep,
     /// `lr(step) / lr`.
     factor: f32,
@@ -340,5 +385,44 @@ mod tests {
         for (i, (a, b)) in grad.iter().zip(&serial).enumerate() {
             assert!((a - b).abs() < 1e-5, "entry {i}: {a} vs {b}");
         }
+    }
+
+    /// Ranges that cut through tensors, made last to first as a backward
+    /// pass finishes them, give the whole direction bit for bit, step
+    /// after step; a range or slice of the wrong size is refused.
+    #[test]
+    fn a_direction_made_range_by_range_is_the_whole_one() {
+        let rule = adam(OptimizerKind::Adamw, 0.1);
+        let n = 2 * CHUNK + 33;
+        let tensors = [("w", 0..CHUNK + 9), ("bias", CHUNK + 9..n)];
+        let mut whole = WorkerMoments::new(&rule, tensors.clone());
+        let mut ranged = WorkerMoments::new(&rule, tensors);
+        let params: Vec<f32> = (0..n).map(|i| ((i % 11) as f32 - 5.0) * 0.1).collect();
+        let ranges = [0..CHUNK / 2, CHUNK / 2..CHUNK + 20, CHUNK + 20..n];
+        for step in 0..3u64 {
+            let grad: Vec<f32> = (0..n)
+                .map(|i| (((i as u64 * 7 + step * 3) % 17) as f32 - 8.0) * 0.01)
+                .collect();
+            let mut want = grad.clone();
+            whole.direction(&mut want, &params, step).unwrap();
+            let k = ranged.begin(step);
+            let mut got = grad.clone();
+            for range in ranges.iter().rev() {
+                let range = range.clone();
+                let (g, p) = (&mut got[range.clone()], &params[range.clone()]);
+                ranged.direction_in(&k, range, g, p).unwrap();
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "step {step}");
+            assert_eq!(bits(ranged.moments().1), bits(whole.moments().1));
+        }
+        assert_eq!(ranged.steps(), whole.steps());
+        let k = ranged.begin(3);
+        assert!(ranged
+            .direction_in(&k, 0..4, &mut [0.0; 3], &[0.0; 4])
+            .is_err());
+        assert!(ranged
+            .direction_in(&k, n - 2..n + 2, &mut [0.0; 4], &[0.0; 4])
+            .is_err());
     }
 }

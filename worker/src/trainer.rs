@@ -17,7 +17,7 @@ use ps_shared::sparse::{values_from_f16, Compressor, SparseError, SparseGrad};
 
 use ps_shared::config::ClusterConfig;
 
-use crate::comm::{GradSink, Outgoing, ShardUpdate};
+use crate::comm::{GradSink, Outgoing, ShardPush, ShardUpdate};
 use crate::model::{Model, ModelError};
 use crate::moments::WorkerMoments;
 
@@ -102,14 +102,11 @@ pub struct ComputeStep(pub Arc<Batch>, pub f32, pub Option<GradSink>);
 /// Whether a rank on its own connections streams its gradient to the
 /// exchange during the backward pass: `training.overlap_backward` with
 /// pushes that a shard's range decides alone (dense, or a top-k per shard
-/// with `compression.scope = "shard"` and no local clipping; Adam's moments
-/// on the servers), and without `training.overlap`, which computes ahead
-/// instead.
+/// with `compression.scope = "shard"` and no local clipping; Adam's
+/// moments on either side), and without `training.overlap`, which computes
+/// ahead instead.
 pub fn streams_backward(cfg: &ClusterConfig) -> bool {
-    cfg.training.overlap_backward
-        && cfg.compression.streams()
-        && !cfg.optimizer.worker_moments()
-        && !cfg.overlaps_compute()
+    cfg.training.overlap_backward && cfg.compression.streams() && !cfg.overlaps_compute()
 }
 
 /// `g` (global indices, ascending) cut at the shards' `ranges`, indices
@@ -154,69 +151,78 @@ impl TrainerActor {
         // A compressed push streams when each shard has its own top-k
         // (`compression.scope = "shard"`, the same shards as the sink's) and
         // no clipping scale waits for the whole gradient's norm.
-        let selects_per_shard = self
+        let per_shard = self
             .compressor
             .as_ref()
-            .is_some_and(|c| c.blocks() == sink.ranges() && c.config().streams());
-        if self.moments.is_some() || (self.compressor.is_some() && !selects_per_shard) {
-            // The push is not the plain gradient: it leaves whole.
-            let mut out = self.compute_step(batch, weight)?;
-            match out.grad.take() {
-                Some(Outgoing::Dense(d)) => {
-                    sink.offer(0, &d, 1.0);
-                }
-                Some(Outgoing::Sparse(g)) => {
-                    let mut parts: Vec<_> = split_sparse(&g, sink.ranges())
-                        .into_iter()
-                        .map(Some)
-                        .collect();
-                    let whole = sink.offer_sparse(0, &self.grad, |shard, _| {
-                        let part = parts.get_mut(shard).and_then(Option::take);
-                        Ok::<_, std::convert::Infallible>(part.unwrap_or_default())
-                    });
-                    if let Err(never) = whole {
-                        match never {}
-                    }
-                }
-                other => out.grad = other,
-            }
-            return Ok(out);
+            .is_none_or(|c| c.blocks() == sink.ranges() && c.config().streams());
+        if !per_shard {
+            return self.whole_into(batch, weight, sink);
         }
         let t0 = Instant::now();
+        if self.moments.is_some() {
+            // Adam's direction is taken at the parameters held now, which
+            // the pass does not change.
+            self.model.flat_params_into(&mut self.params)?;
+        }
         // The last call (`from` 0) comes as the pass ends: shards that left
         // before it left early.
         let mut early_shards = 0;
         let mut sent = 0usize;
-        let mut compress = Duration::ZERO;
-        let mut failed = None;
-        let compressor = &mut self.compressor;
+        let mut prepare = Duration::ZERO;
+        let mut failed: Option<TrainerError> = None;
+        let mut direction = None;
+        let mut scratch = Vec::new();
+        let step = self.step;
+        let (compressor, moments, params) = (&mut self.compressor, &mut self.moments, &self.params);
+        let plain = compressor.is_none() && moments.is_none();
         let loss = self
             .model
             .gradient_streamed(batch, &mut self.grad, &mut |from, grads| {
-                let handed = match compressor {
-                    None => sink.offer(from, grads, weight),
-                    Some(c) => {
-                        let t = Instant::now();
-                        // The batch's weight scales the gradient as it is
-                        // accumulated (what `compress` sees pre-scaled).
-                        let handed = sink.offer_sparse(from, grads, |shard, part| {
-                            let picked = c.compress_block(shard, part, weight)?;
-                            sent += picked.len();
-                            Ok::<_, SparseError>(picked)
-                        });
-                        compress += t.elapsed();
-                        handed.unwrap_or_else(|e| {
-                            failed.get_or_insert(e);
-                            0
+                let t = Instant::now();
+                let handed = if plain {
+                    sink.offer(from, grads, weight)
+                } else {
+                    // Per shard, what `compute_step` does to the whole: the
+                    // batch's weight, Adam's direction, the top-k.
+                    let made = sink.offer_with(from, grads, |shard, range, part| {
+                        let (push, scale): (&[f32], f32) = match moments.as_mut() {
+                            Some(m) => {
+                                let k = *direction.get_or_insert_with(|| m.begin(step));
+                                scratch.clear();
+                                match weight == 1.0 {
+                                    true => scratch.extend_from_slice(part),
+                                    false => scratch.extend(part.iter().map(|&g| g * weight)),
+                                }
+                                let at = params.get(range.clone()).unwrap_or(&[]);
+                                m.direction_in(&k, range, &mut scratch, at)?;
+                                (&scratch, 1.0)
+                            }
+                            None => (part, weight),
+                        };
+                        Ok::<_, TrainerError>(match compressor.as_mut() {
+                            Some(c) => {
+                                let picked = c.compress_block(shard, push, scale)?;
+                                sent += picked.len();
+                                ShardPush::Sparse(picked)
+                            }
+                            None => ShardPush::Dense(push.iter().map(|&v| v * scale).collect()),
                         })
-                    }
+                    });
+                    made.unwrap_or_else(|e| {
+                        failed.get_or_insert(e);
+                        0
+                    })
                 };
+                prepare += t.elapsed();
                 if from > 0 {
                     early_shards += handed;
                 }
             })?;
         if !loss.is_finite() {
             return Err(TrainerError::Diverged(loss));
+        }
+        if let Some(e) = failed {
+            return Err(e);
         }
         let density = match &mut self.compressor {
             Some(c) => {
@@ -225,18 +231,50 @@ impl TrainerActor {
             }
             None => 1.0,
         };
-        if let Some(e) = failed {
-            return Err(e.into());
-        }
         self.step += 1;
         Ok(StepOutput {
             loss,
             grad: None,
             density,
-            compute: t0.elapsed().saturating_sub(compress),
-            compress,
+            compute: t0.elapsed().saturating_sub(prepare),
+            compress: prepare,
             early_shards,
         })
+    }
+
+    /// The step computed whole ([`Self::compute_step`]) and handed to the
+    /// sink at once, each shard its part of the push.
+    fn whole_into(
+        &mut self,
+        batch: &Batch,
+        weight: f32,
+        mut sink: GradSink,
+    ) -> Result<StepOutput, TrainerError> {
+        let mut out = self.compute_step(batch, weight)?;
+        let mut parts: Vec<Option<ShardPush>> = match out.grad.take() {
+            Some(Outgoing::Dense(d)) => {
+                sink.offer(0, &d, 1.0);
+                return Ok(out);
+            }
+            Some(Outgoing::Sparse(g)) => split_sparse(&g, sink.ranges())
+                .into_iter()
+                .map(|p| Some(ShardPush::Sparse(p)))
+                .collect(),
+            other => {
+                out.grad = other;
+                return Ok(out);
+            }
+        };
+        let whole = sink.offer_with(0, &self.grad, |shard, _, _| {
+            let part = parts.get_mut(shard).and_then(Option::take);
+            Ok::<_, std::convert::Infallible>(
+                part.unwrap_or(ShardPush::Sparse(SparseGrad::default())),
+            )
+        });
+        if let Err(never) = whole {
+            match never {}
+        }
+        Ok(out)
     }
 
     fn compute_step(&mut self, batch: &Batch, weight: f32) -> Result<StepOutput, TrainerError> {

@@ -27,14 +27,19 @@
 #   ddp       DDP dense, gloo, rank r in worker node w<r>
 #   powersgd  DDP + PowerSGD hook (rank 4, warm start, error feedback, plain
 #             all-reduce for the first --powersgd-start steps), same placement
-#   dense, densestream, dense16, dense16all, topk1, topk01
+#   dense, densestream, dense16, dense16all, topk1, topk01, topk1stream, topk01stream
 #             Stratus dense (server momentum 0.9), dense with each shard pushed
 #             as soon as backward has finished it (training.overlap_backward:
 #             the overlap's A/B), dense with f16 push values
 #             (compression.f16_values, the pulls stay f32; colocated only),
 #             dense with f16 pushes and f16 pulls (compression.f16_replies
 #             too: half DDP's bytes; colocated only),
-#             top-k 1% and 0.1%
+#             top-k 1% and 0.1% (one top-k over the whole gradient, or one
+#             per server shard with --topk-scope shard), and top-k 1% and
+#             0.1% selected per shard and each shard pushed as soon as
+#             backward has finished it (compression.scope = "shard" with
+#             training.overlap_backward; against topk1/topk01 with
+#             --topk-scope shard, the overlap's A/B),
 #             (worker-side DGC momentum correction --topk-correction, error
 #             feedback, server momentum 0, global top-k on the servers), each
 #             in two topologies:
@@ -85,7 +90,8 @@
 # Usage: sudo scripts/bench-peers.sh [--model mlp|resnet20|gpt] [--rate 100mbit|1gbit|10gbit|none]
 #            [--workers 2|4] [--seeds N|LIST] [--python PY]
 #            [--max-steps S] [--eval-every N] [--target ACC|LOSS]
-#            [--modes ddp,powersgd,dense,densestream,dense16,dense16all,topk1,topk01]
+#            [--modes ddp,powersgd,dense,densestream,dense16,dense16all,topk1,topk01,
+#                     topk1stream,topk01stream] [--topk-scope model|shard]
 #            [--topologies server,colocated] [--topk-warmup STEPS]
 #            [--topk-warmup-start DENSITY]
 #            [--powersgd-start STEPS] [--topk-correction M] [--topk-masking true|false]
@@ -129,6 +135,10 @@
 #   --global-topk  the servers apply a global top-k of each sparse update
 #                (compression.global_topk; default true): pulls carry at most
 #                k entries; false applies and returns the union of the pushes
+#   --topk-scope  what one top-k selection of topk1/topk01 covers
+#                (compression.scope): model (default, the whole gradient) or
+#                shard (each server shard its own share; the streamed modes
+#                always select per shard)
 #   --topk-warmup  DGC density warm-up for the top-k modes (exponential from
 #                --topk-warmup-start down to the mode's density over STEPS
 #                steps; default 300, as bench-convergence; gpt: 20 from 0.25,
@@ -164,6 +174,7 @@ topk_correction=
 topk_masking=
 topk_f16=true
 global_topk=true
+topk_scope=model
 powersgd_start=2
 mtu=1500
 quick=0
@@ -186,6 +197,7 @@ while [[ $# -gt 0 ]]; do
         --topk-masking) topk_masking=${2:?--topk-masking needs true or false}; shift 2 ;;
         --topk-f16) topk_f16=${2:?--topk-f16 needs true or false}; shift 2 ;;
         --global-topk) global_topk=${2:?--global-topk needs true or false}; shift 2 ;;
+        --topk-scope) topk_scope=${2:?--topk-scope needs model or shard}; shift 2 ;;
         --mtu) mtu=${2:?--mtu needs a value}; shift 2 ;;
         --quick) quick=1; shift ;;
         -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
@@ -242,6 +254,7 @@ else
 fi
 [[ $topk_correction =~ ^0?\.[0-9]+$|^0$ ]] || die "--topk-correction must be in [0, 1), such as 0.95"
 [[ $global_topk =~ ^(true|false)$ ]] || die "--global-topk must be true or false"
+[[ $topk_scope =~ ^(model|shard)$ ]] || die "--topk-scope must be model or shard"
 [[ $topk_masking =~ ^(true|false)$ ]] || die "--topk-masking must be true or false"
 [[ $topk_f16 =~ ^(true|false)$ ]] || die "--topk-f16 must be true or false"
 rate_bits=0
@@ -252,7 +265,7 @@ case "$rate" in
     *) die "--rate must be like 100mbit, 1gbit, 10gbit or none" ;;
 esac
 for m in ${modes//,/ }; do
-    [[ $m =~ ^(ddp|powersgd|dense|densestream|dense16|dense16all|topk1|topk01)$ ]] || die "unknown mode $m (ddp, powersgd, dense, densestream, dense16, dense16all, topk1, topk01)"
+    [[ $m =~ ^(ddp|powersgd|dense|densestream|dense16|dense16all|topk1|topk01|topk1stream|topk01stream)$ ]] || die "unknown mode $m (ddp, powersgd, dense, densestream, dense16, dense16all, topk1, topk01, topk1stream, topk01stream)"
 done
 for t in ${topologies//,/ }; do
     [[ $t =~ ^(server|colocated)$ ]] || die "unknown topology $t (server, colocated)"
@@ -524,13 +537,15 @@ optimizer_toml() {
 }
 
 write_config() { # mode topology seed file run-dir
-    local kind=none density=1.0 server_momentum=0.9 correction=0.0 servers shards values16=false replies16=false streamed=false
+    local kind=none density=1.0 server_momentum=0.9 correction=0.0 servers shards values16=false replies16=false streamed=false scope=$topk_scope
     case "$1" in
         densestream) streamed=true ;;
         dense16) values16=true ;;
         dense16all) values16=true replies16=true ;;
         topk1) kind=topk density=0.01 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 ;;
         topk01) kind=topk density=0.001 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 ;;
+        topk1stream) kind=topk density=0.01 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 scope=shard streamed=true ;;
+        topk01stream) kind=topk density=0.001 server_momentum=0.0 correction=$topk_correction values16=$topk_f16 scope=shard streamed=true ;;
     esac
     if [[ $2 == server ]]; then
         servers="\"${ip[s0]}:7400\""
@@ -589,6 +604,7 @@ warmup_start_density = $topk_warmup_start
 f16_values = $values16
 f16_replies = $replies16
 global_topk = $global_topk
+scope = "$scope"
 
 $(optimizer_toml "$server_momentum" "$kind")
 
@@ -630,7 +646,7 @@ run_stratus() { # mode topology seed
 for seed in ${seed_list//,/ }; do
     if has_mode ddp; then run_ddp dense "$seed"; fi
     if has_mode powersgd; then run_ddp powersgd "$seed"; fi
-    for mode in dense densestream dense16 dense16all topk1 topk01; do
+    for mode in dense densestream dense16 dense16all topk1 topk01 topk1stream topk01stream; do
         has_mode "$mode" || continue
         for topology in server colocated; do
             # dense16 and dense16all are measured where dense is closest to
@@ -643,8 +659,8 @@ done
 
 "$py" scripts/bench_peers/report.py --runs "$work/runs" --out "$work" \
     --rate "$rate" --target "$target" --target-kind "$([[ $model == gpt ]] && echo loss || echo accuracy)" --eval-every "$eval_every" --max-steps "$max_steps" \
-    --seeds "$seed_list" --torch "$torch_version" --topk-warmup "$topk_warmup" --powersgd-start "$powersgd_start" \
-    --topk-recipe "warm-up from density $topk_warmup_start, momentum correction $topk_correction, masking $topk_masking, f16 values $topk_f16, global top-k $global_topk$([[ $model == gpt ]] && echo ", AdamW moments on the workers")" \
+    --seeds "$seed_list" --torch "$torch_version" --topk-warmup "$topk_warmup" --powersgd-start "$powersgd_start" --topk-scope "$topk_scope" \
+    --topk-recipe "warm-up from density $topk_warmup_start, momentum correction $topk_correction, masking $topk_masking, f16 values $topk_f16, global top-k $global_topk, topk1/topk01 selected per $topk_scope$([[ $model == gpt ]] && echo ", AdamW moments on the workers")" \
     --model "$model" --workers "$workers" --batch "$batch" \
     --optimizer "$([[ $model == gpt ]] && echo "AdamW lr $gpt_lr ($gpt_warmup-step warm-up, then constant), weight decay $gpt_weight_decay" || echo "SGD lr 0.05 momentum 0.9")" \
     --data "$([[ $model == gpt ]] && echo "corpus of $corpus_bytes bytes at most, windows train=$train test=$test" || echo "train=$train test=$test label_noise=$label_noise")" \

@@ -1179,11 +1179,23 @@ async fn train(
     // flight.
     let overlap = cfg.overlaps_compute();
     // Streaming (training.overlap_backward): a rank on its own connections
-    // pushes each shard (dense, or its own top-k) while backward still runs. A simulated slow worker
-    // stretches its compute after the pass, so it pushes whole.
-    let stream = matches!(exchange, Exchange::Flat(_))
-        && crate::trainer::streams_backward(cfg)
-        && opts.simulation.compute.is_none();
+    // pushes each shard (dense, or its own top-k) while backward still runs.
+    // A simulated slow worker stretches its compute after the pass, so it
+    // pushes whole.
+    let unstreamed = match &exchange {
+        Exchange::Node(_) => Some("the node aggregator pushes the node's sum"),
+        Exchange::Flat(_) if !opts.simulation.compute.is_none() => {
+            Some("a simulated slow worker stretches its compute after the pass")
+        }
+        Exchange::Flat(_) => crate::trainer::why_not_streamed(cfg),
+    };
+    let stream = unstreamed.is_none();
+    if let (true, Some(why)) = (cfg.training.overlap_backward, unstreamed) {
+        tracing::warn!(
+            rank,
+            "training.overlap_backward is on but this rank pushes after the backward pass: {why}"
+        );
+    }
     let mut lookahead: Option<Option<(BatchPos, Arc<ps_dataset::Batch>)>> = None;
     let mut precomputed: Option<crate::trainer::StepOutput> = None;
     loop {

@@ -94,19 +94,30 @@ impl Actor for TrainerActor {
 /// share of the global batch with throughput balancing, `b_r /
 /// data.batch_size`; exactly 1 with equal batches, which leaves the
 /// gradient untouched). With a sink, the dense gradient leaves through it
-/// shard by shard while the backward pass runs ([`streams_backward`]).
+/// shard by shard while the backward pass runs ([`why_not_streamed`]).
 #[derive(Message)]
 #[rtype(result = "Result<StepOutput, TrainerError>")]
 pub struct ComputeStep(pub Arc<Batch>, pub f32, pub Option<GradSink>);
 
-/// Whether a rank on its own connections streams its gradient to the
-/// exchange during the backward pass: `training.overlap_backward` with
-/// pushes that a shard's range decides alone (dense, or a top-k per shard
-/// with `compression.scope = "shard"` and no local clipping; Adam's
-/// moments on either side), and without `training.overlap`, which computes
-/// ahead instead.
-pub fn streams_backward(cfg: &ClusterConfig) -> bool {
-    cfg.training.overlap_backward && cfg.compression.streams() && !cfg.overlaps_compute()
+/// Why a rank of `cfg` on its own connections pushes after the backward
+/// pass, or `None` when it streams its push to the exchange during the
+/// pass: `training.overlap_backward` with pushes that a shard's range
+/// decides alone (dense, or a top-k per shard with `compression.scope =
+/// "shard"` and no local clipping; Adam's moments on either side), and
+/// without `training.overlap`, which computes ahead instead.
+pub fn why_not_streamed(cfg: &ClusterConfig) -> Option<&'static str> {
+    use ps_shared::config::TopkScope;
+    if !cfg.training.overlap_backward {
+        Some("training.overlap_backward is off")
+    } else if cfg.overlaps_compute() {
+        Some("training.overlap computes the next gradient during the exchange instead")
+    } else if cfg.compression.streams() {
+        None
+    } else if cfg.compression.scope == TopkScope::Model {
+        Some("a top-k over the whole model needs the whole gradient (compression.scope = \"shard\" selects per shard)")
+    } else {
+        Some("compression.clip_norm scales by the whole gradient's norm")
+    }
 }
 
 /// `g` (global indices, ascending) cut at the shards' `ranges`, indices
@@ -397,5 +408,38 @@ impl Handler<SetStep> for TrainerActor {
     fn handle(&mut self, msg: SetStep, _: &mut Context<Self>) {
         self.step = msg.0;
         self.model.set_step(msg.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_shared::config::{CompressionKind, SyncMode, TopkScope};
+
+    /// Each setting that keeps a push whole is named; the rest stream.
+    #[test]
+    fn why_a_push_is_not_streamed_names_the_setting() {
+        let mut cfg = ClusterConfig::embedded_default().unwrap();
+        assert!(why_not_streamed(&cfg)
+            .unwrap()
+            .contains("overlap_backward is off"));
+        cfg.training.overlap_backward = true;
+        let why = why_not_streamed(&cfg).unwrap();
+        assert!(why.contains("compression.scope"), "{why}");
+        cfg.compression.scope = TopkScope::Shard;
+        assert_eq!(why_not_streamed(&cfg), None);
+        cfg.compression.clip_norm = 1.0;
+        assert!(why_not_streamed(&cfg).unwrap().contains("clip_norm"));
+        cfg.compression.kind = CompressionKind::None;
+        assert_eq!(
+            why_not_streamed(&cfg),
+            None,
+            "dense pushes need no selection"
+        );
+        cfg.server.mode = SyncMode::Asp;
+        cfg.training.overlap = true;
+        assert!(why_not_streamed(&cfg)
+            .unwrap()
+            .contains("training.overlap "));
     }
 }

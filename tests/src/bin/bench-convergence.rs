@@ -21,7 +21,7 @@ use anyhow::Context;
 use clap::Parser;
 
 use ps_dataset::SyntheticSpec;
-use ps_shared::config::{ClusterConfig, CompressionKind, OptimizerKind};
+use ps_shared::config::{ClusterConfig, CompressionKind, OptimizerKind, TopkScope};
 use ps_shared::sparse::TopKMethod;
 use ps_tests::{fit_frames_to_model, run_cluster, synthetic_bucket, test_config};
 use ps_worker::run::{EvalPoint, WorkerReport};
@@ -106,6 +106,14 @@ struct Args {
     /// the pushes.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     global_topk: bool,
+    /// What one top-k selection covers (`compression.scope`): `model`, or
+    /// `shard` (each server shard its own `density` share).
+    #[arg(long, default_value = "model", value_parser = ["model", "shard"])]
+    scope: String,
+    /// Server shards (`cluster.shards_per_server`, one server): with
+    /// `--scope shard`, how many selections the gradient is cut into.
+    #[arg(long, default_value_t = 2)]
+    shards: usize,
     /// Top-k values travel as f16 (`compression.f16_values`).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     f16_values: bool,
@@ -144,6 +152,11 @@ fn config(args: &Args, mode: &str, seed: u64) -> anyhow::Result<ClusterConfig> {
     cfg.training.max_steps = args.max_steps;
     cfg.optimizer.lr = args.lr;
     cfg.compression.f16_replies = args.f16_replies;
+    cfg.cluster.shards_per_server = args.shards;
+    cfg.compression.scope = match args.scope.as_str() {
+        "shard" => TopkScope::Shard,
+        _ => TopkScope::Model,
+    };
     if kind == CompressionKind::Topk {
         cfg.optimizer.momentum = 0.0;
         cfg.compression.momentum_correction = 0.9;
@@ -209,10 +222,12 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().build()?;
     let (store, prefix) = rt.block_on(synthetic_bucket(&spec));
     println!(
-        "data seed {}, {} workers, batch {} each; sparse updates apply {}; seeds {}..={}",
+        "data seed {}, {} workers, batch {} each; top-k per {} ({} shards); sparse updates apply {}; seeds {}..={}",
         args.data_seed,
         args.workers,
         args.batch,
+        args.scope,
+        args.shards,
         if args.global_topk {
             "the servers' global top-k"
         } else {

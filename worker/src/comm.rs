@@ -156,7 +156,7 @@ impl std::fmt::Debug for StreamedGrad {
 /// out while the pass computes the layers before it (in BSP, the exchange
 /// overlaps the backward pass).
 pub struct GradSink {
-    ranges: Vec<std::ops::Range<usize>>,
+    map: ShardMap,
     senders: Vec<Option<oneshot::Sender<Arc<ShardValues>>>>,
     f16: bool,
 }
@@ -180,16 +180,16 @@ impl GradSink {
             })
             .unzip();
         let sink = GradSink {
-            ranges: map.ranges().to_vec(),
+            map: map.clone(),
             senders,
             f16,
         };
         (sink, Outgoing::Streamed(StreamedGrad(pending)))
     }
 
-    /// The shards' ranges of the flat gradient, in shard order.
-    pub fn ranges(&self) -> &[std::ops::Range<usize>] {
-        &self.ranges
+    /// The shards of the flat gradient.
+    pub fn map(&self) -> &ShardMap {
+        &self.map
     }
 
     /// `grads[from..]` is final: every shard lying wholly inside it that
@@ -248,7 +248,8 @@ impl GradSink {
         mut make: impl FnMut(usize, std::ops::Range<usize>, &[f32]) -> Result<ShardValues, E>,
     ) -> Result<u64, E> {
         let mut handed = 0;
-        for (shard, (range, sender)) in self.ranges.iter().zip(&mut self.senders).enumerate() {
+        for (shard, (range, sender)) in self.map.ranges().iter().zip(&mut self.senders).enumerate()
+        {
             if range.start < from || sender.is_none() {
                 continue;
             }

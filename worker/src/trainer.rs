@@ -120,20 +120,6 @@ pub fn why_not_streamed(cfg: &ClusterConfig) -> Option<&'static str> {
     }
 }
 
-/// `g` (global indices, ascending) cut at the shards' `ranges`, indices
-/// local to each shard.
-fn split_sparse(g: &SparseGrad, ranges: &[std::ops::Range<usize>]) -> Vec<SparseGrad> {
-    let mut parts = vec![SparseGrad::default(); ranges.len()];
-    for (&index, &value) in g.indices.iter().zip(&g.values) {
-        let shard = ranges.partition_point(|r| r.end <= index as usize);
-        if let (Some(range), Some(part)) = (ranges.get(shard), parts.get_mut(shard)) {
-            part.indices.push(index - range.start as u32);
-            part.values.push(value);
-        }
-    }
-    parts
-}
-
 impl Handler<ComputeStep> for TrainerActor {
     type Result = Result<StepOutput, TrainerError>;
     fn handle(&mut self, msg: ComputeStep, _: &mut Context<Self>) -> Self::Result {
@@ -165,7 +151,7 @@ impl TrainerActor {
         let per_shard = self
             .compressor
             .as_ref()
-            .is_none_or(|c| c.blocks() == sink.ranges() && c.config().streams());
+            .is_none_or(|c| c.blocks() == sink.map().ranges() && c.config().streams());
         if !per_shard {
             return self.whole_into(batch, weight, sink);
         }
@@ -267,7 +253,9 @@ impl TrainerActor {
                 sink.offer(0, &d, 1.0);
                 return Ok(out);
             }
-            Some(Outgoing::Sparse(g)) => split_sparse(&g, sink.ranges())
+            Some(Outgoing::Sparse(g)) => sink
+                .map()
+                .split(&g)
                 .into_iter()
                 .map(|p| Some(ShardPush::Sparse(p)))
                 .collect(),

@@ -19,13 +19,19 @@ pub struct Epilogue<'a> {
     pub relu: bool,
 }
 
-/// Per-channel sums over rows, in f64, split over the pool:
-/// `f(row, out)` adds one row's contributions into `out` (`width` wide).
+/// Rows summed in f32 before the block's sums are added into the f64
+/// totals: short enough that the f32 sums keep their precision, long enough
+/// that the inner loops run over contiguous rows at SIMD width.
+const BLOCK_ROWS: usize = 32;
+
+/// Per-channel sums over rows, split over the pool: `f(rows, acc)` adds a
+/// block of at most [`BLOCK_ROWS`] rows into the f32 accumulator `acc`
+/// (`width` wide), which is then added into that part's f64 totals.
 fn channel_sums(
     rows: usize,
     width: usize,
     partial: &mut Vec<f64>,
-    f: impl Fn(usize, &mut [f64]) + Sync,
+    f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
 ) -> Vec<f64> {
     let chunk = chunk_rows(rows);
     let parts = rows.div_ceil(chunk).max(1);
@@ -35,8 +41,17 @@ fn channel_sums(
         .par_chunks_mut(width)
         .enumerate()
         .for_each(|(p, out)| {
-            for r in p * chunk..((p + 1) * chunk).min(rows) {
-                f(r, out);
+            let mut acc = vec![0.0f32; width];
+            let end = ((p + 1) * chunk).min(rows);
+            let mut r = p * chunk;
+            while r < end {
+                let to = (r + BLOCK_ROWS).min(end);
+                acc.fill(0.0);
+                f(r..to, &mut acc);
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    *o += f64::from(a);
+                }
+                r = to;
             }
         });
     let mut total = vec![0.0f64; width];
@@ -57,6 +72,10 @@ pub struct NormScratch {
 /// Training-mode forward: writes `y`, the batch `mean` and `inv_std`
 /// (`1 / sqrt(var + eps)`, biased variance) and the unbiased `var` for the
 /// running statistics.
+///
+/// The statistics come from one pass over sums shifted by the first row
+/// (`Σ (x - x₀)` and `Σ (x - x₀)²`), so a channel whose mean is large
+/// against its spread loses no precision to `E[x²] - μ²`.
 #[allow(clippy::too_many_arguments)]
 pub fn train_forward(
     x: &[f32],
@@ -72,20 +91,23 @@ pub fn train_forward(
     scratch: &mut NormScratch,
 ) {
     let rows = x.len() / c;
-    let sums = channel_sums(rows, 2 * c, &mut scratch.partial, |r, out| {
-        let (s, q) = out.split_at_mut(c);
-        for ((s, q), &v) in s.iter_mut().zip(q).zip(&x[r * c..(r + 1) * c]) {
-            let v = f64::from(v);
-            *s += v;
-            *q += v * v;
+    let shift = &x[..c.min(x.len())];
+    let sums = channel_sums(rows, 2 * c, &mut scratch.partial, |block, acc| {
+        let (s, q) = acc.split_at_mut(c);
+        for x in x[block.start * c..block.end * c].chunks_exact(c) {
+            for (((s, q), &v), &k) in s.iter_mut().zip(q.iter_mut()).zip(x).zip(shift) {
+                let v = v - k;
+                *s += v;
+                *q += v * v;
+            }
         }
     });
     let n = rows as f64;
     let unbiased = if rows > 1 { n / (n - 1.0) } else { 1.0 };
     for ch in 0..c {
-        let mu = sums[ch] / n;
-        let biased = (sums[c + ch] / n - mu * mu).max(0.0);
-        mean[ch] = mu as f32;
+        let d = sums[ch] / n;
+        let biased = (sums[c + ch] / n - d * d).max(0.0);
+        mean[ch] = (f64::from(shift[ch]) + d) as f32;
         inv_std[ch] = (1.0 / (biased + eps).sqrt()) as f32;
         var[ch] = (biased * unbiased) as f32;
     }
@@ -137,22 +159,44 @@ fn normalise(
         let at = p * chunk;
         let x = &x[at..at + y.len()];
         let skip = epi.skip.map(|s| &s[at..at + y.len()]);
-        for (r, (y, x)) in y.chunks_exact_mut(c).zip(x.chunks_exact(c)).enumerate() {
-            for ((y, &x), (&a, &b)) in y.iter_mut().zip(x).zip(scale.iter().zip(shift)) {
-                *y = x * a + b;
-            }
-            if let Some(s) = skip {
-                for (y, s) in y.iter_mut().zip(&s[r * c..(r + 1) * c]) {
-                    *y += s;
-                }
-            }
-            if epi.relu {
-                for y in y.iter_mut() {
-                    *y = y.max(0.0);
+        if epi.relu {
+            affine_rows::<true>(x, skip, scale, shift, y);
+        } else {
+            affine_rows::<false>(x, skip, scale, shift, y);
+        }
+    });
+}
+
+/// `y = relu?(x · scale + shift + skip?)` row by row, one pass with the
+/// epilogue fused; each variant is a loop the compiler vectorises.
+fn affine_rows<const RELU: bool>(
+    x: &[f32],
+    skip: Option<&[f32]>,
+    scale: &[f32],
+    shift: &[f32],
+    y: &mut [f32],
+) {
+    let c = scale.len();
+    let relu = |v: f32| if RELU { v.max(0.0) } else { v };
+    match skip {
+        Some(s) => {
+            let rows = y.chunks_exact_mut(c).zip(x.chunks_exact(c));
+            for ((y, x), s) in rows.zip(s.chunks_exact(c)) {
+                let affine = scale.iter().zip(shift);
+                for (((y, &x), &s), (&a, &b)) in y.iter_mut().zip(x).zip(s).zip(affine) {
+                    *y = relu(x * a + b + s);
                 }
             }
         }
-    });
+        None => {
+            for (y, x) in y.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
+                let affine = scale.iter().zip(shift);
+                for ((y, &x), (&a, &b)) in y.iter_mut().zip(x).zip(affine) {
+                    *y = relu(x * a + b);
+                }
+            }
+        }
+    }
 }
 
 /// Training-mode backward. `dy` is the gradient of the layer's output
@@ -175,8 +219,10 @@ pub fn train_backward(
     scratch: &mut NormScratch,
 ) {
     let rows = x.len() / c;
-    // One pass: the ReLU mask applied to dy in place, and per chunk of rows
-    // the sums of dz and dz · x̂.
+    let mean = &mean[..c];
+    // One pass: the ReLU mask applied to dy in place, and per channel the
+    // sums of dz and dz · (x - μ) (dγ is the second times 1/σ), in f32 over
+    // blocks of rows and f64 across blocks.
     let chunk = chunk_rows(rows);
     let parts = rows.div_ceil(chunk).max(1);
     let partial = &mut scratch.partial;
@@ -187,21 +233,29 @@ pub fn train_backward(
         .zip(dy.par_chunks_mut(chunk * c))
         .enumerate()
         .for_each(|(p, (out, d))| {
-            let (sb, sg) = out.split_at_mut(c);
-            for (r, d) in d.chunks_exact_mut(c).enumerate() {
-                let at = (p * chunk + r) * c;
-                if let Some(o) = relu_out {
-                    for (d, &o) in d.iter_mut().zip(&o[at..at + c]) {
-                        if o <= 0.0 {
-                            *d = 0.0;
-                        }
+            let at = p * chunk * c;
+            let x = &x[at..at + d.len()];
+            let o = relu_out.map(|o| &o[at..at + d.len()]);
+            let mut acc = vec![0.0f32; 2 * c];
+            let block = BLOCK_ROWS * c;
+            for (b, (d, x)) in d.chunks_mut(block).zip(x.chunks(block)).enumerate() {
+                if let Some(o) = o {
+                    let o = &o[b * block..b * block + d.len()];
+                    for (d, &o) in d.iter_mut().zip(o) {
+                        *d = if o > 0.0 { *d } else { 0.0 };
                     }
                 }
-                let x = &x[at..at + c];
-                for ch in 0..c {
-                    let xhat = (x[ch] - mean[ch]) * inv_std[ch];
-                    sb[ch] += f64::from(d[ch]);
-                    sg[ch] += f64::from(d[ch] * xhat);
+                acc.fill(0.0);
+                let (sb, sg) = acc.split_at_mut(c);
+                for (d, x) in d.chunks_exact(c).zip(x.chunks_exact(c)) {
+                    let sums = sb.iter_mut().zip(sg.iter_mut());
+                    for (((sb, sg), (&d, &x)), &m) in sums.zip(d.iter().zip(x)).zip(mean) {
+                        *sb += d;
+                        *sg += d * (x - m);
+                    }
+                }
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    *o += f64::from(a);
                 }
             }
         });
@@ -212,16 +266,22 @@ pub fn train_backward(
         }
     }
     let dz: &[f32] = dy;
-    let n = rows as f32;
-    // dx = γ/σ · (dz - dβ/n - x̂ dγ/n)
+    let n = rows as f64;
+    // dx = γ/σ · (dz - dβ/n - x̂ dγ/n) = a dz + b (x - μ) + e per channel.
     let mut coef = vec![0.0f32; 3 * c];
     for ch in 0..c {
-        dbeta[ch] = sums[ch] as f32;
-        dgamma[ch] = sums[c + ch] as f32;
-        coef[ch] = gamma[ch] * inv_std[ch];
-        coef[c + ch] = dbeta[ch] / n;
-        coef[2 * c + ch] = dgamma[ch] / n;
+        let inv = f64::from(inv_std[ch]);
+        let db = sums[ch];
+        let dg = sums[c + ch] * inv;
+        dbeta[ch] = db as f32;
+        dgamma[ch] = dg as f32;
+        let a = f64::from(gamma[ch]) * inv;
+        coef[ch] = a as f32;
+        coef[c + ch] = (-a * inv * dg / n) as f32;
+        coef[2 * c + ch] = (-a * db / n) as f32;
     }
+    let (a, rest) = coef.split_at(c);
+    let (b, e) = rest.split_at(c);
     let chunk = chunk_rows(rows) * c;
     dx.par_chunks_mut(chunk).enumerate().for_each(|(p, dx)| {
         let at = p * chunk;
@@ -232,9 +292,9 @@ pub fn train_backward(
             .zip(x.chunks_exact(c))
             .zip(d.chunks_exact(c))
         {
-            for ch in 0..c {
-                let xhat = (x[ch] - mean[ch]) * inv_std[ch];
-                dx[ch] = coef[ch] * (d[ch] - coef[c + ch] - xhat * coef[2 * c + ch]);
+            let per = a.iter().zip(b).zip(e.iter().zip(mean));
+            for (((dx, &x), &d), ((&a, &b), (&e, &m))) in dx.iter_mut().zip(x).zip(d).zip(per) {
+                *dx = a * d + b * (x - m) + e;
             }
         }
     });
@@ -306,6 +366,77 @@ mod tests {
                 let mu = vals.iter().sum::<f32>() / 7.0;
                 let v = vals.iter().map(|v| (v - mu).powi(2)).sum::<f32>() / 6.0;
                 assert!((mean[ch] - mu).abs() < 1e-6 && (var[ch] - v).abs() < 1e-5);
+            }
+        }
+    }
+
+    /// Many rows (several f32 blocks and pool parts) on channels whose mean
+    /// is far from zero against their spread: the statistics and both
+    /// gradients match an f64 batch norm. Plain f32 `E[x²] - μ²` sums would
+    /// lose the variance here entirely.
+    #[test]
+    fn statistics_and_gradients_keep_their_precision_over_many_rows() {
+        let rows = 1000;
+        let noise = random(rows * C, 13);
+        let x: Vec<f32> = noise
+            .iter()
+            .enumerate()
+            .map(|(i, v)| 10.0 * (i % C) as f32 + 0.01 * v)
+            .collect();
+        let (gamma, beta) = (random(C, 14), random(C, 15));
+        let epi = Epilogue {
+            skip: None,
+            relu: false,
+        };
+        let (y, [mean, inv, var]) = run(&x, &gamma, &beta, epi);
+        let n = rows as f64;
+        let mut want_xhat = vec![0.0f64; x.len()];
+        let mut want_inv = [0.0f64; C];
+        for ch in 0..C {
+            let vals: Vec<f64> = (0..rows).map(|r| f64::from(x[r * C + ch])).collect();
+            let mu = vals.iter().sum::<f64>() / n;
+            let biased = vals.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / n;
+            assert!((f64::from(mean[ch]) - mu).abs() < 1e-3, "mean {ch}");
+            let unbiased = biased * n / (n - 1.0);
+            assert!(
+                (f64::from(var[ch]) / unbiased - 1.0).abs() < 1e-3,
+                "var {ch}"
+            );
+            want_inv[ch] = 1.0 / (biased + 1e-5).sqrt();
+            assert!(
+                (f64::from(inv[ch]) / want_inv[ch] - 1.0).abs() < 1e-3,
+                "inv {ch}"
+            );
+            for r in 0..rows {
+                want_xhat[r * C + ch] = (vals[r] - mu) * want_inv[ch];
+            }
+        }
+        for (i, &y) in y.iter().enumerate() {
+            let ch = i % C;
+            let want = want_xhat[i] * f64::from(gamma[ch]) + f64::from(beta[ch]);
+            assert!((f64::from(y) - want).abs() < 1e-2, "y[{i}] {y} vs {want}");
+        }
+        let mut dy = random(rows * C, 16);
+        let dz: Vec<f64> = dy.iter().map(|&v| f64::from(v)).collect();
+        let mut dx = vec![0.0; x.len()];
+        let (mut dg, mut db) = (vec![0.0; C], vec![0.0; C]);
+        let mut s = NormScratch::default();
+        train_backward(
+            &x, C, &gamma, &mean, &inv, None, &mut dy, &mut dx, &mut dg, &mut db, &mut s,
+        );
+        for ch in 0..C {
+            let sb: f64 = (0..rows).map(|r| dz[r * C + ch]).sum();
+            let sg: f64 = (0..rows)
+                .map(|r| dz[r * C + ch] * want_xhat[r * C + ch])
+                .sum();
+            assert!((f64::from(db[ch]) - sb).abs() < 1e-3, "dbeta {ch}");
+            assert!((f64::from(dg[ch]) - sg).abs() < 1e-2, "dgamma {ch}");
+            let a = f64::from(gamma[ch]) * want_inv[ch];
+            for r in 0..rows {
+                let i = r * C + ch;
+                let want = a * (dz[i] - sb / n - want_xhat[i] * sg / n);
+                let got = f64::from(dx[i]);
+                assert!((got - want).abs() <= 1e-3 * want.abs().max(1.0), "dx[{i}]");
             }
         }
     }

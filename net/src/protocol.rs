@@ -22,7 +22,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use ps_shared::sparse::{f16_to_f32, values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -427,6 +427,14 @@ pub enum Request {
         skipped: Vec<u64>,
         trained: u64,
     },
+    /// The run is done for every rank: this one reached the run's target
+    /// (`training.target_accuracy` or `target_loss`), which ends the job.
+    /// The servers answer every later step and offer, from any rank, with
+    /// [`ErrorCode::JobDone`] naming this rank and `reason`, and those
+    /// ranks stop cleanly; the reply is [`Response::ByeAck`]. A rank whose
+    /// own evaluation differs (batch norm calibrated on its own batches)
+    /// thus stops at the same step instead of training on alone.
+    Finish { reason: String },
 }
 
 /// A batch of one rank's plan that was never applied: made up after the
@@ -489,6 +497,9 @@ pub enum ErrorCode {
     /// A rank stopped the job (`Request::Abort`); the message says which
     /// and why.
     JobStopped,
+    /// A rank reached the run's target (`Request::Finish`): the job is
+    /// done, and the rank told this stops cleanly.
+    JobDone,
 }
 
 /// A server's response.
@@ -684,7 +695,7 @@ pub fn request_vector_bytes(req: &Request) -> usize {
         Request::Hello { token, .. } => token.len(),
         Request::Offer { values, .. } => 4 * values.len(),
         Request::Step { grad, .. } => grad_bytes(grad),
-        Request::Abort { reason } => reason.len(),
+        Request::Abort { reason } | Request::Finish { reason } => reason.len(),
         Request::MakeUp { skipped, .. } => 8 * skipped.len(),
         Request::Bye { .. } | Request::Heartbeat | Request::NormTotal { .. } => 0,
     }
@@ -1043,6 +1054,9 @@ mod tests {
         });
         round_trip_req(Request::Bye { finished: true });
         round_trip_req(Request::Heartbeat);
+        round_trip_req(Request::Finish {
+            reason: "training.target_accuracy = 0.97 reached".into(),
+        });
         round_trip_req(Request::NormTotal {
             shard: 3,
             step: 12,

@@ -146,6 +146,10 @@ struct Ctx {
     /// and offer is refused with it, and the server exits once the last
     /// connection is gone.
     job_stopped: Mutex<Option<String>>,
+    /// Set once a rank reached the run's target (`Request::Finish`): every
+    /// later step and offer is answered with it, and those ranks stop
+    /// cleanly.
+    job_done: Mutex<Option<String>>,
     /// Bytes of requests read and decoded (the shards count their replies).
     copied: Mutex<Copied>,
 }
@@ -253,6 +257,26 @@ impl Ctx {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Why the job is done, once a rank reached the run's target.
+    fn job_done(&self) -> Option<String> {
+        self.job_done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A rank reached the run's target: remember it (the first one wins).
+    fn finish_job(&self, rank: u32, reason: &str) {
+        self.job_done
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_with(|| {
+                let message = format!("the job is done: rank {rank} {reason}");
+                tracing::info!("{message}");
+                message
+            });
     }
 
     /// A rank stopped the job: remember why (the first reason wins).
@@ -808,6 +832,7 @@ pub async fn start(
         next_conn: AtomicU64::new(1),
         outcome: outcome_tx,
         job_stopped: Mutex::new(None),
+        job_done: Mutex::new(None),
         copied: Mutex::new(Copied::default()),
     });
     let tick_ctx = ctx.clone();
@@ -1157,6 +1182,7 @@ fn request_kind(req: &Request) -> &'static str {
         Request::Bye { .. } => "bye",
         Request::Heartbeat => "heartbeat",
         Request::Abort { .. } => "abort",
+        Request::Finish { .. } => "finish",
     }
 }
 
@@ -1198,6 +1224,9 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
     ) {
         if let Some(message) = ctx.job_stop() {
             return Reply::new(Response::error(ErrorCode::JobStopped, message));
+        }
+        if let Some(message) = ctx.job_done() {
+            return Reply::new(Response::error(ErrorCode::JobDone, message));
         }
     }
     let response = match req {
@@ -1254,6 +1283,10 @@ async fn dispatch(ctx: &Ctx, conn: ConnId, rank: u32, req: Request) -> Reply {
         Request::Heartbeat => Response::HeartbeatAck,
         Request::Abort { reason } => {
             Response::error(ErrorCode::JobStopped, ctx.stop_job(rank, &reason))
+        }
+        Request::Finish { reason } => {
+            ctx.finish_job(rank, &reason);
+            Response::ByeAck
         }
         Request::Bye { finished } => {
             let actions = ctx.membership().bye(conn, finished, Instant::now());

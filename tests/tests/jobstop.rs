@@ -140,3 +140,68 @@ async fn a_bad_sample_stops_every_rank_and_the_servers() {
         "job stopped: {readers} rank(s) read the missing object, {told} told by the servers; server: {exit}"
     );
 }
+
+/// A rank that reaches the run's target ends the run for every rank: it
+/// tells the servers (`Request::Finish`), and the other rank, whose own
+/// evaluation has not reached it (here it has no target at all, as a rank
+/// whose batch norm was calibrated on other batches can measure less),
+/// stops at its next step with `JobDone` instead of training on alone.
+/// Both end cleanly, and so does the server.
+#[actix::test]
+async fn a_rank_that_reaches_the_target_ends_the_run_for_every_rank() {
+    let spec = SyntheticSpec {
+        train: 4096,
+        test: 512,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = ps_tests::synthetic_bucket(&spec).await;
+    let mut cfg = test_config(CompressionKind::None, 1.0, 20);
+    cfg.training.eval_every = 4;
+    let pki = TestPki::new(cfg.cluster.workers as u32);
+    let server = ps_tests::start_loopback_server(&cfg, &pki).await;
+    cfg.cluster.servers = vec![server.local_addr().to_string()];
+    let steps_per_epoch = (spec.train / cfg.cluster.workers / cfg.data.batch_size) as u64;
+
+    // Rank 0 stops at its first evaluation (any accuracy reaches 0.01);
+    // rank 1 alone would train all 20 epochs.
+    let mut rank0 = cfg.clone();
+    rank0.training.target_accuracy = 0.01;
+    rank0.validate().expect("valid config");
+    let runs = vec![
+        ps_worker::run::run_worker_with(
+            &rank0,
+            pki.options(0),
+            store.clone(),
+            prefix.clone(),
+            None,
+        ),
+        ps_worker::run::run_worker_with(&cfg, pki.options(1), store.clone(), prefix.clone(), None),
+    ];
+    let outcomes = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(runs))
+        .await
+        .expect("the run ends instead of hanging");
+    let reports: Vec<_> = outcomes
+        .into_iter()
+        .enumerate()
+        .map(|(rank, o)| o.unwrap_or_else(|e| panic!("rank {rank} failed: {e}")))
+        .collect();
+    use ps_worker::run::StopReason;
+    assert_eq!(reports[0].stop_reason, StopReason::TargetAccuracy);
+    assert_eq!(reports[0].steps, 4, "rank 0 stops at its first evaluation");
+    assert_eq!(reports[1].stop_reason, StopReason::PeerTarget);
+    // Rank 1 hears it at its next step (or, when its push reached the
+    // barrier before the news, the step after, applied alone).
+    assert!(
+        (4..=5).contains(&reports[1].steps),
+        "rank 1 stopped at step {} (an epoch is {steps_per_epoch} steps)",
+        reports[1].steps
+    );
+    tokio::time::timeout(RUN_LIMIT, server.wait())
+        .await
+        .expect("the server exits once every rank said goodbye")
+        .expect("a run that reached its target is a clean end");
+    println!(
+        "rank 0 stopped at step {} ({:?}), rank 1 at step {} ({:?})",
+        reports[0].steps, reports[0].stop_reason, reports[1].steps, reports[1].stop_reason
+    );
+}

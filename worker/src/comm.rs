@@ -1216,6 +1216,23 @@ impl Comm {
         }
     }
 
+    /// This rank reached the run's target (`Request::Finish`): tell every
+    /// server, so they answer every other rank's next step with
+    /// `JobDone`. The connections stay open for the goodbye. Best effort: a
+    /// server that does not answer within the request deadline leaves the
+    /// other ranks training until their own end.
+    pub async fn finish_job(&self, reason: &str) {
+        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
+        let request = Request::Finish {
+            reason: reason.to_string(),
+        };
+        let calls = conns.iter().map(|conn| {
+            let call = transport::call(conn, &request, self.dialer.max_frame);
+            tokio::time::timeout(self.dialer.request_timeout, call)
+        });
+        futures::future::join_all(calls).await;
+    }
+
     /// Drop every connection without a goodbye (what a crash looks like).
     pub fn abort(&self) {
         for link in self.links.borrow().iter() {
@@ -1479,6 +1496,20 @@ impl Handler<StopJob> for CommActor {
                 .into_actor(self)
                 .map(|(), _, ctx| ctx.stop()),
         )
+    }
+}
+
+/// This rank reached the run's target: every server hears that the job is
+/// done (see [`Comm::finish_job`]).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FinishJob(pub String);
+
+impl Handler<FinishJob> for CommActor {
+    type Result = ResponseActFuture<Self, ()>;
+    fn handle(&mut self, msg: FinishJob, _: &mut Context<Self>) -> Self::Result {
+        let comm = self.comm.clone();
+        Box::pin(async move { comm.finish_job(&msg.0).await }.into_actor(self))
     }
 }
 

@@ -35,8 +35,9 @@ use crate::balance::{BalanceLink, RateMeter};
 use crate::peers::{PeerNet, PeerSettings};
 
 use crate::comm::{
-    Abort, Comm, CommActor, CommError, CommSummary, GradSink, Join, Leave, MakeUp, MakeUpRound,
-    Outgoing, ParamSource, ShardUpdate, Silence, StepExchange, StopJob, Traffic, WorkerTls,
+    Abort, Comm, CommActor, CommError, CommSummary, FinishJob, GradSink, Join, Leave, MakeUp,
+    MakeUpRound, Outgoing, ParamSource, ShardUpdate, Silence, StepExchange, StopJob, Traffic,
+    WorkerTls,
 };
 use crate::loader::{
     BatchPos, EpochDataStats, Loader, LoaderError, LoaderSettings, Outage, OutageLog, RetryFailure,
@@ -139,6 +140,12 @@ pub fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> 
                 code: ErrorCode::JobStopped,
                 ..
             } => Some(ExitCode::JobStopped),
+            // Refused because another rank reached the run's target (an
+            // offer after the end): the job finished.
+            CommError::Refused {
+                code: ErrorCode::JobDone,
+                ..
+            } => Some(ExitCode::Ok),
             CommError::Unreachable { .. } | CommError::Deadline { .. } => {
                 Some(ExitCode::Unreachable)
             }
@@ -456,6 +463,11 @@ pub enum StopReason {
     TargetLoss,
     /// `training.max_steps` steps were trained.
     MaxSteps,
+    /// Another rank reached the run's target (`training.target_accuracy`
+    /// or `target_loss`) and the servers said the job is done. Its own
+    /// evaluation can differ: batch norm is calibrated on each rank's own
+    /// batches.
+    PeerTarget,
 }
 
 /// What the whole run did.
@@ -693,6 +705,15 @@ impl Exchange {
         match self {
             Exchange::Flat(comm) => Ok(comm.send(Leave { finished }).await??),
             Exchange::Node(member) => Ok(member.leave(finished).await?),
+        }
+    }
+
+    /// This rank reached the run's target: tell every server the job is
+    /// done, so the other ranks stop at their next step. Through a node
+    /// aggregator nothing is sent: its ranks end by their own evaluations.
+    async fn finish_job(&self, reason: &str) {
+        if let Exchange::Flat(comm) = self {
+            let _ = comm.send(FinishJob(reason.to_string())).await;
         }
     }
 
@@ -1365,6 +1386,18 @@ async fn train(
         };
         let (updates, traffic) = match replied {
             Ok(replied) => replied,
+            Err(WorkerError::Comm(CommError::Refused {
+                code: ErrorCode::JobDone,
+                message,
+                ..
+            })) => {
+                // Another rank reached the target: this step is not
+                // applied, and the run closes its epoch and says goodbye
+                // as at its own target.
+                tracing::info!(rank, step, "{message}; stopping");
+                stopping = Some(StopReason::PeerTarget);
+                continue;
+            }
             Err(e) => {
                 // The exchange failed for good: drop the connections, so the
                 // servers see this rank gone at once (a process that exits
@@ -1537,6 +1570,21 @@ async fn train(
     }
     let train_s = evals.train_s();
     bar.finish_and_clear();
+    if let (Some(reached @ (StopReason::TargetAccuracy | StopReason::TargetLoss)), Some(last)) =
+        (stopping, evals.points.last())
+    {
+        let reason = match reached {
+            StopReason::TargetAccuracy => format!(
+                "reached training.target_accuracy = {} (test accuracy {:.4}) at step {}",
+                cfg.training.target_accuracy, last.test_accuracy, last.step
+            ),
+            _ => format!(
+                "reached training.target_loss = {} (test loss {:.4}) at step {}",
+                cfg.training.target_loss, last.test_loss, last.step
+            ),
+        };
+        exchange.finish_job(&reason).await;
+    }
     // Stop the prefetching: the GETs it has sent are all counted then.
     loader.stop().await;
     let summary = exchange.leave(true).await?;

@@ -947,7 +947,17 @@ impl Comm {
                     }
                     Action::Deliver(d) => return Ok(d),
                     Action::GiveUp(why) => {
-                        tracing::warn!(rank = self.rank, "giving up: {why}");
+                        // A run that another rank finished is a clean end,
+                        // which the caller reports.
+                        if !matches!(
+                            why,
+                            GiveUp::Refused {
+                                code: ErrorCode::JobDone,
+                                ..
+                            }
+                        ) {
+                            tracing::warn!(rank = self.rank, "giving up: {why}");
+                        }
                         return Err(self.gave_up(why));
                     }
                 }
@@ -965,8 +975,15 @@ impl Comm {
                     })
                 }
             };
-            if let Event::Refused { code, message, .. } = &event {
-                tracing::warn!(rank = self.rank, ?code, "request refused: {message}");
+            match &event {
+                Event::Refused {
+                    code: ErrorCode::JobDone,
+                    ..
+                } => {}
+                Event::Refused { code, message, .. } => {
+                    tracing::warn!(rank = self.rank, ?code, "request refused: {message}");
+                }
+                _ => {}
             }
             actions = self.core.borrow_mut().handle(event, now());
         }

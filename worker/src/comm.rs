@@ -1219,18 +1219,24 @@ impl Comm {
     /// connections. Best effort: a server that does not answer within the
     /// request deadline learns it from the closed connection.
     pub async fn stop_job(&self, reason: &str) {
-        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
         let request = Request::Abort {
             reason: reason.to_string(),
         };
+        for conn in self.tell_every_server(&request).await {
+            conn.close(close::ABORTED.into(), b"job stopped");
+        }
+    }
+
+    /// Sends `request` to every server at once, each within the request
+    /// deadline, and returns the connections it went over.
+    async fn tell_every_server(&self, request: &Request) -> Vec<Connection> {
+        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
         let calls = conns.iter().map(|conn| {
-            let call = transport::call(conn, &request, self.dialer.max_frame);
+            let call = transport::call(conn, request, self.dialer.max_frame);
             tokio::time::timeout(self.dialer.request_timeout, call)
         });
         futures::future::join_all(calls).await;
-        for conn in conns {
-            conn.close(close::ABORTED.into(), b"job stopped");
-        }
+        conns
     }
 
     /// This rank reached the run's target (`Request::Finish`): tell every
@@ -1239,15 +1245,10 @@ impl Comm {
     /// server that does not answer within the request deadline leaves the
     /// other ranks training until their own end.
     pub async fn finish_job(&self, reason: &str) {
-        let conns: Vec<Connection> = self.links.borrow().iter().map(|l| l.conn.clone()).collect();
         let request = Request::Finish {
             reason: reason.to_string(),
         };
-        let calls = conns.iter().map(|conn| {
-            let call = transport::call(conn, &request, self.dialer.max_frame);
-            tokio::time::timeout(self.dialer.request_timeout, call)
-        });
-        futures::future::join_all(calls).await;
+        self.tell_every_server(&request).await;
     }
 
     /// Drop every connection without a goodbye (what a crash looks like).

@@ -40,20 +40,33 @@ fn channel_sums(
     partial
         .par_chunks_mut(width)
         .enumerate()
-        .for_each(|(p, out)| {
-            let mut acc = vec![0.0f32; width];
-            let end = ((p + 1) * chunk).min(rows);
-            let mut r = p * chunk;
-            while r < end {
-                let to = (r + BLOCK_ROWS).min(end);
-                acc.fill(0.0);
-                f(r..to, &mut acc);
-                for (o, &a) in out.iter_mut().zip(&acc) {
-                    *o += f64::from(a);
-                }
-                r = to;
-            }
-        });
+        .for_each(|(p, out)| block_sums(p * chunk..((p + 1) * chunk).min(rows), out, &f));
+    part_totals(partial, width)
+}
+
+/// One part's sums over `rows`: `f(block, acc)` adds a block of at most
+/// [`BLOCK_ROWS`] rows into the zeroed f32 `acc`, which is then added into
+/// `out` in f64.
+fn block_sums(
+    rows: std::ops::Range<usize>,
+    out: &mut [f64],
+    mut f: impl FnMut(std::ops::Range<usize>, &mut [f32]),
+) {
+    let mut acc = vec![0.0f32; out.len()];
+    let mut r = rows.start;
+    while r < rows.end {
+        let to = (r + BLOCK_ROWS).min(rows.end);
+        acc.fill(0.0);
+        f(r..to, &mut acc);
+        for (o, &a) in out.iter_mut().zip(&acc) {
+            *o += f64::from(a);
+        }
+        r = to;
+    }
+}
+
+/// The parts' sums (`width` each, one after another) added up.
+fn part_totals(partial: &[f64], width: usize) -> Vec<f64> {
     let mut total = vec![0.0f64; width];
     for part in partial.chunks_exact(width) {
         for (t, v) in total.iter_mut().zip(part) {
@@ -236,35 +249,25 @@ pub fn train_backward(
             let at = p * chunk * c;
             let x = &x[at..at + d.len()];
             let o = relu_out.map(|o| &o[at..at + d.len()]);
-            let mut acc = vec![0.0f32; 2 * c];
-            let block = BLOCK_ROWS * c;
-            for (b, (d, x)) in d.chunks_mut(block).zip(x.chunks(block)).enumerate() {
+            block_sums(0..d.len() / c, out, |block, acc| {
+                let span = block.start * c..block.end * c;
+                let d = &mut d[span.clone()];
                 if let Some(o) = o {
-                    let o = &o[b * block..b * block + d.len()];
-                    for (d, &o) in d.iter_mut().zip(o) {
+                    for (d, &o) in d.iter_mut().zip(&o[span.clone()]) {
                         *d = if o > 0.0 { *d } else { 0.0 };
                     }
                 }
-                acc.fill(0.0);
                 let (sb, sg) = acc.split_at_mut(c);
-                for (d, x) in d.chunks_exact(c).zip(x.chunks_exact(c)) {
+                for (d, x) in d.chunks_exact(c).zip(x[span].chunks_exact(c)) {
                     let sums = sb.iter_mut().zip(sg.iter_mut());
                     for (((sb, sg), (&d, &x)), &m) in sums.zip(d.iter().zip(x)).zip(mean) {
                         *sb += d;
                         *sg += d * (x - m);
                     }
                 }
-                for (o, &a) in out.iter_mut().zip(&acc) {
-                    *o += f64::from(a);
-                }
-            }
+            });
         });
-    let mut sums = vec![0.0f64; 2 * c];
-    for part in partial.chunks_exact(2 * c) {
-        for (t, v) in sums.iter_mut().zip(part) {
-            *t += v;
-        }
-    }
+    let sums = part_totals(partial, 2 * c);
     let dz: &[f32] = dy;
     let n = rows as f64;
     // dx = γ/σ · (dz - dβ/n - x̂ dγ/n) = a dz + b (x - μ) + e per channel.

@@ -253,36 +253,26 @@ impl Ctx {
     }
 
     fn job_stop(&self) -> Option<String> {
-        self.job_stopped
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock_note(&self.job_stopped).clone()
     }
 
     /// Why the job is done, once a rank reached the run's target.
     fn job_done(&self) -> Option<String> {
-        self.job_done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock_note(&self.job_done).clone()
     }
 
     /// A rank reached the run's target: remember it (the first one wins).
     fn finish_job(&self, rank: u32, reason: &str) {
-        self.job_done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert_with(|| {
-                let message = format!("the job is done: rank {rank} {reason}");
-                tracing::info!("{message}");
-                message
-            });
+        lock_note(&self.job_done).get_or_insert_with(|| {
+            let message = format!("the job is done: rank {rank} {reason}");
+            tracing::info!("{message}");
+            message
+        });
     }
 
     /// A rank stopped the job: remember why (the first reason wins).
     fn stop_job(&self, rank: u32, reason: &str) -> String {
-        let mut stopped = self.job_stopped.lock().unwrap_or_else(|p| p.into_inner());
-        stopped
+        lock_note(&self.job_stopped)
             .get_or_insert_with(|| {
                 let message = format!("the job was stopped by rank {rank}: {reason}");
                 tracing::error!("{message}");
@@ -290,6 +280,12 @@ impl Ctx {
             })
             .clone()
     }
+}
+
+/// The note of why the job stopped or is done, locked (a poisoned lock
+/// still holds a sound note: it is only ever set whole).
+fn lock_note(slot: &Mutex<Option<String>>) -> MutexGuard<'_, Option<String>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Decide that the server stops with `exit`, unless a stop was decided

@@ -205,3 +205,105 @@ async fn a_rank_that_reaches_the_target_ends_the_run_for_every_rank() {
         reports[0].steps, reports[0].stop_reason, reports[1].steps, reports[1].stop_reason
     );
 }
+
+/// The same behind node aggregators (`cluster.workers_per_node = 2`): node
+/// 0's ranks reach the target and tell the servers through their node's
+/// connections; node 1's ranks, which have no target, hear `JobDone` through
+/// their node (which keeps the servers' refusal code) and stop at their next
+/// step. Every rank ends cleanly, and so does the server.
+#[actix::test]
+async fn a_node_that_reaches_the_target_ends_the_run_for_the_other_nodes() {
+    let spec = SyntheticSpec {
+        train: 4096,
+        test: 512,
+        ..SyntheticSpec::default()
+    };
+    let (store, prefix) = ps_tests::synthetic_bucket(&spec).await;
+    let mut cfg = test_config(CompressionKind::None, 1.0, 20);
+    cfg.cluster.workers = 4;
+    cfg.cluster.workers_per_node = 2;
+    cfg.training.eval_every = 4;
+    cfg.validate().expect("valid node config");
+    let pki = TestPki::new(cfg.cluster.workers as u32);
+    let server = ps_tests::start_loopback_server(&cfg, &pki).await;
+    cfg.cluster.servers = vec![server.local_addr().to_string()];
+
+    let mut node0 = cfg.clone();
+    node0.training.target_accuracy = 0.01;
+    node0.validate().expect("valid config");
+    let nodes = vec![
+        ps_worker::run::run_node(
+            &node0,
+            0,
+            vec![pki.options(0), pki.options(1)],
+            store.clone(),
+            prefix.clone(),
+        ),
+        ps_worker::run::run_node(
+            &cfg,
+            1,
+            vec![pki.options(2), pki.options(3)],
+            store.clone(),
+            prefix.clone(),
+        ),
+    ];
+    let outcomes = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(nodes))
+        .await
+        .expect("the run ends instead of hanging");
+    let reports: Vec<_> = outcomes
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(rank, o)| o.unwrap_or_else(|e| panic!("rank {rank} failed: {e}")))
+        .collect();
+    assert_eq!(reports.len(), 4);
+    use ps_worker::run::StopReason;
+    for r in &reports[..2] {
+        assert_eq!(r.stop_reason, StopReason::TargetAccuracy, "rank {}", r.rank);
+        assert_eq!(r.steps, 4, "rank {} stops at its first evaluation", r.rank);
+    }
+    for r in &reports[2..] {
+        assert_eq!(r.stop_reason, StopReason::PeerTarget, "rank {}", r.rank);
+        assert!(
+            (4..=5).contains(&r.steps),
+            "rank {} stopped at step {}",
+            r.rank,
+            r.steps
+        );
+    }
+    tokio::time::timeout(RUN_LIMIT, server.wait())
+        .await
+        .expect("the server exits once every node said goodbye")
+        .expect("a run that reached its target is a clean end");
+    for r in &reports {
+        println!(
+            "rank {} stopped at step {} ({:?})",
+            r.rank, r.steps, r.stop_reason
+        );
+    }
+}
+
+/// A refusal that reaches a rank through its node keeps its exit code.
+#[test]
+fn a_refusal_through_a_node_keeps_its_exit_code() {
+    use ps_worker::node::NodeError;
+    let refused = |code| {
+        WorkerError::Node(NodeError::Refused {
+            node: 1,
+            doing: "the node's step",
+            code,
+            message: "rank 0 reached the target".into(),
+        })
+    };
+    let done = refused(ErrorCode::JobDone);
+    assert_eq!(done.refusal(), Some(ErrorCode::JobDone));
+    assert_eq!(exit_code(&done, classify_exit), ExitCode::Ok);
+    let stopped = refused(ErrorCode::JobStopped);
+    assert_eq!(exit_code(&stopped, classify_exit), ExitCode::JobStopped);
+    let failed = WorkerError::Node(NodeError::Failed {
+        node: 1,
+        message: "the node stopped during a step".into(),
+    });
+    assert_eq!(failed.refusal(), None);
+    assert_eq!(exit_code(&failed, classify_exit), ExitCode::Failed);
+}

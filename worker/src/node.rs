@@ -41,6 +41,7 @@ use std::pin::Pin;
 use std::rc::{Rc, Weak};
 
 use futures::channel::oneshot;
+use ps_net::protocol::ErrorCode;
 
 use ps_shared::config::ClusterConfig;
 use ps_shared::link::{LinkSection, LinkStats};
@@ -164,6 +165,17 @@ pub enum NodeError {
         first: u32,
         end: u32,
     },
+    /// A server refused the node's request. The code is kept, so the ranks
+    /// react as they would to their own refusal: a run another rank
+    /// finished (`JobDone`) ends them cleanly, a stopped job
+    /// (`JobStopped`) with the job-stopped exit code.
+    #[error("node {node}: server refused {doing}: {code:?}: {message}")]
+    Refused {
+        node: u32,
+        doing: &'static str,
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 /// Where a rank stands in its node.
@@ -265,6 +277,20 @@ impl Node {
         })
     }
 
+    /// What the node reports when its connections failed `doing` something:
+    /// a server's refusal keeps its code.
+    fn comm_failed(&self, doing: &'static str, e: CommError) -> NodeError {
+        match e {
+            CommError::Refused { code, message, .. } => NodeError::Refused {
+                node: self.node,
+                doing,
+                code,
+                message,
+            },
+            e => self.fail(format!("{doing}: {e}")),
+        }
+    }
+
     fn fail(&self, message: impl Into<String>) -> NodeError {
         NodeError::Failed {
             node: self.node,
@@ -358,7 +384,7 @@ impl Node {
                     }
                 }
                 Err(e) => {
-                    let e = node.fail(format!("joining the cluster: {e}"));
+                    let e = node.comm_failed("joining the cluster", e);
                     for tx in waiting {
                         let _ = tx.send(Err(e.clone()));
                     }
@@ -430,7 +456,7 @@ impl Node {
         let (updates, mut traffic) = comm
             .step(grad)
             .await
-            .map_err(|e| self.fail(format!("pushing the node's step: {e}")))?;
+            .map_err(|e| self.comm_failed("the node's step", e))?;
         // The servers count nodes: report the ranks of the live nodes.
         let wpn = self.members.borrow().len() as u32;
         traffic.live_workers = traffic
@@ -553,6 +579,16 @@ impl NodeMember {
         self.node.remove(self.local, Member::Left);
         self.node.close(false).await?;
         Ok(self.node.summary())
+    }
+
+    /// This rank reached the run's target (`Request::Finish`): every server
+    /// hears it and answers every later step with `JobDone`, so the other
+    /// ranks, of this node and of the others, stop at their next step.
+    pub async fn finish_job(&self, reason: &str) {
+        let comm = self.node.comm.borrow().clone();
+        if let Some(comm) = comm {
+            comm.finish_job(reason).await;
+        }
     }
 
     /// This rank stops the whole job (`Request::Abort`) for the reason

@@ -96,6 +96,16 @@ pub enum WorkerError {
 }
 
 impl WorkerError {
+    /// The code of the servers' refusal this error reports, whether it came
+    /// on the rank's own connections or through its node aggregator.
+    pub fn refusal(&self) -> Option<ErrorCode> {
+        match self {
+            WorkerError::Comm(CommError::Refused { code, .. })
+            | WorkerError::Node(NodeError::Refused { code, .. }) => Some(*code),
+            _ => None,
+        }
+    }
+
     /// The exit code this error decides by itself (see
     /// [`ps_net::cli::ExitCode`]); `None` leaves it to its causes.
     pub fn exit_code(&self) -> Option<ExitCode> {
@@ -114,6 +124,17 @@ impl WorkerError {
             WorkerError::Trainer(TrainerError::Diverged(_)) => Some(ExitCode::Diverged),
             _ => None,
         }
+    }
+}
+
+/// The exit code of a servers' refusal that ends a rank.
+fn refusal_exit_code(code: ErrorCode) -> Option<ExitCode> {
+    match code {
+        ErrorCode::JobStopped => Some(ExitCode::JobStopped),
+        // Refused because another rank reached the run's target (an offer
+        // after the end): the job finished.
+        ErrorCode::JobDone => Some(ExitCode::Ok),
+        _ => None,
     }
 }
 
@@ -136,21 +157,15 @@ pub fn classify_exit(e: &(dyn std::error::Error + 'static)) -> Option<ExitCode> 
     }
     if let Some(c) = e.downcast_ref::<CommError>() {
         return match c {
-            CommError::Refused {
-                code: ErrorCode::JobStopped,
-                ..
-            } => Some(ExitCode::JobStopped),
-            // Refused because another rank reached the run's target (an
-            // offer after the end): the job finished.
-            CommError::Refused {
-                code: ErrorCode::JobDone,
-                ..
-            } => Some(ExitCode::Ok),
+            CommError::Refused { code, .. } => refusal_exit_code(*code),
             CommError::Unreachable { .. } | CommError::Deadline { .. } => {
                 Some(ExitCode::Unreachable)
             }
             _ => None,
         };
+    }
+    if let Some(NodeError::Refused { code, .. }) = e.downcast_ref::<NodeError>() {
+        return refusal_exit_code(*code);
     }
     if let Some(l) = e.downcast_ref::<LoaderError>() {
         return loader_exit_code(l);
@@ -709,11 +724,13 @@ impl Exchange {
     }
 
     /// This rank reached the run's target: tell every server the job is
-    /// done, so the other ranks stop at their next step. Through a node
-    /// aggregator nothing is sent: its ranks end by their own evaluations.
+    /// done, so the other ranks stop at their next step.
     async fn finish_job(&self, reason: &str) {
-        if let Exchange::Flat(comm) = self {
-            let _ = comm.send(FinishJob(reason.to_string())).await;
+        match self {
+            Exchange::Flat(comm) => {
+                let _ = comm.send(FinishJob(reason.to_string())).await;
+            }
+            Exchange::Node(member) => member.finish_job(reason).await,
         }
     }
 
@@ -1386,15 +1403,11 @@ async fn train(
         };
         let (updates, traffic) = match replied {
             Ok(replied) => replied,
-            Err(WorkerError::Comm(CommError::Refused {
-                code: ErrorCode::JobDone,
-                message,
-                ..
-            })) => {
+            Err(e) if e.refusal() == Some(ErrorCode::JobDone) => {
                 // Another rank reached the target: this step is not
                 // applied, and the run closes its epoch and says goodbye
                 // as at its own target.
-                tracing::info!(rank, step, "{message}; stopping");
+                tracing::info!(rank, step, "{e}; stopping");
                 stopping = Some(StopReason::PeerTarget);
                 continue;
             }

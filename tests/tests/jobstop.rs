@@ -22,7 +22,7 @@ use ps_shared::config::{CompressionKind, OnBadSample};
 use ps_shared::sampler::EpochSampler;
 use ps_tests::{rank_runs, test_config, TestPki};
 use ps_worker::comm::CommError;
-use ps_worker::run::{classify_exit, WorkerError};
+use ps_worker::run::{classify_exit, WorkerError, WorkerReport};
 
 const RUN_LIMIT: Duration = Duration::from_secs(300);
 
@@ -141,14 +141,20 @@ async fn a_bad_sample_stops_every_rank_and_the_servers() {
     );
 }
 
-/// A rank that reaches the run's target ends the run for every rank: it
-/// tells the servers (`Request::Finish`), and the other rank, whose own
-/// evaluation has not reached it (here it has no target at all, as a rank
-/// whose batch norm was calibrated on other batches can measure less),
-/// stops at its next step with `JobDone` instead of training on alone.
-/// Both end cleanly, and so does the server.
-#[actix::test]
-async fn a_rank_that_reaches_the_target_ends_the_run_for_every_rank() {
+/// A job whose runs end at a target: one loopback server, 20 epochs of
+/// dense training evaluated every 4 steps, and no target in `cfg` (the
+/// ranks that should reach one get `with_target`, whose target any accuracy
+/// meets, so they stop at their first evaluation, step 4).
+struct TargetJob {
+    cfg: ps_shared::config::ClusterConfig,
+    with_target: ps_shared::config::ClusterConfig,
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    pki: TestPki,
+    server: ps_server::net::RunningServer,
+}
+
+async fn target_job(workers: usize, workers_per_node: usize) -> TargetJob {
     let spec = SyntheticSpec {
         train: 4096,
         test: 512,
@@ -156,54 +162,85 @@ async fn a_rank_that_reaches_the_target_ends_the_run_for_every_rank() {
     };
     let (store, prefix) = ps_tests::synthetic_bucket(&spec).await;
     let mut cfg = test_config(CompressionKind::None, 1.0, 20);
+    cfg.cluster.workers = workers;
+    cfg.cluster.workers_per_node = workers_per_node;
     cfg.training.eval_every = 4;
-    let pki = TestPki::new(cfg.cluster.workers as u32);
+    cfg.validate().expect("valid config");
+    let pki = TestPki::new(workers as u32);
     let server = ps_tests::start_loopback_server(&cfg, &pki).await;
     cfg.cluster.servers = vec![server.local_addr().to_string()];
-    let steps_per_epoch = (spec.train / cfg.cluster.workers / cfg.data.batch_size) as u64;
+    let mut with_target = cfg.clone();
+    with_target.training.target_accuracy = 0.01;
+    with_target.validate().expect("valid config");
+    TargetJob {
+        cfg,
+        with_target,
+        store,
+        prefix,
+        pki,
+        server,
+    }
+}
 
-    // Rank 0 stops at its first evaluation (any accuracy reaches 0.01);
-    // rank 1 alone would train all 20 epochs.
-    let mut rank0 = cfg.clone();
-    rank0.training.target_accuracy = 0.01;
-    rank0.validate().expect("valid config");
+impl TargetJob {
+    /// Checks that ranks `reached` stopped at their target (step 4) and
+    /// every other rank heard it from the servers at its next step (or,
+    /// when its push reached the barrier before the news, the step after,
+    /// applied alone); then that the server ends cleanly.
+    async fn check(self, outcomes: Vec<Result<WorkerReport, WorkerError>>, reached: usize) {
+        use ps_worker::run::StopReason;
+        assert_eq!(outcomes.len(), self.cfg.cluster.workers);
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            let r = outcome.unwrap_or_else(|e| panic!("rank {rank} failed: {e}"));
+            println!(
+                "rank {rank} stopped at step {} ({:?})",
+                r.steps, r.stop_reason
+            );
+            if rank < reached {
+                assert_eq!(r.stop_reason, StopReason::TargetAccuracy, "rank {rank}");
+                assert_eq!(r.steps, 4, "rank {rank} stops at its first evaluation");
+            } else {
+                assert_eq!(r.stop_reason, StopReason::PeerTarget, "rank {rank}");
+                assert!((4..=5).contains(&r.steps), "rank {rank}: step {}", r.steps);
+            }
+        }
+        tokio::time::timeout(RUN_LIMIT, self.server.wait())
+            .await
+            .expect("the server exits once every rank said goodbye")
+            .expect("a run that reached its target is a clean end");
+    }
+}
+
+/// A rank that reaches the run's target ends the run for every rank: it
+/// tells the servers (`Request::Finish`), and the other rank, whose own
+/// evaluation has not reached it (here it has no target at all, as a rank
+/// whose batch norm was calibrated on other batches can measure less),
+/// stops at its next step with `JobDone` instead of training on alone
+/// (an epoch is 32 steps; alone it would train 20). Both end cleanly, and so
+/// does the server.
+#[actix::test]
+async fn a_rank_that_reaches_the_target_ends_the_run_for_every_rank() {
+    let job = target_job(2, 1).await;
     let runs = vec![
         ps_worker::run::run_worker_with(
-            &rank0,
-            pki.options(0),
-            store.clone(),
-            prefix.clone(),
+            &job.with_target,
+            job.pki.options(0),
+            job.store.clone(),
+            job.prefix.clone(),
             None,
         ),
-        ps_worker::run::run_worker_with(&cfg, pki.options(1), store.clone(), prefix.clone(), None),
+        ps_worker::run::run_worker_with(
+            &job.cfg,
+            job.pki.options(1),
+            job.store.clone(),
+            job.prefix.clone(),
+            None,
+        ),
     ];
     let outcomes = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(runs))
         .await
         .expect("the run ends instead of hanging");
-    let reports: Vec<_> = outcomes
-        .into_iter()
-        .enumerate()
-        .map(|(rank, o)| o.unwrap_or_else(|e| panic!("rank {rank} failed: {e}")))
-        .collect();
-    use ps_worker::run::StopReason;
-    assert_eq!(reports[0].stop_reason, StopReason::TargetAccuracy);
-    assert_eq!(reports[0].steps, 4, "rank 0 stops at its first evaluation");
-    assert_eq!(reports[1].stop_reason, StopReason::PeerTarget);
-    // Rank 1 hears it at its next step (or, when its push reached the
-    // barrier before the news, the step after, applied alone).
-    assert!(
-        (4..=5).contains(&reports[1].steps),
-        "rank 1 stopped at step {} (an epoch is {steps_per_epoch} steps)",
-        reports[1].steps
-    );
-    tokio::time::timeout(RUN_LIMIT, server.wait())
-        .await
-        .expect("the server exits once every rank said goodbye")
-        .expect("a run that reached its target is a clean end");
-    println!(
-        "rank 0 stopped at step {} ({:?}), rank 1 at step {} ({:?})",
-        reports[0].steps, reports[0].stop_reason, reports[1].steps, reports[1].stop_reason
-    );
+    job.check(outcomes, 1).await;
 }
 
 /// The same behind node aggregators (`cluster.workers_per_node = 2`): node
@@ -213,74 +250,27 @@ async fn a_rank_that_reaches_the_target_ends_the_run_for_every_rank() {
 /// step. Every rank ends cleanly, and so does the server.
 #[actix::test]
 async fn a_node_that_reaches_the_target_ends_the_run_for_the_other_nodes() {
-    let spec = SyntheticSpec {
-        train: 4096,
-        test: 512,
-        ..SyntheticSpec::default()
-    };
-    let (store, prefix) = ps_tests::synthetic_bucket(&spec).await;
-    let mut cfg = test_config(CompressionKind::None, 1.0, 20);
-    cfg.cluster.workers = 4;
-    cfg.cluster.workers_per_node = 2;
-    cfg.training.eval_every = 4;
-    cfg.validate().expect("valid node config");
-    let pki = TestPki::new(cfg.cluster.workers as u32);
-    let server = ps_tests::start_loopback_server(&cfg, &pki).await;
-    cfg.cluster.servers = vec![server.local_addr().to_string()];
-
-    let mut node0 = cfg.clone();
-    node0.training.target_accuracy = 0.01;
-    node0.validate().expect("valid config");
+    let job = target_job(4, 2).await;
     let nodes = vec![
         ps_worker::run::run_node(
-            &node0,
+            &job.with_target,
             0,
-            vec![pki.options(0), pki.options(1)],
-            store.clone(),
-            prefix.clone(),
+            vec![job.pki.options(0), job.pki.options(1)],
+            job.store.clone(),
+            job.prefix.clone(),
         ),
         ps_worker::run::run_node(
-            &cfg,
+            &job.cfg,
             1,
-            vec![pki.options(2), pki.options(3)],
-            store.clone(),
-            prefix.clone(),
+            vec![job.pki.options(2), job.pki.options(3)],
+            job.store.clone(),
+            job.prefix.clone(),
         ),
     ];
     let outcomes = tokio::time::timeout(RUN_LIMIT, futures::future::join_all(nodes))
         .await
         .expect("the run ends instead of hanging");
-    let reports: Vec<_> = outcomes
-        .into_iter()
-        .flatten()
-        .enumerate()
-        .map(|(rank, o)| o.unwrap_or_else(|e| panic!("rank {rank} failed: {e}")))
-        .collect();
-    assert_eq!(reports.len(), 4);
-    use ps_worker::run::StopReason;
-    for r in &reports[..2] {
-        assert_eq!(r.stop_reason, StopReason::TargetAccuracy, "rank {}", r.rank);
-        assert_eq!(r.steps, 4, "rank {} stops at its first evaluation", r.rank);
-    }
-    for r in &reports[2..] {
-        assert_eq!(r.stop_reason, StopReason::PeerTarget, "rank {}", r.rank);
-        assert!(
-            (4..=5).contains(&r.steps),
-            "rank {} stopped at step {}",
-            r.rank,
-            r.steps
-        );
-    }
-    tokio::time::timeout(RUN_LIMIT, server.wait())
-        .await
-        .expect("the server exits once every node said goodbye")
-        .expect("a run that reached its target is a clean end");
-    for r in &reports {
-        println!(
-            "rank {} stopped at step {} ({:?})",
-            r.rank, r.steps, r.stop_reason
-        );
-    }
+    job.check(outcomes.into_iter().flatten().collect(), 2).await;
 }
 
 /// A refusal that reaches a rank through its node keeps its exit code.

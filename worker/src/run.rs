@@ -1583,19 +1583,10 @@ async fn train(
     }
     let train_s = evals.train_s();
     bar.finish_and_clear();
-    if let (Some(reached @ (StopReason::TargetAccuracy | StopReason::TargetLoss)), Some(last)) =
-        (stopping, evals.points.last())
+    if let Some(reason) = stopping
+        .zip(evals.points.last())
+        .and_then(|(stop, last)| evals.target.reached_at(stop, last))
     {
-        let reason = match reached {
-            StopReason::TargetAccuracy => format!(
-                "reached training.target_accuracy = {} (test accuracy {:.4}) at step {}",
-                cfg.training.target_accuracy, last.test_accuracy, last.step
-            ),
-            _ => format!(
-                "reached training.target_loss = {} (test loss {:.4}) at step {}",
-                cfg.training.target_loss, last.test_loss, last.step
-            ),
-        };
         exchange.finish_job(&reason).await;
     }
     // Stop the prefetching: the GETs it has sent are all counted then.
@@ -2053,6 +2044,23 @@ impl Target {
             Some(StopReason::TargetLoss)
         } else {
             None
+        }
+    }
+
+    /// What the servers are told when the run stopped with `stop` at the
+    /// evaluation `at`: which target it reached, and with what (`None`
+    /// when the run stopped for another reason).
+    fn reached_at(&self, stop: StopReason, at: &EvalPoint) -> Option<String> {
+        match stop {
+            StopReason::TargetAccuracy => Some(format!(
+                "reached training.target_accuracy = {} (test accuracy {:.4}) at step {}",
+                self.accuracy, at.test_accuracy, at.step
+            )),
+            StopReason::TargetLoss => Some(format!(
+                "reached training.target_loss = {} (test loss {:.4}) at step {}",
+                self.loss, at.test_loss, at.step
+            )),
+            _ => None,
         }
     }
 }

@@ -96,7 +96,8 @@
 #            [--topk-warmup-start DENSITY]
 #            [--powersgd-start STEPS] [--topk-correction M] [--topk-masking true|false]
 #            [--topk-f16 true|false]
-#            [--global-topk true|false] [--mtu BYTES] [--quick]
+#            [--global-topk true|false] [--mtu BYTES] [--local-path true|false]
+#            [--quick]
 #   --model      mlp (default; data of 256 features), resnet20 (the
 #                worker's ResNet-20 preset; data of 3072 features read as
 #                3x32x32 images, channel-major) or gpt (the worker's GPT
@@ -115,6 +116,10 @@
 #   --mtu        MTU of every link (default 1500; 9000 = jumbo frames, as
 #                cloud VPCs offer): DDP's TCP uses it as is, Stratus probes
 #                up to it (server.max_udp_payload = MTU - 48)
+#   --local-path  colocated: each worker reaches its own node's server
+#                through the server's Unix socket (cluster.local_path;
+#                default true); false keeps those requests on QUIC over the
+#                node's own address, the A/B of the same-host path
 #   --quick      tiny data set and a few steps: a smoke test of the script
 #   --seeds      N runs seeds 1..N; a comma list (4,5,6,7) runs those seeds
 #                (one seed S alone: "S,").
@@ -177,6 +182,7 @@ global_topk=true
 topk_scope=model
 powersgd_start=2
 mtu=1500
+local_path=true
 quick=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -199,6 +205,7 @@ while [[ $# -gt 0 ]]; do
         --global-topk) global_topk=${2:?--global-topk needs true or false}; shift 2 ;;
         --topk-scope) topk_scope=${2:?--topk-scope needs model or shard}; shift 2 ;;
         --mtu) mtu=${2:?--mtu needs a value}; shift 2 ;;
+        --local-path) local_path=${2:?--local-path needs true or false}; shift 2 ;;
         --quick) quick=1; shift ;;
         -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) echo "bench-peers: unknown argument $1 (try --help)" >&2; exit 2 ;;
@@ -234,6 +241,7 @@ gpt_lr=0.003
 gpt_weight_decay=0.01
 gpt_warmup=20
 [[ $mtu =~ ^[0-9]+$ && $mtu -ge 1280 && $mtu -le 65535 ]] || die "--mtu must be 1280 to 65535, such as 9000"
+[[ $local_path == true || $local_path == false ]] || die "--local-path must be true or false"
 [[ $workers =~ ^[1-9][0-9]?$ && $workers -ge 2 && $workers -le 8 ]] || die "--workers must be 2 to 8"
 if [[ $seeds =~ ^[1-9][0-9]*$ ]]; then
     seed_list=$(seq -s, 1 "$seeds")
@@ -562,6 +570,7 @@ servers = [$servers]
 shards_per_server = $shards
 workers = $workers
 token = "stratus-bench-peers-token"
+local_path = $local_path
 
 [tls]
 cert = "$PWD/$work/certs/server.pem"

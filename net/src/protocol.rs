@@ -1,7 +1,8 @@
 //! The wire protocol between workers and parameter servers.
 //!
 //! Every exchange is one request and one response on its own QUIC
-//! bidirectional stream. A message travels as a frame: a 4-byte little-endian
+//! bidirectional stream (or, for a worker on a server's own host, its own
+//! Unix socket connection: [`crate::local`]). A message travels as a frame: a 4-byte little-endian
 //! length followed by an rkyv archive of [`Request`] or [`Response`]. Receivers
 //! copy the payload into an aligned buffer and validate it with bytecheck before
 //! anything reads it, so a malformed frame is a typed [`ProtocolError`], never a
@@ -22,7 +23,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use ps_shared::sparse::{f16_to_f32, values_from_f16, values_to_f16, SparseGrad};
 
 /// Bumped on every incompatible change; a mismatching Hello is refused.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Bytes of the length prefix in front of each frame.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -461,6 +462,23 @@ pub struct ShardRange {
     pub hi: u64,
 }
 
+/// A server's Unix socket and the key that admits one connection's
+/// requests through it, handed out in that connection's Welcome.
+#[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq)]
+pub struct LocalPath {
+    pub path: String,
+    pub key: [u8; 16],
+}
+
+impl std::fmt::Debug for LocalPath {
+    // The key is a credential: never logged.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalPath")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Kinds of refusal, so clients can react without parsing text.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorCode {
@@ -515,6 +533,9 @@ pub enum Response {
         data_step: u64,
         data_samples: u64,
         data_batch: u64,
+        /// The same-host path the server offers a worker on its own host
+        /// (see [`crate::local`]); `None` for every other worker.
+        local: Option<LocalPath>,
     },
     Params {
         shard: u32,
@@ -704,7 +725,9 @@ pub fn request_vector_bytes(req: &Request) -> usize {
 /// Bytes of the vectors a response carries (see [`request_vector_bytes`]).
 pub fn response_vector_bytes(resp: &Response) -> usize {
     match resp {
-        Response::Welcome { shards, .. } => 24 * shards.len(),
+        Response::Welcome { shards, local, .. } => {
+            24 * shards.len() + local.as_ref().map_or(0, |l| l.path.len() + 16)
+        }
         Response::Params { update, .. } => update.wire_bytes(),
         Response::Error { message, .. } => message.len(),
         Response::MakeUp {
@@ -1146,6 +1169,10 @@ mod tests {
                 data_step: 7,
                 data_samples: 900,
                 data_batch: 32,
+                local: Some(LocalPath {
+                    path: "/tmp/stratus-ps-0-ab/ps.sock".into(),
+                    key: [7; 16],
+                }),
             },
             Response::Params {
                 shard: 0,

@@ -452,6 +452,16 @@ impl FrameBudget {
     pub fn available(&self) -> usize {
         self.free.available_permits()
     }
+
+    /// Reserve `bytes` for a frame, waiting first come first served until
+    /// they are free.
+    pub(crate) async fn reserve(&self, bytes: u32) -> Result<OwnedSemaphorePermit, TransportError> {
+        self.free
+            .clone()
+            .acquire_many_owned(bytes)
+            .await
+            .map_err(|_| TransportError::Read("the connection's frame budget is closed".into()))
+    }
 }
 
 /// A frame's payload and its share of a [`FrameBudget`], given back when
@@ -461,6 +471,16 @@ pub struct Frame {
     /// 16-byte aligned: the archive is validated where it lies.
     pub payload: AlignedVec,
     _reserved: Option<OwnedSemaphorePermit>,
+}
+
+impl Frame {
+    /// `payload`, holding `reserved` of its budget until dropped.
+    pub(crate) fn reserved(payload: AlignedVec, reserved: OwnedSemaphorePermit) -> Self {
+        Self {
+            payload,
+            _reserved: Some(reserved),
+        }
+    }
 }
 
 /// [`read_frame`] for a server: the frame's declared length is reserved in
@@ -489,19 +509,11 @@ pub async fn read_frame_budgeted(
         size: len,
         limit: u32::MAX as usize,
     })?;
-    let reserved = budget
-        .free
-        .clone()
-        .acquire_many_owned(wanted)
-        .await
-        .map_err(|_| TransportError::Read("the connection's frame budget is closed".into()))?;
+    let reserved = budget.reserve(wanted).await?;
     // The reservation already holds the frame's length: its buffer is
     // allocated whole, and the payload read straight into it.
     let payload = read_payload(recv, len, Some(stall), true).await?;
-    Ok(Frame {
-        payload,
-        _reserved: Some(reserved),
-    })
+    Ok(Frame::reserved(payload, reserved))
 }
 
 /// Read `len` payload bytes into an aligned buffer, copying each byte once.

@@ -37,6 +37,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -46,9 +47,10 @@ use quinn::{Connection, Endpoint, Incoming, RecvStream, SendStream};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
+use ps_net::local::{self, KEY_BYTES};
 use ps_net::protocol::{
-    close, decode_request, encode_response_frame, request_vector_bytes, Copied, ErrorCode, Request,
-    Response, ShardRange, MAX_HELLO_BYTES,
+    close, decode_request, encode_response_frame, request_vector_bytes, Copied, ErrorCode,
+    LocalPath, Request, Response, ShardRange, MAX_HELLO_BYTES,
 };
 use ps_net::transport::{
     self, read_frame, read_frame_budgeted, write_encoded, EndpointLimits, FrameBudget,
@@ -88,6 +90,8 @@ pub enum ServerError {
     },
     #[error("cannot start the I/O runtime: {0}")]
     Runtime(std::io::Error),
+    #[error("cannot open the same-host socket in {dir} (set TMPDIR, or cluster.local_path = false): {source}")]
+    LocalSocket { dir: String, source: std::io::Error },
 }
 
 /// TLS material of a server: its certificate and key, and the cluster CA
@@ -152,6 +156,22 @@ struct Ctx {
     job_done: Mutex<Option<String>>,
     /// Bytes of requests read and decoded (the shards count their replies).
     copied: Mutex<Copied>,
+    /// The same-host socket's path, when `cluster.local_path` is on.
+    local_path: Option<String>,
+    /// The keys handed out in Welcomes, each admitting its connection's
+    /// requests through the socket until that connection closes.
+    grants: Mutex<HashMap<[u8; KEY_BYTES], Grant>>,
+    /// Requests served through the socket.
+    local_served: AtomicU64,
+}
+
+/// What a same-host key stands for: the connection it was handed out on.
+#[derive(Clone)]
+struct Grant {
+    conn: ConnId,
+    rank: u32,
+    /// The connection's frame budget, shared by both paths.
+    budget: FrameBudget,
 }
 
 impl Ctx {
@@ -225,8 +245,28 @@ impl Ctx {
         }
     }
 
+    fn grants(&self) -> MutexGuard<'_, HashMap<[u8; KEY_BYTES], Grant>> {
+        self.grants.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The same-host path for a connection past Hello, when its peer is on
+    /// this host: a fresh key for it, good until the connection closes.
+    fn offer_local(&self, conn: &Connection, grant: Grant) -> Option<LocalPath> {
+        let path = self.local_path.as_ref()?;
+        if !local::same_host(conn.remote_address().ip(), conn.local_ip()) {
+            return None;
+        }
+        let key: [u8; KEY_BYTES] = rand::random();
+        self.grants().insert(key, grant);
+        Some(LocalPath {
+            path: path.clone(),
+            key,
+        })
+    }
+
     fn closed(&self, conn: ConnId, why: &str) {
         self.pending().remove(&conn);
+        self.grants().retain(|_, g| g.conn != conn);
         let none_left = {
             let mut conns = self.conns();
             conns.remove(&conn);
@@ -310,6 +350,8 @@ pub struct RunningServer {
     waiting: HashMap<u32, watch::Receiver<usize>>,
     arbiters: Vec<Arbiter>,
     io: Option<tokio::runtime::Runtime>,
+    /// The same-host socket's directory, removed with the server.
+    _socket_dir: Option<tempfile::TempDir>,
 }
 
 impl Drop for RunningServer {
@@ -362,6 +404,11 @@ impl RunningServer {
         }
         self.teardown().await;
         outcome
+    }
+
+    /// Requests served through the same-host socket so far.
+    pub fn local_requests(&self) -> u64 {
+        self.ctx.local_served.load(Ordering::Relaxed)
     }
 
     /// Bytes this server copied: requests read and decoded, and the reply
@@ -789,6 +836,21 @@ pub async fn start(
             return Err(e);
         }
     };
+    let local = if cfg.cluster.local_path {
+        let _guard = io.enter();
+        match local_socket(index) {
+            Ok(local) => Some(local),
+            Err(e) => {
+                io.shutdown_background();
+                for arbiter in &arbiters {
+                    arbiter.stop();
+                }
+                return Err(e);
+            }
+        }
+    } else {
+        None
+    };
     let now = Instant::now();
     let membership = Membership::new(
         MembershipSettings {
@@ -830,7 +892,37 @@ pub async fn start(
         job_stopped: Mutex::new(None),
         job_done: Mutex::new(None),
         copied: Mutex::new(Copied::default()),
+        local_path: local
+            .as_ref()
+            .map(|(_, path, _)| path.to_string_lossy().into_owned()),
+        grants: Mutex::new(HashMap::new()),
+        local_served: AtomicU64::new(0),
     });
+    let (socket_dir, listener) = match local {
+        Some((dir, path, listener)) => {
+            tracing::info!(path = %path.display(), "same-host socket open");
+            (Some(dir), Some(listener))
+        }
+        None => (None, None),
+    };
+    if let Some(listener) = listener {
+        let local_ctx = ctx.clone();
+        io.spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        tokio::spawn(serve_local(stream, local_ctx.clone()));
+                    }
+                    Err(e) => {
+                        // Out of descriptors, say: keep serving QUIC, and
+                        // try the socket again shortly.
+                        tracing::warn!("same-host socket accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        });
+    }
     let tick_ctx = ctx.clone();
     io.spawn(async move {
         let mut interval = tokio::time::interval(tick);
@@ -870,7 +962,31 @@ pub async fn start(
         waiting,
         arbiters,
         io: Some(io),
+        _socket_dir: socket_dir,
     })
+}
+
+/// A new directory only this user can enter, under the system temporary
+/// directory, and the same-host socket listening in it; the directory (and
+/// the socket) go when the returned [`tempfile::TempDir`] is dropped.
+fn local_socket(
+    index: usize,
+) -> Result<(tempfile::TempDir, PathBuf, tokio::net::UnixListener), ServerError> {
+    let parent = std::env::temp_dir();
+    let failed = |source| ServerError::LocalSocket {
+        dir: parent.display().to_string(),
+        source,
+    };
+    // A random name, and mode 0700 from the moment it exists.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("stratus-ps-{index}-"))
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir_in(&parent)
+        .map_err(failed)?;
+    let path = dir.path().join("ps.sock");
+    let listener = tokio::net::UnixListener::bind(&path).map_err(failed)?;
+    Ok((dir, path, listener))
 }
 
 async fn reply(send: &mut SendStream, resp: &Response) {
@@ -914,7 +1030,12 @@ async fn gate<F: std::future::Future>(
 }
 
 /// The certificate's rank and the Hello, on a connection that finished TLS.
-async fn hello(conn: &Connection, conn_id: ConnId, ctx: &Ctx) -> Result<u32, String> {
+async fn hello(
+    conn: &Connection,
+    conn_id: ConnId,
+    ctx: &Ctx,
+    budget: &FrameBudget,
+) -> Result<u32, String> {
     let cert_rank =
         transport::peer_rank(conn).map_err(|e| format!("no usable worker certificate: {e}"))?;
     let (mut send, mut recv) = conn
@@ -970,6 +1091,12 @@ async fn hello(conn: &Connection, conn_id: ConnId, ctx: &Ctx) -> Result<u32, Str
                 .unwrap_or(cert_rank);
             ctx.conns().insert(conn_id, conn.clone());
             ctx.apply(actions);
+            let grant = Grant {
+                conn: conn_id,
+                rank: client,
+                budget: budget.clone(),
+            };
+            let local = ctx.offer_local(conn, grant);
             let welcome = Response::Welcome {
                 server_index: ctx.index,
                 shards: ctx.welcome.clone(),
@@ -977,6 +1104,7 @@ async fn hello(conn: &Connection, conn_id: ConnId, ctx: &Ctx) -> Result<u32, Str
                 data_step: ctx.data.step,
                 data_samples: ctx.data.samples,
                 data_batch: ctx.data.batch,
+                local,
             };
             reply(&mut send, &welcome).await;
             Ok(client)
@@ -1014,6 +1142,7 @@ async fn admit(
     incoming: Incoming,
     conn_id: ConnId,
     ctx: &Ctx,
+    budget: &FrameBudget,
 ) -> Result<(Connection, u32), String> {
     let deadline = tokio::time::Instant::now() + ctx.hello_timeout;
     let peer = incoming.remote_address();
@@ -1046,7 +1175,7 @@ async fn admit(
         conn.close(code.into(), why.as_bytes());
         Err(why)
     };
-    match gate(deadline, &mut evicted, hello(&conn, conn_id, ctx)).await {
+    match gate(deadline, &mut evicted, hello(&conn, conn_id, ctx, budget)).await {
         Gate::Done(Ok(rank)) => Ok((conn.clone(), rank)),
         Gate::Done(Err(why)) => close(close::REFUSED, why),
         Gate::TimedOut => close(
@@ -1060,7 +1189,9 @@ async fn admit(
 async fn serve_connection(incoming: Incoming, ctx: Arc<Ctx>) {
     let conn_id = ctx.next_conn.fetch_add(1, Ordering::Relaxed);
     let peer = incoming.remote_address();
-    let (conn, rank) = match admit(incoming, conn_id, &ctx).await {
+    // Requests on both paths (QUIC streams and the same-host socket) share it.
+    let budget = FrameBudget::new(ctx.frame_budget);
+    let (conn, rank) = match admit(incoming, conn_id, &ctx, &budget).await {
         Ok(ok) => ok,
         Err(why) => {
             tracing::warn!(%peer, "refused connection: {why}");
@@ -1071,7 +1202,6 @@ async fn serve_connection(incoming: Incoming, ctx: Arc<Ctx>) {
     };
     crate::observe::connection(ctx.index as usize, true);
     tracing::info!(%peer, rank, "worker connected");
-    let budget = FrameBudget::new(ctx.frame_budget);
     loop {
         match conn.accept_bi().await {
             Ok((send, recv)) => {
@@ -1109,6 +1239,67 @@ async fn serve_stream(
     if !matches!(read, Ok(Ok(_))) {
         let _ = recv.stop(0u32.into());
     }
+    let resp = answer(&ctx, conn, rank, read).await;
+    // The frame was encoded once by the shard for every worker it answers
+    // alike.
+    if let Err(e) = write_encoded(&mut send, &resp.frame).await {
+        tracing::debug!("cannot send reply: {e}");
+    }
+}
+
+/// Serve one request on the same-host socket: from this server's own user
+/// only, with a key handed out in a live connection's Welcome, as that
+/// connection's request. A connection without a known key is closed
+/// unanswered, so a worker whose QUIC connection ended goes back to it.
+async fn serve_local(mut stream: tokio::net::UnixStream, ctx: Arc<Ctx>) {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    match stream.peer_cred() {
+        Ok(cred) if cred.uid() == uid => {}
+        Ok(cred) => {
+            tracing::warn!(
+                peer_uid = cred.uid(),
+                "refused a same-host connection from another user"
+            );
+            return;
+        }
+        Err(e) => {
+            tracing::warn!("refused a same-host connection without credentials: {e}");
+            return;
+        }
+    }
+    let key = match local::read_key(&mut stream, ctx.stall).await {
+        Ok(key) => key,
+        Err(e) => {
+            tracing::debug!("same-host connection ended before its key: {e}");
+            return;
+        }
+    };
+    let grant = ctx.grants().get(&key).cloned();
+    let Some(Grant { conn, rank, budget }) = grant else {
+        tracing::debug!("same-host request with a key of no live connection: closed");
+        return;
+    };
+    let read = tokio::time::timeout(
+        ctx.request_timeout,
+        local::read_frame(&mut stream, ctx.max_frame, ctx.stall, &budget),
+    )
+    .await;
+    ctx.local_served.fetch_add(1, Ordering::Relaxed);
+    let resp = answer(&ctx, conn, rank, read).await;
+    if let Err(e) = local::write_frame(&mut stream, &resp.frame).await {
+        tracing::debug!("cannot send reply: {e}");
+    }
+}
+
+/// The reply to a request read (or not) from connection `conn` of `rank`,
+/// whichever path it came on.
+async fn answer(
+    ctx: &Ctx,
+    conn: ConnId,
+    rank: u32,
+    read: Result<Result<transport::Frame, TransportError>, tokio::time::error::Elapsed>,
+) -> Reply {
     let refuse = |code, message: String| Reply::new(Response::error(code, message));
     let resp = match read {
         Err(_) => refuse(ErrorCode::Timeout, "request not received in time".into()),
@@ -1141,7 +1332,7 @@ async fn serve_stream(
                 };
                 let started = Instant::now();
                 let resp = if ctx.membership().request(conn, Instant::now()) {
-                    dispatch(&ctx, conn, rank, req)
+                    dispatch(ctx, conn, rank, req)
                         .instrument(span.clone())
                         .await
                 } else {
@@ -1160,11 +1351,7 @@ async fn serve_stream(
     if let Response::Error { code, message } = &*resp.response {
         tracing::warn!(rank, ?code, "refused request: {message}");
     }
-    // The frame was encoded once by the shard for every worker it answers
-    // alike.
-    if let Err(e) = write_encoded(&mut send, &resp.frame).await {
-        tracing::debug!("cannot send reply: {e}");
-    }
+    resp
 }
 
 /// The request's kind, as the `kind` label and span field name it.

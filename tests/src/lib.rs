@@ -475,8 +475,17 @@ pub fn run_cluster_traced(
     Ok((reports, shards, trained))
 }
 
-/// [`run_cluster_per_rank`], also returning the bytes each server process
-/// copied (requests read and decoded, replies encoded).
+/// What a server process counted over an in-process run.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerCounts {
+    /// Bytes copied: requests read and decoded, replies encoded.
+    pub copied: ps_net::protocol::Copied,
+    /// Requests served through the same-host socket (`cluster.local_path`).
+    pub local_requests: u64,
+}
+
+/// [`run_cluster_per_rank`], also returning what each server process
+/// counted.
 pub fn run_cluster_counted(
     cfg: ClusterConfig,
     sim: &dyn Fn(u32) -> Simulation,
@@ -486,7 +495,7 @@ pub fn run_cluster_counted(
 ) -> anyhow::Result<(
     Vec<WorkerReport>,
     Vec<ps_server::actor::ShardStatus>,
-    Vec<ps_net::protocol::Copied>,
+    Vec<ServerCounts>,
 )> {
     run_cluster_inner(cfg, sim, store, prefix, model, None)
 }
@@ -502,7 +511,7 @@ fn run_cluster_inner(
 ) -> anyhow::Result<(
     Vec<WorkerReport>,
     Vec<ps_server::actor::ShardStatus>,
-    Vec<ps_net::protocol::Copied>,
+    Vec<ServerCounts>,
 )> {
     let pki = TestPki::new(cfg.cluster.workers as u32);
     let system = actix::System::new();
@@ -550,7 +559,10 @@ fn run_cluster_inner(
         let mut copied = Vec::new();
         for server in &servers {
             shards.extend(server.status().await);
-            copied.push(server.copied().await);
+            copied.push(ServerCounts {
+                copied: server.copied().await,
+                local_requests: server.local_requests(),
+            });
         }
         // Every worker said goodbye, so the servers stop by themselves.
         for server in servers {

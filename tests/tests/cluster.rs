@@ -126,7 +126,7 @@ fn a_dense_step_copies_each_payload_about_once_per_stage() {
     }
     // The server, per push it received: one read, one decode; its replies
     // encoded once per shard and step for every worker (BSP: one reply).
-    let server = servers[0];
+    let server = servers[0].copied;
     let workers = reports.len() as f64;
     let payload = 4.0 * reports[0].num_params as f64;
     let per_worker_step = |b: u64| b as f64 / steps;
@@ -276,6 +276,54 @@ fn streamed_and_whole(
         assert_eq!(w.final_accuracy.to_bits(), s.final_accuracy.to_bits());
     }
     streamed
+}
+
+/// `cluster.local_path`: workers on the server's host send every request
+/// through its Unix socket, and the cluster trains bit for bit what it
+/// trains over QUIC; with the path off, nothing crosses the socket.
+#[test]
+fn colocated_workers_train_through_the_same_host_socket_as_over_quic() {
+    let (store, prefix) = synthetic_bucket_blocking(&spec());
+    let run = |on: bool| {
+        let mut cfg = test_config(CompressionKind::None, 1.0, 2);
+        cfg.cluster.local_path = on;
+        let shards = cfg.total_shards() as u64;
+        let sim = |_| ps_worker::simulate::Simulation::default();
+        let (reports, status, servers) =
+            ps_tests::run_cluster_counted(cfg, &sim, store.clone(), prefix.clone(), None)
+                .expect("cluster run");
+        let steps: u64 = reports.iter().map(|r| r.steps).sum();
+        let local = servers[0].local_requests;
+        println!("local_path = {on}: {steps} worker steps, {local} requests through the socket");
+        (reports, status, local, steps * shards)
+    };
+    let (quic, quic_shards, quic_local, _) = run(false);
+    let (socket, socket_shards, socket_local, pushes) = run(true);
+    assert_eq!(quic_local, 0);
+    // Every step's push to every shard, plus the joins and offers.
+    assert!(socket_local >= pushes, "{socket_local} < {pushes}");
+    summarize("dense over QUIC", &quic);
+    summarize("dense through the socket", &socket);
+    for (q, s) in quic.iter().zip(&socket) {
+        assert_eq!(q.steps, s.steps);
+        for (a, b) in q.epochs.iter().zip(&s.epochs) {
+            assert_eq!(a.bytes_pushed, b.bytes_pushed);
+            assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits());
+            assert_eq!(a.test_loss.to_bits(), b.test_loss.to_bits());
+        }
+        assert!(s.final_accuracy > ACCURACY_BAR, "{:.3}", s.final_accuracy);
+    }
+    for (q, s) in quic_shards.iter().zip(&socket_shards) {
+        assert_eq!(q.version, s.version);
+        assert!(
+            q.params
+                .iter()
+                .zip(&s.params)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "shard {} differs",
+            q.shard
+        );
+    }
 }
 
 #[test]

@@ -333,3 +333,81 @@ fn a_parked_reply_is_dropped_when_its_connection_closes() {
         server.abort().await;
     });
 }
+
+/// The same-host socket (`cluster.local_path`) serves a request only with
+/// the key a live connection was handed in its Welcome, as that
+/// connection's: a wrong key and the key of a closed connection are cut off
+/// unanswered. The socket's directory is private to the server's user and
+/// goes with the server; a server with the path off offers none.
+#[test]
+fn the_same_host_socket_serves_only_with_a_live_connections_key() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::Path;
+
+    use ps_net::local;
+    use ps_net::protocol::encode_request_frame;
+
+    let cfg = one_worker_config();
+    let pki = TestPki::new(1);
+    let system = actix::System::new();
+    system.block_on(async move {
+        let server = start_loopback_server(&cfg, &pki).await;
+        let limit = cfg.server.max_frame_bytes;
+        let conn = connect_as(&pki, 0, server.local_addr()).await;
+        let (resp, _) = transport::call(&conn, &hello(&cfg, 0), limit).await.unwrap();
+        let Response::Welcome { local: Some(offer), .. } = resp else {
+            panic!("no same-host path offered on loopback: {resp:?}");
+        };
+        let path = Path::new(&offer.path).to_path_buf();
+        let dir = path.parent().expect("the socket's directory").to_path_buf();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "socket directory mode {mode:o}");
+
+        let frame = |req: &Request| encode_request_frame(req).unwrap();
+        let (resp, _) = local::call(&path, &offer.key, &frame(&Request::Heartbeat), limit)
+            .await
+            .unwrap();
+        assert_eq!(resp, Response::HeartbeatAck);
+        // The connection's rank trains through the socket: its offer starts
+        // the shard and its push completes step 0.
+        let n = cfg.model.num_params() / 2;
+        let offer_req = Request::Offer { shard: 0, version: 0, next_step: 0, values: vec![0.5; n] };
+        let (resp, _) = local::call(&path, &offer.key, &frame(&offer_req), limit).await.unwrap();
+        assert!(matches!(resp, Response::Params { version: 0, .. }), "{resp:?}");
+        let push = Request::Step {
+            shard: 0,
+            step: 0,
+            have_version: Some(0),
+            rate: 0.0,
+            grad: WireGrad::Sparse { indices: vec![1], values: WireValues::F32(vec![1.0]) },
+        };
+        let (resp, _) = local::call(&path, &offer.key, &frame(&push), limit).await.unwrap();
+        assert!(matches!(resp, Response::Params { version: 1, .. }), "{resp:?}");
+        assert_eq!(server.local_requests(), 3);
+
+        // Another key: cut off without a reply, and not served.
+        let mut wrong = offer.key;
+        wrong[0] ^= 1;
+        let refused = local::call(&path, &wrong, &frame(&Request::Heartbeat), limit).await;
+        assert!(refused.is_err(), "a wrong key was answered: {refused:?}");
+        // The connection's key dies with it.
+        conn.close(close::BYE.into(), b"bye");
+        tokio::time::timeout(EVENT_BOUND, server.wait_connections(|c| c.0 == 0))
+            .await
+            .expect("the server saw the connection close");
+        let stale = local::call(&path, &offer.key, &frame(&Request::Heartbeat), limit).await;
+        assert!(stale.is_err(), "a closed connection's key was answered: {stale:?}");
+        assert_eq!(server.local_requests(), 3);
+        server.abort().await;
+        assert!(!dir.exists(), "the socket directory outlived the server");
+
+        let mut off = cfg.clone();
+        off.cluster.local_path = false;
+        let server = start_loopback_server(&off, &pki).await;
+        let conn = connect_as(&pki, 0, server.local_addr()).await;
+        let (resp, _) = transport::call(&conn, &hello(&off, 0), limit).await.unwrap();
+        assert!(matches!(resp, Response::Welcome { local: None, .. }), "{resp:?}");
+        server.abort().await;
+        println!("same-host socket: 3 requests served with the key, a wrong key and a closed connection's key cut off, directory mode {mode:o}");
+    });
+}

@@ -27,6 +27,7 @@
 
 use std::cell::RefCell;
 use std::future::Future;
+use std::path::Path;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -41,8 +42,8 @@ use quinn::Connection;
 use ps_net::pki::CertPair;
 use ps_net::protocol::{
     close, encode_offer, encode_request_frame, encode_step, response_vector_bytes, Copied,
-    EncodedFrame, ErrorCode, GradView, ParamUpdate, Request, Response, ShardRange, ValuesView,
-    WireGrad, WireOrphan, PROTOCOL_VERSION,
+    EncodedFrame, ErrorCode, GradView, LocalPath, ParamUpdate, Request, Response, ShardRange,
+    ValuesView, WireGrad, WireOrphan, PROTOCOL_VERSION,
 };
 use ps_net::transport::{self, EndpointLimits, TransportError};
 use ps_shared::config::ClusterConfig;
@@ -322,6 +323,17 @@ pub struct WorkerTls {
 struct Link {
     server: String,
     conn: Connection,
+    /// The server's same-host socket and this connection's key for it,
+    /// while that path works (see [`ps_net::local`]).
+    local: Option<LocalPath>,
+}
+
+/// A server dialed and greeted: what its Welcome said.
+struct Dialed {
+    conn: Connection,
+    shards: Vec<ShardRange>,
+    start: DataStart,
+    local: Option<LocalPath>,
 }
 
 /// What (re)connecting needs.
@@ -333,6 +345,8 @@ struct Dialer {
     connect_timeout: Duration,
     request_timeout: Duration,
     max_frame: usize,
+    /// `cluster.local_path`: take a same-host path a server offers.
+    local_path: bool,
 }
 
 /// Where the servers say the sample stream stands (from their Welcome):
@@ -492,10 +506,16 @@ impl Comm {
             connect_timeout: Duration::from_secs(cfg.server.connect_timeout_secs),
             request_timeout: ps_shared::config::secs(cfg.server.request_timeout_secs),
             max_frame: cfg.server.max_frame_bytes,
+            local_path: cfg.cluster.local_path,
         };
         let mut data: Option<DataStart> = None;
         for (i, server) in cfg.cluster.servers.iter().enumerate() {
-            let (conn, shards, start) = dialer.dial(server).await?;
+            let Dialed {
+                conn,
+                shards,
+                start,
+                local,
+            } = dialer.dial(server).await?;
             match data {
                 None => data = Some(start),
                 Some(d) if d != start => {
@@ -516,9 +536,17 @@ impl Comm {
                 }
                 route[s.shard as usize] = i;
             }
+            if let Some(l) = &local {
+                tracing::info!(
+                    server,
+                    path = l.path,
+                    "server on this host: requests go through its Unix socket"
+                );
+            }
             links.push(Link {
                 server: server.clone(),
                 conn,
+                local,
             });
         }
         if let Some(missing) = route.iter().position(|&r| r == usize::MAX) {
@@ -607,6 +635,46 @@ impl Comm {
         (links[link].server.clone(), links[link].conn.clone())
     }
 
+    /// Send `frame` to the server of `link` and read the reply: through its
+    /// same-host socket while that works, else over QUIC. A socket that
+    /// fails (the server gone, or its key refused because the connection
+    /// it came with closed) is dropped for QUIC until the next Welcome, and
+    /// the request goes over QUIC at once; a request a server may see twice
+    /// is one it can see twice anyway, as a retry.
+    async fn send_frame(
+        &self,
+        link: usize,
+        conn: &Connection,
+        frame: &EncodedFrame,
+    ) -> Result<(Response, usize), TransportError> {
+        let local = self.links.borrow()[link].local.clone();
+        if let Some(local) = local {
+            match ps_net::local::call(
+                Path::new(&local.path),
+                &local.key,
+                frame,
+                self.dialer.max_frame,
+            )
+            .await
+            {
+                Ok(done) => return Ok(done),
+                Err(e) => {
+                    let mut links = self.links.borrow_mut();
+                    let l = &mut links[link];
+                    if l.local.as_ref().is_some_and(|now| now.key == local.key) {
+                        tracing::info!(
+                            server = l.server,
+                            path = local.path,
+                            "same-host path unusable, staying on QUIC: {e}"
+                        );
+                        l.local = None;
+                    }
+                }
+            }
+        }
+        transport::call_frame(conn, frame, self.dialer.max_frame).await
+    }
+
     /// At `at`, send `frame` to `shard`'s server through the (simulated)
     /// link, under the request deadline; the outcome as the core's event.
     async fn call(
@@ -618,9 +686,10 @@ impl Comm {
         what: &'static str,
     ) -> Event {
         sleep_until(at).await;
-        let (server, conn) = self.conn_of(self.route[shard]);
+        let link = self.route[shard];
+        let (server, conn) = self.conn_of(link);
         self.link.send(frame.len() as u64).await;
-        let call = transport::call_frame(&conn, &frame, self.dialer.max_frame);
+        let call = self.send_frame(link, &conn, &frame);
         let resp = match tokio::time::timeout(self.dialer.request_timeout, call).await {
             Ok(Ok((resp, read))) => {
                 self.count(Copied {
@@ -746,8 +815,10 @@ impl Comm {
             reason => tracing::warn!(server, ?reason, "connection lost; reconnecting"),
         }
         match self.dialer.dial_once(&server).await {
-            Ok((conn, _, _)) => {
-                self.links.borrow_mut()[link].conn = conn;
+            Ok(dialed) => {
+                let mut links = self.links.borrow_mut();
+                links[link].conn = dialed.conn;
+                links[link].local = dialed.local;
                 Event::Reconnected {
                     link,
                     redialed: true,
@@ -1269,11 +1340,7 @@ enum DialFailure {
 
 impl Dialer {
     /// One attempt to connect and authenticate within the connect timeout.
-    async fn attempt(
-        &self,
-        server: &str,
-        left: Duration,
-    ) -> Result<(Connection, Vec<ShardRange>, DataStart), DialFailure> {
+    async fn attempt(&self, server: &str, left: Duration) -> Result<Dialed, DialFailure> {
         let attempt = async {
             let addr = transport::resolve(server).await?;
             let endpoint = transport::client_endpoint(
@@ -1294,6 +1361,7 @@ impl Dialer {
                     data_step,
                     data_samples,
                     data_batch,
+                    local,
                     ..
                 },
             ))) => {
@@ -1302,7 +1370,12 @@ impl Dialer {
                     samples: data_samples,
                     batch: data_batch,
                 };
-                Ok((conn, shards, start))
+                Ok(Dialed {
+                    conn,
+                    shards,
+                    start,
+                    local: local.filter(|_| self.local_path),
+                })
             }
             Ok(Ok((
                 _,
@@ -1318,10 +1391,7 @@ impl Dialer {
     }
 
     /// One redial for the client core (which owns the backoff).
-    async fn dial_once(
-        &self,
-        server: &str,
-    ) -> Result<(Connection, Vec<ShardRange>, DataStart), String> {
+    async fn dial_once(&self, server: &str) -> Result<Dialed, String> {
         self.attempt(server, self.connect_timeout)
             .await
             .map_err(|f| match f {
@@ -1332,10 +1402,7 @@ impl Dialer {
 
     /// Connect (with backoff, within the connect timeout) and authenticate;
     /// returns the shards the server owns and where the sample stream stands.
-    async fn dial(
-        &self,
-        server: &str,
-    ) -> Result<(Connection, Vec<ShardRange>, DataStart), CommError> {
+    async fn dial(&self, server: &str) -> Result<Dialed, CommError> {
         let start = tokio::time::Instant::now();
         let mut backoff = Duration::from_millis(100);
         loop {

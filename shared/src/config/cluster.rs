@@ -36,6 +36,15 @@ pub struct ClusterSection {
     pub workers_per_node: usize,
     /// Shared secret workers present when they connect (overridden by `STRATUS_TOKEN`).
     pub token: String,
+    /// A worker on a server's own host (loopback, or the server's own
+    /// address) sends its requests through the server's Unix socket
+    /// instead of QUIC, with a key the server handed it over the
+    /// authenticated QUIC connection. The socket lives in a new directory
+    /// under the system temporary directory (`TMPDIR`) that only the
+    /// server's user can enter; a worker that cannot reach it stays on
+    /// QUIC. Both sides must allow it: `false` on a server offers no path,
+    /// on a worker takes none.
+    pub local_path: bool,
 }
 
 impl ClusterSection {
@@ -59,6 +68,7 @@ impl Default for ClusterSection {
             max_workers: 0,
             workers_per_node: 1,
             token: "stratus-dev-token".into(),
+            local_path: true,
         }
     }
 }

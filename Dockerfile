@@ -56,7 +56,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --user-group --home-dir /stratus stratus \
-    && mkdir -p /stratus/configs /stratus/ca /stratus/certs /stratus/data /stratus/runs \
+    && mkdir -p /stratus/configs /stratus/ca /stratus/certs /stratus/data /stratus/runs /stratus/run \
     && chown -R stratus:stratus /stratus
 COPY --from=build /out/ps-server /out/ps-worker /out/ps-data /usr/local/bin/
 COPY configs/ /stratus/configs/

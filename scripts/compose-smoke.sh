@@ -16,7 +16,9 @@
 # Usage: scripts/compose-smoke.sh               docker-compose.yml
 #        scripts/compose-smoke.sh --colocated   with docker-compose.colocated.yml
 #                                               on top (each worker in its
-#                                               server's network namespace)
+#                                               server's network namespace,
+#                                               checked to reach it through
+#                                               its same-host socket)
 # Environment: SMOKE_TIMEOUT    seconds allowed for the cluster run (default 600)
 #              SMOKE_ACCURACY   test accuracy bar in percent (default 90)
 #              SMOKE_KEEP_LOGS  keep target/compose-smoke/*.log (default 1)
@@ -112,7 +114,7 @@ libs=$(for b in "${binaries[@]}"; do ldd "$bin/$b"; done |
 # --- 2. offline image ---------------------------------------------------------
 mkdir -p "$context/rootfs/usr/local/bin" "$context/rootfs/stratus/configs" \
     "$context/rootfs/stratus/ca" "$context/rootfs/stratus/certs" "$context/rootfs/stratus/data" \
-    "$context/rootfs/stratus/runs" "$context/rootfs/tmp"
+    "$context/rootfs/stratus/runs" "$context/rootfs/stratus/run" "$context/rootfs/tmp"
 chmod 1777 "$context/rootfs/tmp"
 for b in "${binaries[@]}"; do cp "$bin/$b" "$context/rootfs/usr/local/bin/"; done
 strip "$context"/rootfs/usr/local/bin/* 2>/dev/null || true
@@ -228,6 +230,21 @@ for rank in 0 1; do
         { say "worker $rank wrote no report JSON" >&2; fail=1; }
 done
 grep -h "epoch" "$work/cluster.log" | grep -E "ps-worker-0" | sed 's/^/  /' || true
+# Colocated, worker i reaches server i through its same-host socket (the
+# volume the colocated file shares between them), never falling back to QUIC.
+if [[ ${#files[@]} -gt 2 ]]; then
+    for rank in 0 1; do
+        if ! grep -E "ps-worker-${rank}[-_]" "$work/cluster.log" | grep -q "requests go through its Unix socket"; then
+            say "worker $rank did not take server $rank's same-host socket" >&2
+            fail=1
+        fi
+    done
+    if grep -q "same-host path unusable" "$work/cluster.log"; then
+        say "a worker fell back from the same-host socket:" >&2
+        grep "same-host path unusable" "$work/cluster.log" >&2
+        fail=1
+    fi
+fi
 
 total_s=$(($(date +%s) - started))
 echo
@@ -235,7 +252,7 @@ say "summary"
 echo "  compose tool:     ${compose_tool[*]} ($("${compose_tool[@]}" version --short 2>/dev/null || echo '?'))"
 echo "  image:            $image, $((size_bytes / 1000000)) MB (FROM scratch: the release binaries, their libraries and loader)"
 layout="separate network namespaces"
-[[ ${#files[@]} -gt 2 ]] && layout="colocated: worker i in server i's network namespace"
+[[ ${#files[@]} -gt 2 ]] && layout="colocated: worker i in server i's network namespace, requests to it through its Unix socket"
 echo "  cluster:          2 ps-server (1 shard each) + 2 ps-worker, configs/compose.toml ($layout)"
 echo "  certificates:     ${cert_files[*]} (ca and certs volumes; servers and workers see no CA key)"
 echo "  exit codes:       workers ${codes_arr[0]:-?} ${codes_arr[1]:-?}, servers ${codes_arr[2]:-?} ${codes_arr[3]:-?}"

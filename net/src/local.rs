@@ -30,8 +30,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use crate::protocol::{
-    decode_response, frame_len, AlignedVec, EncodedFrame, ProtocolError, Response,
-    FRAME_HEADER_BYTES,
+    decode_response, frame_len, AlignedVec, EncodedFrame, Response, FRAME_HEADER_BYTES,
 };
 use crate::transport::{Frame, FrameBudget, TransportError};
 
@@ -104,12 +103,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
 ) -> Result<Frame, TransportError> {
     let mut header = [0u8; FRAME_HEADER_BYTES];
     read_within(r, &mut header, stall).await?;
-    let len = frame_len(header, limit.min(budget.bytes()))?;
-    let wanted = u32::try_from(len).map_err(|_| ProtocolError::FrameTooLarge {
-        size: len,
-        limit: u32::MAX as usize,
-    })?;
-    let reserved = budget.reserve(wanted).await?;
+    let (len, reserved) = budget.reserve_frame(header, limit).await?;
     let mut payload = zeroed(len);
     read_within(r, &mut payload[..], stall).await?;
     Ok(Frame::reserved(payload, reserved))
@@ -163,7 +157,9 @@ async fn read_within<R: AsyncRead + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{decode_request, encode_request_frame, encode_response_frame, Request};
+    use crate::protocol::{
+        decode_request, encode_request_frame, encode_response_frame, ProtocolError, Request,
+    };
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     #[test]

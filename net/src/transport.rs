@@ -453,14 +453,26 @@ impl FrameBudget {
         self.free.available_permits()
     }
 
-    /// Reserve `bytes` for a frame, waiting first come first served until
-    /// they are free.
-    pub(crate) async fn reserve(&self, bytes: u32) -> Result<OwnedSemaphorePermit, TransportError> {
-        self.free
+    /// The payload length a frame's `header` declares, refused above
+    /// `limit` or the budget, and its reservation, waited for first come
+    /// first served.
+    pub(crate) async fn reserve_frame(
+        &self,
+        header: [u8; FRAME_HEADER_BYTES],
+        limit: usize,
+    ) -> Result<(usize, OwnedSemaphorePermit), TransportError> {
+        let len = frame_len(header, limit.min(self.bytes))?;
+        let wanted = u32::try_from(len).map_err(|_| ProtocolError::FrameTooLarge {
+            size: len,
+            limit: u32::MAX as usize,
+        })?;
+        let reserved = self
+            .free
             .clone()
-            .acquire_many_owned(bytes)
+            .acquire_many_owned(wanted)
             .await
-            .map_err(|_| TransportError::Read("the connection's frame budget is closed".into()))
+            .map_err(|_| TransportError::Read("the connection's frame budget is closed".into()))?;
+        Ok((len, reserved))
     }
 }
 
@@ -504,12 +516,7 @@ pub async fn read_frame_budgeted(
         .await
         .map_err(|_| stalled(0, FRAME_HEADER_BYTES))?
         .map_err(|e| TransportError::Read(format!("frame header: {e}")))?;
-    let len = frame_len(header, limit.min(budget.bytes))?;
-    let wanted = u32::try_from(len).map_err(|_| ProtocolError::FrameTooLarge {
-        size: len,
-        limit: u32::MAX as usize,
-    })?;
-    let reserved = budget.reserve(wanted).await?;
+    let (len, reserved) = budget.reserve_frame(header, limit).await?;
     // The reservation already holds the frame's length: its buffer is
     // allocated whole, and the payload read straight into it.
     let payload = read_payload(recv, len, Some(stall), true).await?;

@@ -467,7 +467,7 @@ pub struct ShardRange {
 #[derive(Archive, Serialize, Deserialize, Clone, PartialEq, Eq)]
 pub struct LocalPath {
     pub path: String,
-    pub key: [u8; 16],
+    pub key: [u8; crate::local::KEY_BYTES],
 }
 
 impl std::fmt::Debug for LocalPath {
@@ -726,7 +726,10 @@ pub fn request_vector_bytes(req: &Request) -> usize {
 pub fn response_vector_bytes(resp: &Response) -> usize {
     match resp {
         Response::Welcome { shards, local, .. } => {
-            24 * shards.len() + local.as_ref().map_or(0, |l| l.path.len() + 16)
+            24 * shards.len()
+                + local
+                    .as_ref()
+                    .map_or(0, |l| l.path.len() + crate::local::KEY_BYTES)
         }
         Response::Params { update, .. } => update.wire_bytes(),
         Response::Error { message, .. } => message.len(),

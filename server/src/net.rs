@@ -819,10 +819,16 @@ pub async fn start(
             })
             .and_then(|endpoint| {
                 let addr = endpoint.local_addr().map_err(TransportError::from)?;
-                Ok((endpoint, addr))
+                // The same-host socket, when cluster.local_path is on.
+                let local = cfg
+                    .cluster
+                    .local_path
+                    .then(|| local_socket(index))
+                    .transpose()?;
+                Ok((endpoint, addr, local))
             })
     };
-    let (endpoint, local_addr) = match bound {
+    let (endpoint, local_addr, local) = match bound {
         Ok(bound) => bound,
         Err(e) => {
             // A runtime dropped inside this async fn would panic ("Cannot
@@ -836,20 +842,13 @@ pub async fn start(
             return Err(e);
         }
     };
-    let local = if cfg.cluster.local_path {
-        let _guard = io.enter();
-        match local_socket(index) {
-            Ok(local) => Some(local),
-            Err(e) => {
-                io.shutdown_background();
-                for arbiter in &arbiters {
-                    arbiter.stop();
-                }
-                return Err(e);
-            }
+    let (socket_dir, local_path, listener) = match local {
+        Some((dir, path, listener)) => {
+            tracing::info!(path = %path.display(), "same-host socket open");
+            let path = path.to_string_lossy().into_owned();
+            (Some(dir), Some(path), Some(listener))
         }
-    } else {
-        None
+        None => (None, None, None),
     };
     let now = Instant::now();
     let membership = Membership::new(
@@ -892,19 +891,10 @@ pub async fn start(
         job_stopped: Mutex::new(None),
         job_done: Mutex::new(None),
         copied: Mutex::new(Copied::default()),
-        local_path: local
-            .as_ref()
-            .map(|(_, path, _)| path.to_string_lossy().into_owned()),
+        local_path,
         grants: Mutex::new(HashMap::new()),
         local_served: AtomicU64::new(0),
     });
-    let (socket_dir, listener) = match local {
-        Some((dir, path, listener)) => {
-            tracing::info!(path = %path.display(), "same-host socket open");
-            (Some(dir), Some(listener))
-        }
-        None => (None, None),
-    };
     if let Some(listener) = listener {
         let local_ctx = ctx.clone();
         io.spawn(async move {

@@ -556,10 +556,10 @@ fn run_cluster_inner(
             }
         };
         let mut shards = Vec::new();
-        let mut copied = Vec::new();
+        let mut counts = Vec::new();
         for server in &servers {
             shards.extend(server.status().await);
-            copied.push(ServerCounts {
+            counts.push(ServerCounts {
                 copied: server.copied().await,
                 local_requests: server.local_requests(),
             });
@@ -570,7 +570,7 @@ fn run_cluster_inner(
                 .await
                 .map_err(|_| anyhow::anyhow!("server did not stop after the workers finished"))??;
         }
-        Ok((reports, shards, copied))
+        Ok((reports, shards, counts))
     })
 }
 

@@ -644,10 +644,12 @@ impl Comm {
     async fn send_frame(
         &self,
         link: usize,
-        conn: &Connection,
         frame: &EncodedFrame,
     ) -> Result<(Response, usize), TransportError> {
-        let local = self.links.borrow()[link].local.clone();
+        let (conn, local) = {
+            let l = &self.links.borrow()[link];
+            (l.conn.clone(), l.local.clone())
+        };
         if let Some(local) = local {
             match ps_net::local::call(
                 Path::new(&local.path),
@@ -672,7 +674,7 @@ impl Comm {
                 }
             }
         }
-        transport::call_frame(conn, frame, self.dialer.max_frame).await
+        transport::call_frame(&conn, frame, self.dialer.max_frame).await
     }
 
     /// At `at`, send `frame` to `shard`'s server through the (simulated)
@@ -687,9 +689,9 @@ impl Comm {
     ) -> Event {
         sleep_until(at).await;
         let link = self.route[shard];
-        let (server, conn) = self.conn_of(link);
+        let server = self.links.borrow()[link].server.clone();
         self.link.send(frame.len() as u64).await;
-        let call = self.send_frame(link, &conn, &frame);
+        let call = self.send_frame(link, &frame);
         let resp = match tokio::time::timeout(self.dialer.request_timeout, call).await {
             Ok(Ok((resp, read))) => {
                 self.count(Copied {

@@ -382,6 +382,12 @@ impl ShardCore {
                     self.residual[i as usize] = v;
                     self.residual_idx.push(i);
                 }
+                // The global top-k merges each update's pushes into the
+                // residual's entries as a strictly ascending list.
+                if !self.residual_idx.is_sorted_by(|a, b| a < b) {
+                    self.residual_idx.sort_unstable();
+                    self.residual_idx.dedup();
+                }
             } else if !ckpt.residual.indices.is_empty() {
                 tracing::warn!(
                     shard = self.id(),

@@ -429,12 +429,8 @@ impl ShardCore {
         let mut fresh = std::mem::take(&mut self.touched);
         fresh.sort_unstable();
         let mut kept = std::mem::take(&mut self.residual_idx);
-        // This function leaves the residual ascending and a restored one is
-        // too; stay correct should either ever not be.
-        if !kept.is_sorted_by(|a, b| a < b) {
-            kept.sort_unstable();
-            kept.dedup();
-        }
+        // Left strictly ascending by this function and by a restore.
+        debug_assert!(kept.is_sorted_by(|a, b| a < b));
         let candidates = merge_ascending(&kept, &fresh);
         fresh.clear();
         self.touched = fresh;
